@@ -1,0 +1,42 @@
+# Two set-up commands for a fresh machine: `make demo` and `make test`.
+# Each creates .venv when missing and installs ckptfix into it.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch/torchvision builds this project is tested with; override e.g. TORCH_SPEC="torch torchvision".
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+DEMO_DIR ?= demo-out
+
+.PHONY: demo test install clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+demo: $(VENV)/.installed
+	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
+	@echo "== train the MLP with real DistributedDataParallel (2 processes, gloo) and save it"
+	$(PY) fixtures/train.py --out $(DEMO_DIR) --model mlp --modes ddp
+	@echo "== plain torch.load + load_state_dict fails on it:"
+	-$(PY) -c "import sys, torch; sys.path.insert(0, 'fixtures'); from train import mlp; \
+	  mlp().load_state_dict(torch.load('$(DEMO_DIR)/mlp_ddp.pth', weights_only=True))" 2>&1 | tail -n 2
+	@echo "== inspect, convert to the single form, inspect the result"
+	$(VENV)/bin/ckptfix inspect $(DEMO_DIR)/mlp_ddp.pth
+	$(VENV)/bin/ckptfix convert $(DEMO_DIR)/mlp_ddp.pth $(DEMO_DIR)/mlp.safetensors
+	$(VENV)/bin/ckptfix inspect $(DEMO_DIR)/mlp.safetensors
+	@echo "== load it into a fresh model and check it reproduces the trained model's output"
+	$(PY) -c "import sys, json, torch, ckptfix; sys.path.insert(0, 'fixtures'); from train import mlp, fixed_input; \
+	  m = mlp(); print(ckptfix.load_into(m, '$(DEMO_DIR)/mlp.safetensors')); m.eval(); \
+	  want = json.load(open('$(DEMO_DIR)/manifest.json'))['fixtures']['mlp_ddp.pth']['output']; \
+	  got = m(fixed_input('mlp')).tolist(); print('output matches the trained model:', got == want); assert got == want"
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache *.egg-info

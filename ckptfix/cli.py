@@ -1,0 +1,187 @@
+"""The ``ckptfix`` command: parse → one library call → render (text, or one JSON object with --json).
+
+Exit codes: 0 ok, 1 error (one ``Error: …`` line on stderr), 2 usage, 3 a finding.
+``CKPTFIX_DEBUG=1`` shows tracebacks. This module imports no torch at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import CkptfixError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FINDING = 0, 1, 2, 3
+
+
+class Group(click.Group):
+    """Maps CkptfixError (and anything unexpected) to one ``Error:`` line and exit 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            click.echo("Error: interrupted; nothing was written", err=True)
+            ctx.exit(130)
+        except CkptfixError as e:
+            _fail(ctx, str(e), e)
+        except Exception as e:  # noqa: BLE001 - the CLI's edge: no traceback for users
+            _fail(ctx, f"unexpected {type(e).__name__}: {e} (a bug in ckptfix; CKPTFIX_DEBUG=1 shows the traceback)", e)
+
+
+def _fail(ctx: click.Context, message: str, exc: BaseException) -> None:
+    if os.environ.get("CKPTFIX_DEBUG"):
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    click.echo(f"Error: {message}", err=True)
+    ctx.exit(EXIT_ERROR)
+
+
+def json_option(f: Callable) -> Callable:
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")(f)
+
+
+def trust_option(f: Callable) -> Callable:
+    return click.option(
+        "--trust", is_flag=True,
+        help="Load with full unpickling (runs code from the file): only for files you trust.",
+    )(f)
+
+
+def select_option(f: Callable) -> Callable:
+    return click.option(
+        "--select", default="auto", show_default=True, metavar="KEY",
+        help="Where the state dict sits in a training checkpoint (e.g. state_dict_ema).",
+    )(f)
+
+
+def map_location_option(default: str) -> Callable:
+    def deco(f: Callable) -> Callable:
+        return click.option(
+            "--map-location", "map_location", multiple=True, metavar="SPEC",
+            help=f"cpu, cuda, cuda:N, meta, auto, or FROM=TO (repeatable). Default: {default}.",
+        )(f)
+
+    return deco
+
+
+def _map_location(values: tuple[str, ...], default: str) -> Any:
+    from .devices import parse_cli_map_location
+
+    return parse_cli_map_location(values) if values else default
+
+
+def _emit_json(obj: dict[str, Any]) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} ×{v}" for k, v in d.items()) or "-"
+
+
+def _stack(stack: list[str]) -> str:
+    return ".".join(stack) + "." if stack else "none"
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckptfix")
+def cli() -> None:
+    """Load, fix and convert PyTorch checkpoints: wrapper prefixes, devices, formats."""
+
+
+@cli.command()
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path())
+@click.option("--to", "to", type=click.Choice(["single", "ddp", "dp", "compile", "keep"]), default="single",
+              show_default=True, help="Wrapper form of the output keys.")
+@map_location_option("cpu")
+@select_option
+@click.option("--keep-extra", is_flag=True, help="Keep optimizer, epoch, … around the fixed state dict (pth only).")
+@click.option("--strip-prefix", metavar="P", help="Remove this leading prefix (whole segments), e.g. model.")
+@click.option("--add-prefix", metavar="P", help="Add this prefix (whole segments), e.g. backbone.")
+@click.option("--format", "fmt", type=click.Choice(["pth", "safetensors"]), help="Output format (default: by DST's extension).")
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@trust_option
+@json_option
+def convert(src: str, dst: str, to: str, map_location: tuple[str, ...], select: str, keep_extra: bool,
+            strip_prefix: str | None, add_prefix: str | None, fmt: str | None, force: bool, trust: bool,
+            as_json: bool) -> None:
+    """Convert SRC to DST: normalise wrapper prefixes, remap devices, change format."""
+    from .api import convert as do_convert
+
+    report = do_convert(src, dst, to=to, map_location=_map_location(map_location, "cpu"), select=select,
+                        keep_extra=keep_extra, strip_prefix=strip_prefix, add_prefix=add_prefix, format=fmt,
+                        force=force, trust=trust)
+    if as_json:
+        _emit_json(report.to_dict())
+        return
+    where = f" from {report.state_dict_key!r}" if report.state_dict_key else ""
+    click.echo(f"Wrote {report.dst} ({report.format_out}): {report.num_tensors} tensors, {_size(report.nbytes)}{where}")
+    click.echo(f"  wrappers: {_stack(report.wrappers_before)} -> {_stack(report.wrappers_after)} ({report.renamed} keys renamed)")
+    for note in report.notes:
+        click.echo(f"  note: {note}")
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=True))
+@select_option
+@trust_option
+@json_option
+def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
+    """Summarise a checkpoint without reading its tensor data."""
+    from .api import inspect as do_inspect
+
+    info = do_inspect(path, trust=trust, select=select).to_dict()
+    if as_json:
+        _emit_json(info)
+        return
+    where = f"at {info['state_dict_key']!r}" if info["state_dict_key"] else "the whole file"
+    rows = [
+        ("path", info["path"]),
+        ("format", info["format"]),
+        ("state dict", where + (f" (EMA weights also at: {', '.join(info['ema_keys'])})" if info["ema_keys"] else "")),
+        ("wrappers", _stack(info["wrappers"]) + (f"; inner: {', '.join(info['inner_wrappers'])}" if info["inner_wrappers"] else "")),
+        ("tensors", f"{info['num_tensors']} ({info['num_params']:,} elements, {_size(info['nbytes'])})"),
+        ("dtypes", _counts(info["dtypes"])),
+        ("devices", _counts(info["devices"]) + " (as saved)"),
+    ]
+    if info["extra"]:
+        rows.append(("other entries", "; ".join(f"{k}: {v}" for k, v in info["extra"].items())))
+    if info["non_tensor_keys"]:
+        rows.append(("non-tensor keys", ", ".join(info["non_tensor_keys"][:10])))
+    for name, value in rows:
+        click.echo(f"{name + ':':<16}{value}")
+    click.echo(f"keys ({info['num_keys']}):")
+    shown = info["keys"]
+    for i, row in enumerate(shown):
+        if i == len(shown) // 2 and info["num_keys"] > len(shown):
+            click.echo("  …")
+        shape = "x".join(map(str, row["shape"])) if row["shape"] is not None else "-"
+        click.echo(f"  {row['key']}  [{shape}]  {row['dtype']}")
+    for note in info["notes"]:
+        click.echo(f"note: {note}")
+
+
+def main() -> None:
+    """Entry point (``ckptfix`` / ``python -m ckptfix``)."""
+    cli(prog_name="ckptfix")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

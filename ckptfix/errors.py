@@ -1,0 +1,55 @@
+"""The one error hierarchy of ckptfix: every failure a user can cause or meet is a CkptfixError.
+
+Messages name the file, the key or the device, and say what to do next. The CLI prints
+``Error: <message>`` and exits 1; ``CKPTFIX_DEBUG=1`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+
+class CkptfixError(Exception):
+    """Base class: a problem with a checkpoint, a request or the machine, explained for a person."""
+
+
+class FormatError(CkptfixError):
+    """The file is not a checkpoint ckptfix can read, or it is malformed or truncated."""
+
+
+class UnsafeCheckpointError(CkptfixError):
+    """Loading the file would need globals outside the allow-list (code could run); pass trust."""
+
+    def __init__(self, message: str, globals_: list[str] | None = None):
+        super().__init__(message)
+        self.globals = list(globals_ or [])
+
+
+class DeviceError(CkptfixError):
+    """A map_location asks for a device this machine does not have, or is not understood."""
+
+
+class SelectError(CkptfixError):
+    """The state dict inside a training checkpoint can't be found, or the choice is ambiguous."""
+
+
+class KeyCollisionError(CkptfixError):
+    """Two keys would become the same key after renaming; nothing is written."""
+
+
+class WrapperError(CkptfixError):
+    """Keys that can't be normalised (e.g. FSDP1 flat parameters)."""
+
+
+class DestinationError(CkptfixError):
+    """The output path can't be written: exists without force, is the source, or an I/O failure."""
+
+
+class ConversionError(CkptfixError):
+    """The checkpoint can't be written in the requested format as asked."""
+
+
+class ModelSpecError(CkptfixError):
+    """A model spec (torchvision:NAME, pkg.mod:fn, file.py:fn) can't be resolved or built."""
+
+
+class LoadError(CkptfixError):
+    """A checkpoint does not load into the given model; the message is the short report."""

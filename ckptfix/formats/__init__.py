@@ -1,0 +1,153 @@
+"""On-disk formats: sniff by content (never by extension), then read or write.
+
+Each format module knows bytes, not wrappers: it returns the unpickled object with the saved
+device tag of every storage, or writes a state dict it is handed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickletools
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import FormatError
+
+TORCH_ZIP = "torch-zip"
+TORCH_LEGACY = "torch-legacy"
+SAFETENSORS = "safetensors"
+TORCHSCRIPT = "torchscript"
+
+WRITABLE = {"pth": TORCH_ZIP, "safetensors": SAFETENSORS}
+_EXT_FORMAT = {".pth": TORCH_ZIP, ".pt": TORCH_ZIP, ".bin": TORCH_ZIP, ".ckpt": TORCH_ZIP,
+               ".tar": TORCH_ZIP, ".safetensors": SAFETENSORS}
+
+# torch.serialization.MAGIC_NUMBER: the first pickle of every legacy (non-zip) torch file.
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LFS_PREFIX = b"version https://git-lfs.github.com/spec/"
+
+
+@dataclass
+class RawRead:
+    """What a format reader hands back: the unpickled object and each storage's saved device."""
+
+    obj: Any
+    format: str
+    tags: dict[int, str] = field(default_factory=dict)  # storage id -> saved location tag
+    notes: list[str] = field(default_factory=list)
+
+
+def sniff(path: str) -> str:
+    """Name the format of ``path`` from its bytes, or raise a FormatError that says what it is."""
+    if not os.path.exists(path):
+        raise FormatError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise FormatError(
+            f"{path}: is a directory; give the checkpoint file inside it "
+            "(sharded and torch.distributed.checkpoint directories are not supported yet)"
+        )
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise FormatError(f"{path}: can't be read: {e.strerror or e}") from None
+    if size == 0:
+        raise FormatError(f"{path}: is empty (0 bytes): the save or the download did not finish")
+    if head.startswith(b"PK\x03\x04"):
+        return _zip_kind(path)
+    if head.startswith(_LFS_PREFIX):
+        raise FormatError(f"{path}: this is a Git LFS pointer file, not the checkpoint; run `git lfs pull`")
+    if head[8:9] == b"{":
+        n = struct.unpack("<Q", head[:8])[0]
+        if n == 0 or n + 8 > size:
+            raise FormatError(
+                f"{path}: looks like safetensors but its header length ({n} bytes) runs past the "
+                f"end of the file ({size} bytes): truncated or corrupt"
+            )
+        return SAFETENSORS
+    if head[:1] == b"\x80" and _first_pickle_is_magic(head):
+        return TORCH_LEGACY
+    if len(head) > 262 and head[257:262] == b"ustar":
+        return TORCH_LEGACY  # torch < 0.4 tar layout; torch.load's legacy path reads it
+    low = head.lstrip()[:64].lower()
+    if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head")):
+        raise FormatError(
+            f"{path}: is an HTML page, not a checkpoint (a failed or login-walled download?); "
+            "download the file itself"
+        )
+    if head[:1] == b"\x80":
+        raise FormatError(f"{path}: is a plain pickle, not a torch checkpoint (no torch magic number)")
+    raise FormatError(
+        f"{path}: unknown format (starts with {head[:8]!r}): not a torch zip, torch legacy "
+        "or safetensors file"
+    )
+
+
+def _first_pickle_is_magic(head: bytes) -> bool:
+    import io
+
+    try:
+        for op, arg, _pos in pickletools.genops(io.BytesIO(head)):
+            if op.name in ("PROTO", "FRAME"):
+                continue
+            return op.name in ("LONG1", "LONG", "LONG4") and arg == LEGACY_MAGIC
+    except Exception:  # noqa: BLE001 - any parse failure means "not a legacy torch file"
+        return False
+    return False
+
+
+def _zip_kind(path: str) -> str:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise FormatError(f"{path}: is a truncated or corrupt zip archive ({e})") from None
+    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        return TORCHSCRIPT
+    if any(n.endswith("data.pkl") for n in names):
+        return TORCH_ZIP
+    raise FormatError(f"{path}: is a zip archive but not a torch checkpoint (no data.pkl inside)")
+
+
+def format_for_destination(dst: str, format: str | None) -> str:
+    """The output format: ``format`` ('pth'/'safetensors') if given, else by dst's extension."""
+    if format is not None:
+        key = format.lower().lstrip(".")
+        if key in ("pt", "bin", "torch"):
+            key = "pth"
+        if key not in WRITABLE:
+            raise FormatError(f"unknown output format {format!r}; choose pth or safetensors")
+        return WRITABLE[key]
+    ext = os.path.splitext(dst)[1].lower()
+    if ext not in _EXT_FORMAT:
+        raise FormatError(
+            f"{dst}: can't tell the output format from the extension {ext or '(none)'!r}; "
+            "use .pth/.pt/.bin or .safetensors, or pass --format pth|safetensors"
+        )
+    return _EXT_FORMAT[ext]
+
+
+def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
+    """Read ``path`` (already sniffed as ``fmt``) with the device plan."""
+    if fmt == SAFETENSORS:
+        from . import safetensors_file
+
+        return safetensors_file.read(path, plan)
+    from . import torchfile
+
+    return torchfile.read(path, fmt, plan, trust)
+
+
+def write(obj: Any, path: str, fmt: str) -> list[str]:
+    """Write ``obj`` to ``path`` in ``fmt``; returns notes for the report."""
+    if fmt == SAFETENSORS:
+        from . import safetensors_file
+
+        return safetensors_file.write(obj, path)
+    from . import torchfile
+
+    return torchfile.write(obj, path)

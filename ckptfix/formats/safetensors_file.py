@@ -1,0 +1,205 @@
+"""safetensors: header validated by ckptfix, tensors mapped from the file without copying.
+
+Written files carry ``{"format": "pt"}`` and, under the ``ckptfix`` metadata key, what
+safetensors itself can't hold: aliases (tied weights written once), the key order, and the
+state dict's ``_metadata``. ckptfix's reader restores all three; other readers ignore them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections import OrderedDict
+from typing import Any
+
+from ..errors import ConversionError, FormatError
+from . import SAFETENSORS, RawRead
+
+META_KEY = "ckptfix"
+
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+}
+
+
+def _dup_check(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in seen:
+            raise FormatError(f"duplicate key {k!r} in the safetensors header")
+        seen[k] = v
+    return seen
+
+
+def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
+    """Validate and return ``(data_start, entries, metadata)``; every problem is a FormatError."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            raise FormatError(f"{path}: truncated safetensors file ({size} bytes)")
+        n = struct.unpack("<Q", raw_len)[0]
+        if n + 8 > size:
+            raise FormatError(f"{path}: safetensors header length ({n}) runs past the end of the file ({size} bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_dup_check)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise FormatError(f"{path}: safetensors __metadata__ must map strings to strings")
+    data_len = size - 8 - n
+    spans = []
+    for key, e in header.items():
+        if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
+            raise FormatError(f"{path}: tensor {key!r}: header entry needs dtype, shape and data_offsets")
+        if e["dtype"] not in _DTYPES:
+            raise FormatError(f"{path}: tensor {key!r}: unknown dtype {e['dtype']!r}")
+        shape, offs = e["shape"], e["data_offsets"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise FormatError(f"{path}: tensor {key!r}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+                and 0 <= offs[0] <= offs[1] <= data_len):
+            raise FormatError(f"{path}: tensor {key!r}: data_offsets {offs!r} fall outside the data ({data_len} bytes)")
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = _itemsize(_DTYPES[e["dtype"]])
+        if numel * itemsize != offs[1] - offs[0]:
+            raise FormatError(
+                f"{path}: tensor {key!r}: shape {shape} × {e['dtype']} is {numel * itemsize} bytes "
+                f"but its byte range holds {offs[1] - offs[0]}"
+            )
+        if offs[1] > offs[0]:
+            spans.append((offs[0], offs[1], key))
+    spans.sort()
+    for (b0, e0, k0), (b1, _e1, k1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise FormatError(f"{path}: tensors {k0!r} and {k1!r} overlap in the file")
+    return 8 + n, header, meta
+
+
+def _itemsize(dtype_name: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+
+
+def read(path: str, plan: Any) -> RawRead:
+    import torch
+
+    start, header, meta = read_header(path)
+    extra = _ckptfix_meta(path, meta)
+    dev = plan.target("cpu") if plan.user_fn is None else "cpu"
+    size = os.path.getsize(path)
+    whole = None
+    if dev != "meta" and size > start:
+        whole = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
+    tensors: dict[str, Any] = {}
+    for key, e in header.items():
+        dtype = getattr(torch, _DTYPES[e["dtype"]])
+        b, end = e["data_offsets"]
+        if dev == "meta":
+            t = torch.empty(e["shape"], dtype=dtype, device="meta")
+        else:
+            t = torch.empty(0, dtype=dtype)
+            if end > b:
+                t.set_(whole[start + b : start + end], 0, e["shape"])
+            else:
+                t = torch.empty(e["shape"], dtype=dtype)
+            if dev != "cpu":
+                t = t.to(dev)
+        tensors[key] = t
+    order = [k for k in extra.get("order", []) if k in tensors or k in extra.get("aliases", {})]
+    order += [k for k in header if k not in order]
+    sd: OrderedDict = OrderedDict()
+    for k in order:
+        canonical = extra.get("aliases", {}).get(k, k)
+        if canonical not in tensors:
+            raise FormatError(f"{path}: alias {k!r} points to missing tensor {canonical!r}")
+        sd[k] = tensors[canonical]
+    if isinstance(extra.get("module_metadata"), dict):
+        sd._metadata = OrderedDict(extra["module_metadata"])  # type: ignore[attr-defined]
+    tags = {}
+    if dev != "meta":
+        from ..devices import storage_id
+
+        tags = {storage_id(t): "cpu" for t in sd.values()}
+    return RawRead(obj=sd, format=SAFETENSORS, tags=tags)
+
+
+def _ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
+    raw = meta.get(META_KEY)
+    if raw is None:
+        return {}
+    try:
+        extra = json.loads(raw)
+    except json.JSONDecodeError:
+        raise FormatError(f"{path}: the {META_KEY!r} metadata entry is not valid JSON") from None
+    return extra if isinstance(extra, dict) else {}
+
+
+def write(state_dict: Any, path: str) -> list[str]:
+    """Write a flat state dict; tied tensors once with aliases, views made contiguous."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..devices import storage_id
+
+    notes: list[str] = []
+    canonical: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    by_storage: dict[int, list[str]] = {}
+    out: dict[str, Any] = {}
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise ConversionError(
+                f"{key!r} is a {type(t).__name__}, not a tensor: safetensors holds tensors only; "
+                "write .pth instead (--format pth)"
+            )
+        if t.device.type == "meta":
+            raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
+        if t.is_sparse or t.layout != torch.strided or t.is_quantized:
+            raise ConversionError(f"{key!r}: {t.layout} tensors can't be stored in safetensors; write .pth instead")
+        sid = storage_id(t)
+        view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if view in canonical and t.numel() > 0:
+            aliases[key] = canonical[view]
+            continue
+        canonical[view] = key
+        by_storage.setdefault(sid, []).append(key)
+        out[key] = t
+    for keys in by_storage.values():
+        if len(keys) > 1 and any(out[k].numel() for k in keys):
+            notes.append(f"{', '.join(keys)} shared one storage as different views; written as separate copies")
+            for k in keys:
+                out[k] = out[k].clone()
+    for key, t in list(out.items()):
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            notes.append(f"{key!r} was not contiguous; written contiguous")
+            t = t.contiguous()
+        out[key] = t
+    extra: dict[str, Any] = {"version": 1, "order": list(state_dict.keys())}
+    if aliases:
+        extra["aliases"] = aliases
+        notes.append(f"{len(aliases)} tied tensor(s) written once: " + ", ".join(f"{a} -> {c}" for a, c in aliases.items()))
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        try:
+            extra["module_metadata"] = json.loads(json.dumps(meta))
+            notes.append("_metadata kept in the ckptfix metadata entry (restored by ckptfix; other loaders ignore it)")
+        except (TypeError, ValueError):
+            notes.append("_metadata dropped: it holds values JSON can't represent")
+    save_file(out, path, metadata={"format": "pt", META_KEY: json.dumps(extra, separators=(",", ":"))})
+    return notes

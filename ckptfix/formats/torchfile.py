@@ -1,0 +1,109 @@
+"""torch.save files: the zip format (torch >= 1.6) and the legacy pickle stream, plus TorchScript.
+
+Reading goes through torch's ``weights_only`` unpickler with ckptfix's allow-list (unless the
+caller trusts the file), ``mmap=True`` for zip files, and a map_location callable that records the
+saved device tag of every storage. torch's own exceptions become FormatError/UnsafeCheckpointError.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import zipfile
+from typing import Any
+
+from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
+from . import TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, RawRead
+
+_UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global|GLOBAL|global): ?([\w.]+)")
+
+
+def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
+    import torch
+
+    from .. import safety
+
+    if fmt == TORCHSCRIPT:
+        return _read_torchscript(path, plan, trust)
+    if not trust:
+        safety.ensure_safe(path, fmt)
+    tags: dict[int, str] = {}
+    kwargs: dict[str, Any] = {"map_location": plan.torch_map_location(tags), "weights_only": not trust}
+    # torch.load routes any path ending in .safetensors to safetensors: hand it a file object then.
+    by_name = not path.endswith(".safetensors")
+    if fmt == TORCH_ZIP and by_name:
+        kwargs["mmap"] = True
+    try:
+        with open(path, "rb") as f:
+            source: Any = path if by_name else f
+            if trust:
+                obj = torch.load(source, **kwargs)
+            else:
+                with torch.serialization.safe_globals(safety.allowed_globals()):
+                    if fmt == TORCH_LEGACY and plan.is_meta:
+                        # Structure only: skip reading the legacy file's tensor bytes altogether.
+                        with torch.serialization.skip_data():
+                            obj = torch.load(source, **kwargs)
+                    else:
+                        obj = torch.load(source, **kwargs)
+    except CkptfixError:
+        raise
+    except pickle.UnpicklingError as e:
+        raise _unpickling_error(path, e) from None
+    except (RuntimeError, EOFError, ValueError, KeyError, IndexError, AttributeError, TypeError,
+            OSError, zipfile.BadZipFile, struct_error()) as e:
+        raise FormatError(f"{path}: can't be read as a {fmt} checkpoint: {_first_line(e)}") from None
+    return RawRead(obj=obj, format=fmt, tags=tags)
+
+
+def struct_error() -> type[Exception]:
+    import struct
+
+    return struct.error
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _unpickling_error(path: str, e: Exception) -> CkptfixError:
+    text = str(e)
+    if "Weights only load failed" in text or "Unsupported" in text:
+        names = sorted(set(_UNSUPPORTED_GLOBAL.findall(text)))
+        listed = ", ".join(names) if names else _first_line(e)
+        return UnsafeCheckpointError(
+            f"{path}: refused: loading it would need globals outside the safe allow-list ({listed}). "
+            "If you trust this file and its author, pass --trust (library: trust=True); "
+            "`ckptfix scan` lists everything it references.",
+            names,
+        )
+    return FormatError(f"{path}: is corrupt or truncated (the pickle can't be read: {_first_line(e)})")
+
+
+def _read_torchscript(path: str, plan: Any, trust: bool) -> RawRead:
+    import torch
+
+    if not trust:
+        raise UnsafeCheckpointError(
+            f"{path}: is a TorchScript archive; loading it runs the code inside it. "
+            "If you trust this file and its author, pass --trust (library: trust=True) to extract "
+            "its state dict; `ckptfix inspect` lists its tensors without running anything."
+        )
+    dev = "cpu" if plan.user_fn is not None or plan.mapping is not None else plan.target("cpu")
+    try:
+        module = torch.jit.load(path, map_location="cpu" if dev == "meta" else dev)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise FormatError(f"{path}: can't be read as a TorchScript archive: {_first_line(e)}") from None
+    sd = module.state_dict()
+    if dev == "meta":
+        sd = type(sd)((k, v.to("meta")) for k, v in sd.items())
+    return RawRead(obj=sd, format=TORCHSCRIPT, notes=["state dict extracted from a TorchScript module"])
+
+
+def write(obj: Any, path: str) -> list[str]:
+    """``torch.save`` in the zip format, which plain ``torch.load(weights_only=True)`` reads."""
+    import torch
+
+    torch.save(obj, path)
+    return []

@@ -1,0 +1,131 @@
+"""Where the state dict sits inside a checkpoint, and putting a fixed one back in its place.
+
+A bare state dict is a checkpoint by itself. A training checkpoint is a dict holding it under a
+key such as ``state_dict`` (Lightning, timm, mmengine), ``model_state_dict`` (the PyTorch
+tutorial), ``model``, ``net``, ``network`` or ``module`` (DeepSpeed), often beside EMA weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import SelectError
+
+KNOWN_KEYS = ("state_dict", "model_state_dict", "model", "net", "network", "module", "params")
+EMA_KEYS = ("state_dict_ema", "model_ema", "ema", "ema_state_dict", "model_ema_state_dict", "ema_model")
+
+
+@dataclass
+class Selection:
+    """The chosen state dict, where it sat (``None``: the file is the state dict) and the rest."""
+
+    state_dict: Any
+    key: str | None
+    extra: dict[str, Any] = field(default_factory=dict)
+    ema_keys: list[str] = field(default_factory=list)
+
+
+def is_tensor(v: Any) -> bool:
+    import torch
+
+    return isinstance(v, torch.Tensor)
+
+
+def is_state_dict(obj: Any) -> bool:
+    """A mapping of str keys holding at least one tensor and no nested mappings."""
+    if not isinstance(obj, Mapping) or not obj:
+        return False
+    has_tensor = False
+    for k, v in obj.items():
+        if not isinstance(k, str) or isinstance(v, Mapping):
+            return False
+        has_tensor = has_tensor or is_tensor(v)
+    return has_tensor
+
+
+def _module_state_dict(obj: Any) -> Any | None:
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return obj.state_dict()
+    return None
+
+
+def _is_ema(key: str) -> bool:
+    k = key.lower()
+    return k in EMA_KEYS or k.startswith("ema_") or k.endswith("_ema") or "_ema_" in k
+
+
+def _resolve(obj: Mapping, key: str) -> Any:
+    if key in obj:
+        return obj[key]
+    cur: Any = obj
+    for part in key.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            raise KeyError(key)
+        cur = cur[part]
+    return cur
+
+
+def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") -> Selection:
+    """Pick the state dict: ``select='auto'`` takes the single non-EMA one, ``select=KEY`` that key."""
+    module_sd = _module_state_dict(obj)
+    if module_sd is not None:
+        return Selection(module_sd, "<nn.Module>")
+    if is_state_dict(obj):
+        if select not in ("auto", None):
+            raise SelectError(f"{source}: is a bare state dict; there is no {select!r} entry to select (drop --select)")
+        return Selection(obj, None)
+    if not isinstance(obj, Mapping):
+        raise SelectError(f"{source}: holds a {type(obj).__name__}, not a state dict or a dict holding one")
+    candidates = [k for k, v in obj.items() if isinstance(k, str) and (is_state_dict(v) or _module_state_dict(v) is not None)]
+    ema = [k for k in candidates if _is_ema(k)]
+    plain = [k for k in candidates if k not in ema]
+    if select not in ("auto", None):
+        try:
+            chosen = _resolve(obj, select)
+        except KeyError:
+            raise SelectError(
+                f"{source}: has no entry {select!r}; state dicts found: {', '.join(candidates) or 'none'}"
+            ) from None
+        sd = _module_state_dict(chosen)
+        if sd is None and not is_state_dict(chosen):
+            raise SelectError(f"{source}: entry {select!r} is a {type(chosen).__name__}, not a state dict")
+        top = select.split(".")[0] if select not in obj else select
+        return Selection(sd if sd is not None else chosen, select, _extra(obj, top), [k for k in ema if k != select])
+    if len(plain) == 1:
+        key = plain[0]
+    elif len(plain) > 1:
+        raise SelectError(
+            f"{source}: holds several state dicts ({', '.join(plain)}); choose one with --select KEY "
+            "(library: select='KEY')"
+        )
+    elif ema:
+        raise SelectError(
+            f"{source}: holds only EMA weights ({', '.join(ema)}); take them explicitly with --select {ema[0]}"
+        )
+    else:
+        keys = ", ".join(repr(k) for k in list(obj)[:12])
+        raise SelectError(f"{source}: no state dict found; its top-level entries are {keys}")
+    value = obj[key]
+    sd = _module_state_dict(value)
+    return Selection(sd if sd is not None else value, key, _extra(obj, key), ema)
+
+
+def _extra(obj: Mapping, key: str) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k != key}
+
+
+def put_back(original: Mapping, key: str | None, state_dict: Any) -> Any:
+    """The checkpoint with ``state_dict`` in place of the one at ``key``, same layout and order."""
+    if key is None or key == "<nn.Module>":
+        return state_dict
+    if key not in original:  # dotted path
+        head, rest = key.split(".", 1)
+        return {k: (put_back(v, rest, state_dict) if k == head else v) for k, v in original.items()}
+    out = type(original)() if isinstance(original, dict) else {}
+    for k, v in original.items():
+        out[k] = state_dict if k == key else v
+    return out

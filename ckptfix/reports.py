@@ -1,0 +1,178 @@
+"""Result objects: what was read (Checkpoint), converted (ConvertReport) and loaded (LoadReport).
+
+Each has ``to_dict()`` giving the JSON the CLI prints with ``--json`` (fields listed in README).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class TensorStats:
+    """Counts over a state dict's tensors; shared views are counted once."""
+
+    num_tensors: int = 0
+    num_params: int = 0
+    nbytes: int = 0
+    dtypes: dict[str, int] = field(default_factory=dict)
+    devices: dict[str, int] = field(default_factory=dict)
+    non_tensors: list[str] = field(default_factory=list)
+
+
+def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default_tag: str | None = None) -> TensorStats:
+    """Count tensors, elements, bytes, dtypes and saved devices (from ``tags``: storage id → tag)."""
+    import torch
+
+    from .devices import storage_id
+
+    stats = TensorStats()
+    dtypes: Counter = Counter()
+    devices: Counter = Counter()
+    seen: set[tuple] = set()
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            stats.non_tensors.append(key)
+            continue
+        stats.num_tensors += 1
+        dtypes[str(t.dtype).replace("torch.", "")] += 1
+        sid = storage_id(t)
+        devices[tags.get(sid, default_tag or str(t.device))] += 1
+        view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if view not in seen:
+            seen.add(view)
+            stats.num_params += t.numel()
+            stats.nbytes += t.numel() * t.element_size()
+    stats.dtypes = dict(dtypes)
+    stats.devices = dict(devices)
+    return stats
+
+
+def describe_value(v: Any) -> str:
+    """A short description of a non-state-dict entry: ``dict (2 entries)``, ``int 3``."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return f"tensor {list(v.shape)} {str(v.dtype).replace('torch.', '')}"
+    if isinstance(v, Mapping):
+        return f"{type(v).__name__} ({len(v)} entries)"
+    if isinstance(v, (list, tuple)):
+        return f"{type(v).__name__} ({len(v)} items)"
+    if isinstance(v, (int, float, bool)) or v is None:
+        return f"{type(v).__name__} {v!r}"
+    if isinstance(v, str):
+        return f"str {v[:40]!r}"
+    return type(v).__name__
+
+
+def _shape_row(key: str, t: Any) -> dict[str, Any]:
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        return {"key": key, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+    return {"key": key, "shape": None, "dtype": type(t).__name__}
+
+
+@dataclass
+class Checkpoint:
+    """A whole checkpoint file: the model's state dict plus everything around it."""
+
+    path: str
+    format: str
+    state_dict: Any
+    state_dict_key: str | None
+    extra: dict[str, Any]
+    wrappers: list[str]
+    inner_wrappers: list[str]
+    ema_keys: list[str]
+    stats: TensorStats
+    notes: list[str] = field(default_factory=list)
+    raw: Any = field(default=None, repr=False)  # the whole unpickled object, for keep_extra
+
+    @property
+    def devices(self) -> dict[str, int]:
+        return self.stats.devices
+
+    @property
+    def dtypes(self) -> dict[str, int]:
+        return self.stats.dtypes
+
+    @property
+    def num_params(self) -> int:
+        return self.stats.num_params
+
+    @property
+    def num_tensors(self) -> int:
+        return self.stats.num_tensors
+
+    @property
+    def nbytes(self) -> int:
+        return self.stats.nbytes
+
+    def to_dict(self, head: int = 5) -> dict[str, Any]:
+        keys = list(self.state_dict.keys())
+        shown = keys if len(keys) <= 2 * head else keys[:head] + keys[-head:]
+        return {
+            "path": self.path,
+            "format": self.format,
+            "state_dict_key": self.state_dict_key,
+            "ema_keys": self.ema_keys,
+            "wrappers": self.wrappers,
+            "inner_wrappers": self.inner_wrappers,
+            "num_tensors": self.stats.num_tensors,
+            "num_params": self.stats.num_params,
+            "nbytes": self.stats.nbytes,
+            "dtypes": self.stats.dtypes,
+            "devices": self.stats.devices,
+            "non_tensor_keys": self.stats.non_tensors,
+            "extra": {k: describe_value(v) for k, v in self.extra.items()},
+            "has_metadata": getattr(self.state_dict, "_metadata", None) is not None,
+            "keys": [_shape_row(k, self.state_dict[k]) for k in shown],
+            "num_keys": len(keys),
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class ConvertReport:
+    """What ``convert`` did."""
+
+    src: str
+    dst: str
+    format_in: str
+    format_out: str
+    to: str
+    state_dict_key: str | None
+    ema_keys: list[str]
+    wrappers_before: list[str]
+    wrappers_after: list[str]
+    renamed: int
+    num_tensors: int
+    nbytes: int
+    kept_extra: list[str]
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LoadReport:
+    """What ``load_into`` did: the key adaptation applied and what did not match."""
+
+    path: str
+    state_dict_key: str | None
+    checkpoint_wrappers: list[str]
+    model_wrappers: list[str]
+    fix: str | None
+    matched: int
+    missing: list[str]
+    unexpected: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

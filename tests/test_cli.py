@@ -1,0 +1,113 @@
+"""The CLI shell: exit codes, one Error: line, --json objects, --help without torch, real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptfix.cli import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_convert_text_and_json(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "single.safetensors"
+    res = cli_runner.invoke(cli, ["convert", str(fixtures_dir / "mlp_ddp.pth"), str(dst)])
+    assert res.exit_code == 0, res.output
+    assert "module. -> none (6 keys renamed)" in res.output
+    dst = tmp_path / "compiled.weights"
+    res = cli_runner.invoke(cli, ["convert", str(fixtures_dir / "mlp_ddp.pth"), str(dst), "--to", "compile",
+                                  "--format", "pth", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert report["wrappers_before"] == ["module"] and report["wrappers_after"] == ["_orig_mod"]
+    assert report["format_out"] == "torch-zip" and report["num_tensors"] == 6
+    assert list(torch.load(dst, weights_only=True))[0] == "_orig_mod.0.weight"
+
+
+def test_inspect_json_fields(cli_runner, fixtures_dir: Path, manifest: dict) -> None:
+    res = cli_runner.invoke(cli, ["inspect", str(fixtures_dir / "mlp_model_parallel.pth"), "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    for field in ("path", "format", "state_dict_key", "ema_keys", "wrappers", "inner_wrappers", "num_tensors",
+                  "num_params", "nbytes", "dtypes", "devices", "non_tensor_keys", "extra", "has_metadata", "keys",
+                  "num_keys", "notes"):
+        assert field in info
+    assert info["devices"] == manifest["mlp_model_parallel.pth"]["devices"]
+
+
+def test_inspect_text(cli_runner, fixtures_dir: Path) -> None:
+    res = cli_runner.invoke(cli, ["inspect", str(fixtures_dir / "mlp_train_ckpt.pth")])
+    assert res.exit_code == 0
+    assert "at 'model_state_dict'" in res.output and "optimizer_state_dict: dict" in res.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["inspect", "missing.pth"], "missing.pth: no such file"),
+        (["convert", "{fx}/mlp_cuda1.pth", "{tmp}/o.pth", "--map-location", "cuda:0"], "device cuda:0 is not available"),
+        (["convert", "{fx}/mlp_ddp.pth", "{fx}/mlp_ddp.pth", "--force"], "is the source file itself"),
+        (["convert", "{fx}/mlp_ddp.pth", "{fx}/mlp_dp.pth"], "already exists; pass --force"),
+        (["convert", "{fx}/mlp_train_ckpt.pth", "{tmp}/o.pth", "--select", "nope"], "no entry 'nope'"),
+        (["convert", "{fx}/mlp_ddp.pth", "{tmp}/o.pth", "--map-location", "gpu"], "not a device"),
+    ],
+)
+def test_errors_are_one_line_exit_1(args: list[str], message: str, cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
+    if "cuda:0" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    argv = [a.format(fx=fixtures_dir, tmp=tmp_path) for a in args]
+    res = cli_runner.invoke(cli, argv)
+    assert res.exit_code == 1
+    assert res.stderr.startswith("Error: ") and message in res.stderr and res.stderr.count("\n") == 1
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "o.pth").exists()
+
+
+def test_usage_error_exit_2(cli_runner) -> None:
+    assert cli_runner.invoke(cli, ["convert", "only-one-arg"]).exit_code == 2
+    assert cli_runner.invoke(cli, ["convert", "a", "b", "--to", "sideways"]).exit_code == 2
+
+
+def test_help_and_version_do_not_import_torch() -> None:
+    code = ("import sys; from ckptfix.cli import main; sys.argv=['ckptfix', '{arg}']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    for arg in ("--help", "--version"):
+        out = subprocess.run([sys.executable, "-c", code.format(arg=arg)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
+
+def test_every_command_has_help_and_is_in_readme(cli_runner) -> None:
+    readme = (ROOT / "README.md").read_text()
+    for name, command in cli.commands.items():
+        assert command.help, name
+        assert cli_runner.invoke(cli, [name, "--help"]).exit_code == 0
+        assert f"ckptfix {name}" in readme, f"README does not show `ckptfix {name}`"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "ckptfix", *args], capture_output=True, text=True, env=env)
+
+
+def test_subprocess_convert_and_inspect(fixtures_dir: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "m.safetensors"
+    out = _run("convert", str(fixtures_dir / "mlp_compile_ddp.pth"), str(dst))
+    assert out.returncode == 0, out.stderr
+    out = _run("inspect", str(dst), "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["wrappers"] == []
+    out = _run("inspect", str(tmp_path / "nope.pth"))
+    assert out.returncode == 1 and out.stderr.startswith("Error: ") and "Traceback" not in out.stderr
+
+
+def test_debug_env_shows_traceback(tmp_path: Path) -> None:
+    env_out = subprocess.run([sys.executable, "-m", "ckptfix", "inspect", str(tmp_path / "nope.pth")],
+                             capture_output=True, text=True, env={**os.environ, "CKPTFIX_DEBUG": "1", "PYTHONPATH": str(ROOT)})
+    assert env_out.returncode == 1 and "Traceback" in env_out.stderr

@@ -1,0 +1,102 @@
+"""map_location: GPU-saved files on a CPU machine, every accepted form, missing devices, auto policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfix
+from ckptfix.devices import DevicePlan, auto_device, parse_cli_map_location
+from ckptfix.errors import DeviceError
+from conftest import fake_location
+
+GPU_FIXTURES = ["mlp_cuda0.pth", "mlp_cuda1.pth", "mlp_model_parallel.pth"]
+
+
+@pytest.mark.parametrize("name", GPU_FIXTURES)
+def test_gpu_saved_loads_on_cpu_by_default(name: str, fixtures_dir: Path, manifest: dict) -> None:
+    path = fixtures_dir / name
+    with pytest.raises(RuntimeError, match="Attempting to deserialize object on a CUDA device"):
+        torch.load(path, weights_only=True)  # the bug ckptfix fixes
+    ckpt = ckptfix.read(path)
+    assert ckpt.devices == manifest[name]["devices"]
+    assert all(t.device.type == "cpu" for t in ckpt.state_dict.values())
+    assert ckptfix.inspect(path).devices == manifest[name]["devices"]
+
+
+@pytest.mark.parametrize("spec", ["cpu", torch.device("cpu"), {"cuda:0": "cpu", "cuda:1": "cpu"}, "auto",
+                                  lambda storage, loc: storage])
+def test_every_map_location_form(spec: object, fixtures_dir: Path) -> None:
+    sd = ckptfix.load(fixtures_dir / "mlp_model_parallel.pth", map_location=spec)
+    ref = ckptfix.load(fixtures_dir / "mlp_model_parallel.pth")
+    assert all(torch.equal(sd[k], ref[k]) and sd[k].device.type == "cpu" for k in ref)
+
+
+def test_meta_reads_structure_only(fixtures_dir: Path) -> None:
+    sd = ckptfix.load(fixtures_dir / "mlp_cuda1.pth", map_location="meta")
+    assert all(t.device.type == "meta" for t in sd.values())
+    assert sd["0.weight"].shape == (16, 13)
+
+
+@pytest.mark.parametrize("spec, device", [("cuda:0", "cuda:0"), ("cuda", "cuda"), ({"cuda:1": "cuda:3"}, "cuda:3")])
+def test_missing_device_is_a_clear_error(spec: object, device: str, fixtures_dir: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(DeviceError, match=f"device {device}.* not available on this machine \\(available: cpu\\)"):
+        ckptfix.load(fixtures_dir / "mlp_cuda1.pth", map_location=spec)
+
+
+def test_unmapped_saved_device_is_named(fixtures_dir: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(DeviceError, match="device cuda:1 is not available.*--map-location cuda:1=cpu"):
+        ckptfix.load(fixtures_dir / "mlp_model_parallel.pth", map_location={"cuda:0": "cpu"})
+
+
+def test_bad_spec() -> None:
+    with pytest.raises(DeviceError, match="not a device"):
+        DevicePlan("gpu0")
+    with pytest.raises(DeviceError):
+        parse_cli_map_location(["cpu", "cuda:1=cpu"])
+    assert parse_cli_map_location(["cuda:1=cuda:0", "cuda:2=cpu"]) == {"cuda:1": "cuda:0", "cuda:2": "cpu"}
+    assert parse_cli_map_location(["auto"]) == "auto"
+
+
+def test_auto_policy_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank lands on its own GPU, never every rank on cuda:0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert auto_device("cuda:0") == "cuda:2"
+    assert auto_device("cpu") == "cpu"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert auto_device("cuda:1") == "cuda:1"
+    assert auto_device("cuda:7") == "cpu"
+
+
+def test_auto_without_cuda_goes_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert auto_device("cuda:1") == "cpu"
+
+
+def test_mixed_tags_counted_per_tensor(tmp_path: Path) -> None:
+    sd = {"a": torch.ones(2), "b": torch.ones(3), "c": torch.ones(4)}
+    tags = {sd["a"].untyped_storage().data_ptr(): "cuda:0", sd["b"].untyped_storage().data_ptr(): "cuda:1"}
+    with fake_location(lambda s: tags.get(s.data_ptr(), "cpu")):
+        torch.save(sd, tmp_path / "mixed.pth")
+    assert ckptfix.read(tmp_path / "mixed.pth").devices == {"cuda:0": 1, "cuda:1": 1, "cpu": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["cpu", "auto", "cuda:0"])
+def test_real_cuda_tensors(spec: str, tmp_path: Path) -> None:
+    sd = {"w": torch.randn(3, 3, device="cuda:0")}
+    torch.save(sd, tmp_path / "gpu.pth")
+    ckpt = ckptfix.read(tmp_path / "gpu.pth", map_location=spec)
+    assert ckpt.devices == {"cuda:0": 1}
+    expected = "cpu" if spec == "cpu" else "cuda"
+    assert ckpt.state_dict["w"].device.type == expected
+    assert torch.equal(ckpt.state_dict["w"].cpu(), sd["w"].cpu())

@@ -15,6 +15,12 @@ from typing import Any
 from . import errors
 from .errors import CkptfixError
 
+# Bound eagerly (these modules import no torch at import time): the functions share their
+# submodules' names, and importing a submodule first would otherwise leave ``ckptfix.verify``
+# bound to the module instead of the function.
+from .diff import DiffReport, diff
+from .verify import VerifyReport, verify
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -31,9 +37,11 @@ _LAZY = {
     "devices": None,
     "formats": None,
     "safety": None,
+    "scan": "safety",
+    "ScanReport": "safety",
 }
 
-__all__ = ["CkptfixError", "errors", "__version__", *_LAZY]
+__all__ = ["CkptfixError", "errors", "__version__", "verify", "VerifyReport", "diff", "DiffReport", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ from . import formats, layout, wrappers
 from .atomic import atomic_path, check_destination
 from .devices import DevicePlan
 from .errors import ConversionError, LoadError, WrapperError
+from .progress import Progress, peak_rss_bytes
 from .reports import Checkpoint, ConvertReport, LoadReport, tensor_stats
 
 
@@ -50,6 +51,7 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
         stats=tensor_stats(sd, raw.tags, default_tag),
         notes=notes,
         raw=raw.obj,
+        refs=raw.refs,
     )
 
 
@@ -100,11 +102,18 @@ def convert(
     format: str | None = None,
     force: bool = False,
     trust: bool = False,
+    progress: bool = False,
 ) -> ConvertReport:
-    """Read ``src``, normalise its keys and write ``dst`` atomically (format by extension or ``format``)."""
+    """Read ``src``, normalise its keys and write ``dst`` atomically (format by extension or ``format``).
+
+    From a torch zip or safetensors file to CPU (the default), tensor bytes are never loaded:
+    the structure is read on ``meta`` and each tensor's bytes are copied from ``src`` into ``dst``
+    in the kernel, so time and memory stay close to ``cp``'s. ``progress`` draws a progress line
+    on stderr when it is a terminal.
+    """
     start = time.perf_counter()
     src, dst = _fspath(src), _fspath(dst)
-    formats.sniff(src)
+    fmt_in = formats.sniff(src)
     check_destination(src, dst, force)
     fmt_out = formats.format_for_destination(dst, format)
     if keep_extra and fmt_out != formats.TORCH_ZIP:
@@ -112,14 +121,23 @@ def convert(
             f"{dst}: --keep-extra keeps optimizer state and other Python objects, which only a .pth "
             "file can hold; write .pth, or drop --keep-extra to write the weights alone"
         )
-    ckpt = read(src, map_location=map_location, trust=trust, select=select)
-    if ckpt.stats.devices.get("meta") and map_location == "meta":
+    plan = DevicePlan(map_location, source=src)
+    if plan.is_meta:
         raise ConversionError("map_location='meta' reads no tensor data; convert needs real tensors")
+    ckpt = None
+    if not trust and fmt_in in (formats.TORCH_ZIP, formats.SAFETENSORS) and plan.user_fn is None:
+        ckpt = read(src, map_location="meta", select=select)
+        if not ckpt.refs or any(plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
+            ckpt = None  # a device other than the CPU asked for: load the tensors for real
+    streamed = ckpt is not None
+    if ckpt is None:
+        ckpt = read(src, map_location=map_location, trust=trust, select=select)
     sd = _normalise(ckpt, to, strip_prefix, add_prefix)
     keep = keep_extra and ckpt.state_dict_key not in (None, "<nn.Module>")
     out_obj = layout.put_back(ckpt.raw, ckpt.state_dict_key, sd) if keep else sd
-    with atomic_path(dst) as tmp:
-        notes = formats.write(out_obj, tmp, fmt_out)
+    archive = os.path.splitext(os.path.basename(dst))[0]
+    with atomic_path(dst) as tmp, Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=progress):
+        notes = formats.write(out_obj, tmp, fmt_out, refs=ckpt.refs if streamed else None, archive=archive)
     renamed = sum(1 for a, b in zip(ckpt.state_dict.keys(), sd.keys()) if a != b)
     extra_kept = list(ckpt.extra) if keep else []
     dropped = [] if keep else list(ckpt.extra)
@@ -140,7 +158,11 @@ def convert(
         num_tensors=ckpt.stats.num_tensors,
         nbytes=ckpt.stats.nbytes,
         kept_extra=extra_kept,
+        streamed=streamed,
+        bytes_read=ckpt.stats.nbytes,
+        bytes_written=os.path.getsize(dst),
         seconds=round(time.perf_counter() - start, 3),
+        peak_rss=peak_rss_bytes(),
         notes=report_notes,
     )
 
@@ -155,77 +177,57 @@ def load_into(
 ) -> LoadReport:
     """Load a checkpoint into ``model`` whatever the wrapping of either (plain, DP/DDP, compiled).
 
-    The checkpoint's wrapper segments are adapted to the model's own keys; a checkpoint that
-    still doesn't fit raises LoadError with a short report instead of torch's wall of keys.
+    The keys get the repair ``verify`` would choose (wrapper segments matched to the model's,
+    a framework's leading prefix such as Lightning's ``model.`` removed); a checkpoint that still
+    doesn't fit raises LoadError with a short report instead of torch's wall of keys.
     """
+    from . import repair
+
     ckpt = read(path, map_location=map_location, trust=trust, select=select)
-    wrappers.check_no_flat_params(ckpt.state_dict.keys(), ckpt.path)
-    target = model.state_dict()
-    fn = wrappers.match_to_target(ckpt.state_dict.keys(), target.keys())
-    sd = wrappers.rename_state_dict(ckpt.state_dict, fn, source=ckpt.path)
-    meta = getattr(ckpt.state_dict, "_metadata", None)
-    if meta is not None:
-        sd._metadata = _adapt_metadata(meta, model)
-    missing = [k for k in target if k not in sd]
-    unexpected = [k for k in sd if k not in target]
-    mismatched = [
-        (k, tuple(sd[k].shape), tuple(target[k].shape))
-        for k in sd
-        if k in target and hasattr(sd[k], "shape") and tuple(sd[k].shape) != tuple(target[k].shape)
-    ]
-    changed = sum(1 for a, b in zip(ckpt.state_dict.keys(), sd.keys()) if a != b)
-    model_wrappers = wrappers.detect_wrappers(target.keys())
-    fix = None
-    if changed:
-        fix = f"{_describe(ckpt.wrappers)} -> {_describe(model_wrappers)}: {changed} keys renamed"
-    if mismatched or (strict and (missing or unexpected)):
-        raise LoadError(_short_report(ckpt.path, missing, unexpected, mismatched, fix))
-    model.load_state_dict(sd, strict=strict)
+    target = repair.describe_target(model)
+    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
+    if fit.shape_mismatch or fit.non_tensor or (strict and (fit.missing or fit.unexpected)):
+        raise LoadError(_short_report(ckpt.path, fit, chosen))
+    model.load_state_dict(fit.state_dict, strict=strict)
+    notes = list(ckpt.notes)
+    if fit.dtype_mismatch:
+        kinds = sorted({f"{r['checkpoint']} -> {r['model']}" for r in fit.dtype_mismatch})
+        notes.append(f"{len(fit.dtype_mismatch)} tensors cast to the model's dtype ({', '.join(kinds)})")
     return LoadReport(
         path=ckpt.path,
         state_dict_key=ckpt.state_dict_key,
         checkpoint_wrappers=ckpt.wrappers,
-        model_wrappers=model_wrappers,
-        fix=fix,
-        matched=len(sd) - len(unexpected),
-        missing=missing,
-        unexpected=unexpected,
-        notes=ckpt.notes,
+        model_wrappers=target.wrappers,
+        fix=chosen.description,
+        matched=chosen.matched,
+        missing=fit.missing,
+        unexpected=fit.unexpected,
+        notes=notes,
+        tolerated=[t["key"] for t in fit.tolerated],
     )
 
 
-def _describe(stack: list[str]) -> str:
-    return ".".join(stack) + "." if stack else "(no wrapper)"
-
-
-def _adapt_metadata(meta: Any, model: Any) -> Any:
-    by_single = {}
-    for name, _ in model.named_modules():
-        by_single.setdefault(wrappers.strip_wrappers(name), name)
-
-    def fn(key: str) -> str:
-        path = key[:-2] if key.endswith(".x") else ""
-        return by_single.get(wrappers.strip_wrappers(path), wrappers.strip_wrappers(path)) + ".x"
-
-    return wrappers.rename_metadata(meta, fn)
-
-
-def _short_report(path: str, missing: list[str], unexpected: list[str], mismatched: list[tuple], fix: str | None) -> str:
+def _short_report(path: str, fit: Any, chosen: Any) -> str:
+    """One paragraph: what is missing / unexpected / mismatched after the repair, and the likely cause."""
     def few(keys: list[str]) -> str:
         return ", ".join(keys[:5]) + (f" … (+{len(keys) - 5} more)" if len(keys) > 5 else "")
 
     parts = [f"{path}: does not load into the model"]
-    if fix:
-        parts.append(f"after adapting wrappers ({fix})")
-    if missing:
-        parts.append(f"{len(missing)} missing: {few(missing)}")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected: {few(unexpected)}")
-    if mismatched:
+    if chosen.description:
+        parts.append(f"after the repair ({chosen.summary})")
+    if fit.missing:
+        parts.append(f"{len(fit.missing)} missing: {few(fit.missing)}")
+    if fit.unexpected:
+        parts.append(f"{len(fit.unexpected)} unexpected: {few(fit.unexpected)}")
+    if fit.shape_mismatch:
         parts.append(
-            f"{len(mismatched)} shape mismatch: "
-            + ", ".join(f"{k} {list(a)} vs model {list(b)}" for k, a, b in mismatched[:5])
+            f"{len(fit.shape_mismatch)} shape mismatch: "
+            + ", ".join(f"{r['key']} {r['checkpoint']} vs model {r['model']}" for r in fit.shape_mismatch[:5])
         )
-    if missing and unexpected:
-        parts.append("the names differ: a different architecture, or a renamed layer")
+    if fit.non_tensor:
+        parts.append(f"{len(fit.non_tensor)} not tensors: {few(fit.non_tensor)}")
+    if fit.missing and fit.unexpected:
+        parts.append("the names differ: a renamed layer, or a different architecture (`ckptfix verify` suggests renames)")
+    elif fit.missing or fit.shape_mismatch:
+        parts.append("likely a different architecture or configuration (e.g. num_classes)")
     return "; ".join(parts)

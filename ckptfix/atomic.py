@@ -66,9 +66,7 @@ def _output_mode(dst: str) -> int:
     try:
         return os.stat(dst).st_mode & 0o777
     except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
+        return 0o666 & ~_umask()
 
 
 def _fsync_path(path: str) -> None:
@@ -83,3 +81,83 @@ def _fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+
+def check_destination_dir(src: str, dst: str, force: bool) -> None:
+    """For directory outputs (sharded, DCP): refuse a dst that is or holds the source, is a file,
+    or is a non-empty directory without force."""
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if real_src == real_dst or real_src.startswith(real_dst.rstrip(os.sep) + os.sep):
+        raise DestinationError(f"{dst}: is or holds the source {src}; write to a new directory")
+    _check_dir_dst(dst, force)
+
+
+def _check_dir_dst(dst: str, force: bool) -> None:
+    if os.path.lexists(dst) and not os.path.isdir(dst):
+        raise DestinationError(f"{dst}: is a file; sharded and DCP checkpoints are written to a directory")
+    if os.path.isdir(dst) and os.listdir(dst) and not force:
+        raise DestinationError(f"{dst}: is a non-empty directory; pass --force (library: force=True) to replace it")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise DestinationError(f"{dst}: directory {parent} does not exist")
+
+
+@contextlib.contextmanager
+def atomic_dir(dst: str, force: bool) -> Iterator[str]:
+    """Yield a fresh temp directory beside dst; on clean exit fsync its files and rename it onto
+    dst (a non-empty dst is replaced only with ``force``).
+
+    On any exception (KeyboardInterrupt included) the temp directory is removed and dst untouched.
+    """
+    import shutil
+
+    dst = os.path.abspath(dst)
+    parent = os.path.dirname(dst)
+    _check_dir_dst(dst, force)
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.ckptfix-tmp-", dir=parent)
+    except OSError as e:
+        raise DestinationError(f"{dst}: can't create a directory in {parent}: {e.strerror or e}") from None
+    try:
+        # mkdtemp makes 0o700: give what the replaced dst had, or what mkdir would
+        os.chmod(tmp, os.stat(dst).st_mode & 0o777 if os.path.isdir(dst) else 0o777 & ~_umask())
+        yield tmp
+        for entry in os.scandir(tmp):
+            if entry.is_file(follow_symlinks=False):
+                _fsync_path(entry.path)
+        _fsync_dir(tmp)
+        _replace_dir(tmp, dst, force)
+        _fsync_dir(parent)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise DestinationError(f"{dst}: write failed: {e.strerror or e}; nothing was written") from None
+        raise
+
+
+def _replace_dir(tmp: str, dst: str, force: bool) -> None:
+    """rename(tmp, dst); a non-empty dst (force only) is moved aside first and removed after."""
+    import shutil
+
+    try:
+        os.rename(tmp, dst)  # atomic; also replaces an empty directory
+        return
+    except OSError as e:
+        if not (force and os.path.isdir(dst)):
+            raise DestinationError(f"{dst}: can't be replaced ({e.strerror or e}); nothing was written") from None
+    aside = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.ckptfix-old-", dir=os.path.dirname(dst))
+    os.rename(dst, os.path.join(aside, "old"))
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(os.path.join(aside, "old"), dst)
+        os.rmdir(aside)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask

@@ -117,17 +117,18 @@ def cli() -> None:
 @click.option("--add-prefix", metavar="P", help="Add this prefix (whole segments), e.g. backbone.")
 @click.option("--format", "fmt", type=click.Choice(["pth", "safetensors"]), help="Output format (default: by DST's extension).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @trust_option
 @json_option
 def convert(src: str, dst: str, to: str, map_location: tuple[str, ...], select: str, keep_extra: bool,
-            strip_prefix: str | None, add_prefix: str | None, fmt: str | None, force: bool, trust: bool,
-            as_json: bool) -> None:
+            strip_prefix: str | None, add_prefix: str | None, fmt: str | None, force: bool, quiet: bool,
+            trust: bool, as_json: bool) -> None:
     """Convert SRC to DST: normalise wrapper prefixes, remap devices, change format."""
     from .api import convert as do_convert
 
     report = do_convert(src, dst, to=to, map_location=_map_location(map_location, "cpu"), select=select,
                         keep_extra=keep_extra, strip_prefix=strip_prefix, add_prefix=add_prefix, format=fmt,
-                        force=force, trust=trust)
+                        force=force, trust=trust, progress=not quiet)
     if as_json:
         _emit_json(report.to_dict())
         return
@@ -176,6 +177,103 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
         click.echo(f"  {row['key']}  [{shape}]  {row['dtype']}")
     for note in info["notes"]:
         click.echo(f"note: {note}")
+
+
+def tolerance_options(f: Callable) -> Callable:
+    """``--atol``/``--rtol`` for output and tensor comparisons (default 0: exact)."""
+    for name in ("--rtol", "--atol"):
+        f = click.option(name, type=click.FloatRange(min=0), default=0.0, show_default=True,
+                         help=f"{'Absolute' if name == '--atol' else 'Relative'} tolerance (0: bit-exact).")(f)
+    return f
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=True))
+@click.option("--model", "model_spec", required=True, metavar="SPEC",
+              help="torchvision:NAME, package.module:callable or path/to/file.py:callable.")
+@click.option("--arg", "args", multiple=True, metavar="NAME=VALUE",
+              help="Keyword for the model builder (a Python literal, else a string); repeatable.")
+@click.option("--exact", is_flag=True,
+              help="Pass only if plain torch.load + load_state_dict(strict=True) takes the file as saved, dtypes included.")
+@click.option("--reference", metavar="REF", type=click.Path(dir_okay=True),
+              help="Compare forward outputs with this checkpoint's (e.g. the original before a conversion).")
+@click.option("--input-shape", metavar="SHAPE", help="Forward input, e.g. 1,3,224,224 (default: inferred).")
+@tolerance_options
+@click.option("--no-forward", is_flag=True, help="Keys, shapes and dtypes only: reads on meta, no tensor data.")
+@map_location_option("cpu")
+@select_option
+@trust_option
+@json_option
+@click.pass_context
+def verify(ctx: click.Context, path: str, model_spec: str, args: tuple[str, ...], exact: bool, reference: str | None,
+           input_shape: str | None, atol: float, rtol: float, no_forward: bool, map_location: tuple[str, ...],
+           select: str, trust: bool, as_json: bool) -> None:
+    """Check PATH against a model: keys, shapes, dtypes, NaN/Inf, tied weights, forward outputs (exit 3: failed)."""
+    from .models import parse_model_args, parse_shape
+    from .verify import verify as do_verify
+
+    report = do_verify(path, model_spec, model_args=parse_model_args(args), reference=reference, exact=exact,
+                       forward=not no_forward, atol=atol, rtol=rtol,
+                       input_shape=parse_shape(input_shape) if input_shape else None,
+                       map_location=_map_location(map_location, "cpu"), select=select, trust=trust)
+    if as_json:
+        _emit_json(report.to_dict())
+    else:
+        click.echo(report.format_text())
+    if not report.ok:
+        ctx.exit(EXIT_FINDING)
+
+
+@cli.command()
+@click.argument("a", type=click.Path(dir_okay=True))
+@click.argument("b", type=click.Path(dir_okay=True))
+@click.option("--raw", is_flag=True, help="Compare keys as saved (wrapper segments kept).")
+@tolerance_options
+@map_location_option("cpu")
+@select_option
+@trust_option
+@json_option
+@click.pass_context
+def diff(ctx: click.Context, a: str, b: str, raw: bool, atol: float, rtol: float, map_location: tuple[str, ...],
+         select: str, trust: bool, as_json: bool) -> None:
+    """Compare checkpoints A and B: keys, shapes, dtypes, per-tensor max abs diff (exit 3: they differ)."""
+    from .diff import diff as do_diff
+
+    report = do_diff(a, b, raw=raw, atol=atol, rtol=rtol, map_location=_map_location(map_location, "cpu"),
+                     select=select, trust=trust)
+    if as_json:
+        _emit_json(report.to_dict())
+    else:
+        click.echo(report.format_text())
+    if not report.identical:
+        ctx.exit(EXIT_FINDING)
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=True))
+@json_option
+@click.pass_context
+def scan(ctx: click.Context, path: str, as_json: bool) -> None:
+    """Statically check PATH for code it would run when loaded; nothing is executed (exit 3: unsafe)."""
+    from .safety import scan as do_scan
+
+    report = do_scan(path)
+    if as_json:
+        _emit_json(report.to_dict())
+    else:
+        verdict = "clean" if report.ok else f"UNSAFE ({len(report.findings)} findings)"
+        click.echo(f"{report.path} ({report.format}): {verdict}; {len(report.pickles)} pickle(s) walked")
+        if report.globals:
+            click.echo("globals:")
+            width = max(len(g.name) for g in report.globals)
+            for g in sorted(report.globals, key=lambda g: (g.category != "unsafe", g.name, g.where)):
+                click.echo(f"  {g.category:<8} {g.name:<{width}}  {g.where}  ({', '.join(g.ops)})")
+        if report.findings:
+            click.echo("findings:")
+            for f in report.findings:
+                click.echo(f"  - {f.message}")
+    if not report.ok:
+        ctx.exit(EXIT_FINDING)
 
 
 def main() -> None:

@@ -91,6 +91,7 @@ class Checkpoint:
     stats: TensorStats
     notes: list[str] = field(default_factory=list)
     raw: Any = field(default=None, repr=False)  # the whole unpickled object, for keep_extra
+    refs: dict = field(default_factory=dict, repr=False)  # storage id -> StorageRef (structure reads)
 
     @property
     def devices(self) -> dict[str, int]:
@@ -153,7 +154,11 @@ class ConvertReport:
     num_tensors: int
     nbytes: int
     kept_extra: list[str]
+    streamed: bool = False
+    bytes_read: int = 0
+    bytes_written: int = 0
     seconds: float = 0.0
+    peak_rss: int = 0
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,6 +178,7 @@ class LoadReport:
     missing: list[str]
     unexpected: list[str]
     notes: list[str] = field(default_factory=list)
+    tolerated: list[str] = field(default_factory=list)  # missing keys filled in: num_batches_tracked, tied twins
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,22 +1,269 @@
-"""Safe loading: the allow-list of harmless globals, and the static check run before any load.
+"""Safe loading: the static scan run before every untrusted torch load, and ``ckptfix scan``.
 
-(Interim version: the static pickle scanner and zip structure checks land with the safety issue.)
+Nothing in a file is imported or executed here: pickles are walked opcode by opcode
+(:mod:`ckptfix.pickle_scan`), zip archives are checked byte by byte (:mod:`ckptfix.zip_check`),
+and every global is classed against torch's weights_only defaults and ckptfix's allow-list
+(:mod:`ckptfix.allowlist`). A file with an unsafe global or an ambiguous structure is refused
+before torch opens it; torch's weights_only unpickler with the same allow-list is the second line.
+
+>>> report = ckptfix.scan("model.pth")          # doctest: +SKIP
+>>> report.ok, [g.name for g in report.globals if g.category == "unsafe"]
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import pickle_scan, zip_check
+from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals, classify, safe_unpickling
+from .errors import FormatError, UnsafeCheckpointError
+from .formats import LEGACY_MAGIC, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, sniff
 
-def allowed_globals() -> list[Any]:
-    """Globals torch's weights_only unpickler may build beyond its own defaults."""
-    import argparse
-    import collections
+__all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe", "allowed_globals", "safe_unpickling",
+           "SAFE", "ALLOWED", "UNSAFE"]
 
-    return [argparse.Namespace, collections.OrderedDict, collections.defaultdict,
-            collections.Counter, collections.deque]
+PICKLE = "pickle"  # a plain pickle file: not a checkpoint, but scan reads it
+_LEGACY_PICKLES = ("pickle 1 (magic number)", "pickle 2 (protocol version)", "pickle 3 (system info)",
+                   "pickle 4 (the checkpoint)", "pickle 5 (storage keys)")
+_LEGACY_PROTOCOL_VERSION = 1001
+_CODE_KINDS = {"unsafe-global", "unsafe-construct", "torchscript-code", "malformed"}
 
 
-def ensure_safe(path: str, fmt: str) -> None:
-    """Raise UnsafeCheckpointError naming every global outside the allow-list (scanner pending)."""
-    return None
+@dataclass
+class GlobalRef:
+    """A global the file references, how (``GLOBAL``, ``REDUCE``, …) and its class."""
+
+    name: str
+    category: str  # safe (torch's own) | allowed (ckptfix's allow-list) | unsafe
+    where: str
+    ops: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Finding:
+    """One reason the file is not safe to load: an unsafe global or a structural problem."""
+
+    kind: str
+    where: str
+    message: str
+
+
+@dataclass
+class ScanReport:
+    """What ``scan`` found; ``ok`` when nothing is unsafe."""
+
+    path: str
+    format: str
+    globals: list[GlobalRef] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    pickles: list[str] = field(default_factory=list)  # every pickle walked, by where it sits
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    @property
+    def unsafe_globals(self) -> list[str]:
+        return sorted({g.name for g in self.globals if g.category == UNSAFE})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "ok": self.ok,
+            "unsafe_globals": self.unsafe_globals,
+            "globals": [{"name": g.name, "class": g.category, "where": g.where, "ops": g.ops} for g in self.globals],
+            "findings": [asdict(f) for f in self.findings],
+            "pickles": self.pickles,
+        }
+
+
+def scan(path: Any, fmt: str | None = None, check_crc: bool = True) -> ScanReport:
+    """Statically analyse ``path``: every pickle's globals and, for zips, the archive's structure.
+
+    Raises FormatError when the file is unreadable (and nothing unsafe was seen before the
+    damage). ``check_crc=False`` skips the CRC of tensor data (still checked for pickles).
+    """
+    path = os.fspath(path)
+    fmt = fmt or _scan_format(path)
+    c = _Collector(path, fmt)
+    if fmt == SAFETENSORS:
+        from .formats.safetensors_file import read_header
+
+        read_header(path)  # no pickle inside; a malformed header raises FormatError
+        return c.finish()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        size = len(buf)
+        if fmt in (TORCH_ZIP, TORCHSCRIPT):
+            _scan_zip(c, buf, size, fmt == TORCHSCRIPT, check_crc)
+        elif fmt == TORCH_LEGACY and buf[257:262] == b"ustar":
+            _scan_tar(c)
+        elif fmt == TORCH_LEGACY:
+            _scan_legacy(c, buf, size)
+        else:
+            for w in pickle_scan.walk_stack(buf, 0, size, "pickle"):
+                c.add_walk(w)
+    return c.finish()
+
+
+def ensure_safe(path: str, fmt: str, structure_only: bool = False) -> None:
+    """Raise UnsafeCheckpointError naming every unsafe global (sorted) and structural problem.
+
+    Called before every untrusted torch load. ``structure_only`` checks just the zip structure,
+    for readers that execute nothing themselves (the TorchScript inspector).
+    """
+    report = scan(path, fmt, check_crc=False)
+    findings = [f for f in report.findings if not (structure_only and f.kind in _CODE_KINDS)]
+    if not findings:
+        return
+    parts = []
+    if report.unsafe_globals and not structure_only:
+        parts.append("it references globals outside the safe allow-list: " + ", ".join(report.unsafe_globals))
+    parts += [f.message for f in findings if f.kind != "unsafe-global"]
+    raise UnsafeCheckpointError(
+        f"{path}: refused: loading it could run code or read the wrong bytes: {'; '.join(parts)}. "
+        "If you trust this file and its author, pass --trust (library: trust=True); "
+        f"`ckptfix scan {path}` lists everything it references.",
+        report.unsafe_globals,
+    )
+
+
+def _scan_format(path: str) -> str:
+    try:
+        return sniff(path)
+    except FormatError:
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if len(head) == 2 and head[0] == 0x80 and head[1] <= 5:
+            return PICKLE
+        raise
+
+
+class _Collector:
+    def __init__(self, path: str, fmt: str):
+        self.path, self.fmt = path, fmt
+        self.globals: dict[tuple[str, str], GlobalRef] = {}
+        self.findings: list[Finding] = []
+        self.errors: list[tuple[str, str]] = []  # (where, message): damage, not danger
+        self.pickles: list[str] = []
+
+    def find(self, kind: str, where: str, message: str) -> None:
+        self.findings.append(Finding(kind, where, message))
+
+    def add_walk(self, w: pickle_scan.Walk) -> None:
+        self.pickles.append(w.where)
+        for use in w.uses:
+            g = self.globals.get((use.full, w.where))
+            if g is None:
+                g = self.globals[(use.full, w.where)] = GlobalRef(use.full, classify(use.module, use.name), w.where)
+            if use.op not in g.ops:
+                g.ops.append(use.op)
+        for problem in w.problems:
+            self.find("unsafe-construct", w.where, f"{w.where}: {problem}")
+        if w.error:
+            self.errors.append((w.where, f"{w.where} is truncated or corrupt ({w.error})"))
+
+    def finish(self) -> ScanReport:
+        unsafe = [Finding("unsafe-global", g.where, f"unsafe global {g.name} ({', '.join(g.ops)}) in {g.where}")
+                  for g in self.globals.values() if g.category == UNSAFE]
+        findings = unsafe + self.findings
+        if findings:
+            # A pickle that breaks after a payload still runs the payload: report both.
+            findings += [Finding("malformed", where, f"{msg}; an unpickler runs everything before the break")
+                         for where, msg in self.errors]
+        elif self.errors:
+            more = f" (and {len(self.errors) - 1} more problems)" if len(self.errors) > 1 else ""
+            raise FormatError(f"{self.path}: {self.errors[0][1]}{more}")
+        return ScanReport(self.path, self.fmt, list(self.globals.values()), findings, self.pickles)
+
+
+def _scan_zip(c: _Collector, buf: Any, size: int, torchscript: bool, check_crc: bool) -> None:
+    layout = zip_check.check_zip(c.path, buf, size, torchscript=torchscript, check_crc=check_crc)
+    for kind, where, message in layout.findings:
+        c.find(kind, where, message)
+    c.errors += [("archive", e) for e in layout.errors]
+    names = [m.name for m in layout.members]
+    for i, m in enumerate(layout.members):
+        if not m.name.endswith(".pkl") or m.flags & 1 or m.compress_type not in (0, 8):
+            continue  # encrypted / unknown compression: already a finding
+        where = m.name if names.count(m.name) == 1 else f"{m.name} (entry {i + 1})"
+        try:
+            data = zip_check.read_member(m, buf)
+        except ValueError as e:
+            c.errors.append((where, f"member {where} {e}"))
+            continue
+        walks = pickle_scan.walk_stack(data, 0, len(data), where)
+        for w in walks:
+            c.add_walk(w)
+        first_end = walks[0].end if walks else 0
+        if first_end is not None and first_end < len(data):
+            c.find("trailing-data", where, f"{len(data) - first_end} bytes follow the pickle in {where} "
+                   "(torch ignores them; a second pickle can hide there)")
+    code = [n for n in names if n.startswith(f"{layout.root}/code/") and n.endswith(".py")]
+    if torchscript:
+        c.find("torchscript-code", "archive",
+               f"a TorchScript archive: loading it runs the code in {len(code)} file(s) under {layout.root}/code/ "
+               "(`ckptfix inspect` lists its tensors without running it)")
+
+
+def _scan_legacy(c: _Collector, buf: Any, size: int) -> None:
+    """A legacy file is five stacked pickles, every one unpickled by torch, then raw storages."""
+    pos, walks = 0, []
+    for label in _LEGACY_PICKLES:
+        w = pickle_scan.walk(buf, pos, label)
+        c.add_walk(w)
+        walks.append(w)
+        if w.end is None:
+            return
+        pos = w.end
+    if walks[0].value != LEGACY_MAGIC or walks[1].value != _LEGACY_PROTOCOL_VERSION:
+        c.errors.append((walks[1].where, f"is not a torch legacy file (magic {walks[0].value!r}, "
+                                         f"protocol {walks[1].value!r})"))
+        return
+    try:
+        end = _storages_end(walks[3].persistent_ids, walks[4].value, buf, pos, size)
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+        c.errors.append(("storage data", f"its storage data does not match the pickle's storages ({e})"))
+        return
+    if end < size:
+        c.find("data-after", "file", f"{size - end} bytes after the end of the checkpoint's storage data")
+        if buf[end] == 0x80:
+            for w in pickle_scan.walk_stack(buf, end, size, f"data after the checkpoint (byte {end})"):
+                c.add_walk(w)
+
+
+def _storages_end(pids: list[Any], keys: Any, buf: Any, pos: int, size: int) -> int:
+    """Skip the raw storages (int64 element count, then the bytes) in pickle 5's key order."""
+    import torch
+
+    elem: dict[str, int] = {}
+    for pid in pids:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage"):
+            dtype = torch.serialization.StorageType(pid[1].name).dtype
+            elem[str(pid[2])] = torch._utils._element_size(dtype)
+    for key in keys:
+        (numel,) = struct.unpack("<q", buf[pos : pos + 8])
+        pos += 8 + numel * elem[str(key)]
+        if numel < 0 or pos > size:
+            raise ValueError(f"storage {key} runs past the end of the file (truncated)")
+    return pos
+
+
+def _scan_tar(c: _Collector) -> None:
+    """torch < 0.4 tar files: torch loads them only with full unpickling; list what they reference."""
+    import tarfile
+
+    try:
+        with tarfile.open(c.path, mode="r:") as tar:
+            for name in ("sys_info", "pickle"):
+                f = tar.extractfile(name)
+                data = f.read() if f is not None else b""
+                for w in pickle_scan.walk_stack(data, 0, len(data), f"tar member {name}"):
+                    c.add_walk(w)
+    except (tarfile.TarError, KeyError, OSError) as e:
+        c.errors.append(("archive", f"is a corrupt legacy tar checkpoint ({e})"))
+    c.find("tar-format", "archive", "a torch < 0.4 tar checkpoint: torch loads these only with full unpickling")

@@ -45,7 +45,7 @@ def test_output_permissions_follow_umask(tmp_path: Path, fixtures_dir: Path) -> 
 def test_failure_mid_write_leaves_nothing(tmp_path: Path, fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ckptfix.formats as formats
 
-    def boom(obj, path, fmt):
+    def boom(obj, path, fmt, **kwargs):
         Path(path).write_bytes(b"partial")
         raise OSError(28, "No space left on device")
 

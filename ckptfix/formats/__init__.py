@@ -29,13 +29,29 @@ _LFS_PREFIX = b"version https://git-lfs.github.com/spec/"
 
 
 @dataclass
+class StorageRef:
+    """Where one storage's bytes sit in a file, so a writer can copy them without loading them."""
+
+    path: str
+    offset: int
+    nbytes: int
+    location: str  # saved device tag
+    crc: int | None = None  # CRC-32 of the bytes, when the source records it
+    key: str | None = None  # record key in a torch zip source
+
+
+@dataclass
 class RawRead:
-    """What a format reader hands back: the unpickled object and each storage's saved device."""
+    """What a format reader hands back: the unpickled object and each storage's saved device.
+
+    Structure reads (tensors on meta) also fill ``refs``: storage id → StorageRef.
+    """
 
     obj: Any
     format: str
     tags: dict[int, str] = field(default_factory=dict)  # storage id -> saved location tag
     notes: list[str] = field(default_factory=list)
+    refs: dict[int, StorageRef] = field(default_factory=dict)
 
 
 def sniff(path: str) -> str:
@@ -132,22 +148,45 @@ def format_for_destination(dst: str, format: str | None) -> str:
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
-    """Read ``path`` (already sniffed as ``fmt``) with the device plan."""
+    """Read ``path`` (already sniffed as ``fmt``) with the device plan.
+
+    With ``plan.is_meta`` nothing but structure is read, and ``refs`` says where each storage's
+    bytes are, so a writer can copy them straight from the file.
+    """
     if fmt == SAFETENSORS:
         from . import safetensors_file
 
         return safetensors_file.read(path, plan)
     from . import torchfile
 
+    if fmt == TORCH_ZIP and plan.is_meta and not trust:
+        from . import torchzip
+
+        from ..safety import ensure_safe
+
+        ensure_safe(path, fmt)
+        try:
+            return torchzip.read_structure(path)
+        except torchzip.Unsupported:
+            pass
     return torchfile.read(path, fmt, plan, trust)
 
 
-def write(obj: Any, path: str, fmt: str) -> list[str]:
-    """Write ``obj`` to ``path`` in ``fmt``; returns notes for the report."""
+def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive") -> list[str]:
+    """Write ``obj`` to ``path`` in ``fmt``; returns notes for the report.
+
+    With ``refs`` (from a structure read) tensor bytes are copied from the source file in the
+    kernel instead of being loaded; without, tensors are written from memory.
+    """
     if fmt == SAFETENSORS:
         from . import safetensors_file
 
-        return safetensors_file.write(obj, path)
+        return safetensors_file.write(obj, path, refs)
+    if refs:
+        from . import torchzip
+
+        torchzip.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
+        return []
     from . import torchfile
 
     return torchfile.write(obj, path)

@@ -104,12 +104,17 @@ def read(path: str, plan: Any) -> RawRead:
     whole = None
     if dev != "meta" and size > start:
         whole = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
+    from ..devices import storage_id
+    from . import StorageRef
+
     tensors: dict[str, Any] = {}
+    refs: dict[int, StorageRef] = {}
     for key, e in header.items():
         dtype = getattr(torch, _DTYPES[e["dtype"]])
         b, end = e["data_offsets"]
         if dev == "meta":
             t = torch.empty(e["shape"], dtype=dtype, device="meta")
+            refs[storage_id(t)] = StorageRef(path, start + b, end - b, "cpu")
         else:
             t = torch.empty(0, dtype=dtype)
             if end > b:
@@ -129,12 +134,8 @@ def read(path: str, plan: Any) -> RawRead:
         sd[k] = tensors[canonical]
     if isinstance(extra.get("module_metadata"), dict):
         sd._metadata = OrderedDict(extra["module_metadata"])  # type: ignore[attr-defined]
-    tags = {}
-    if dev != "meta":
-        from ..devices import storage_id
-
-        tags = {storage_id(t): "cpu" for t in sd.values()}
-    return RawRead(obj=sd, format=SAFETENSORS, tags=tags)
+    tags = {storage_id(t): "cpu" for t in sd.values()}
+    return RawRead(obj=sd, format=SAFETENSORS, tags=tags, refs=refs)
 
 
 def _ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
@@ -148,48 +149,57 @@ def _ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
     return extra if isinstance(extra, dict) else {}
 
 
-def write(state_dict: Any, path: str) -> list[str]:
-    """Write a flat state dict; tied tensors once with aliases, views made contiguous."""
+_ST_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def write(state_dict: Any, path: str, refs: dict | None = None) -> list[str]:
+    """Write a flat state dict; returns notes for the report.
+
+    Tied tensors (same storage, same view) are written once and recorded as aliases; other views
+    are written as their own contiguous bytes. Tensors whose storage is in ``refs`` (a structure
+    read) are copied from the source file's byte range; others are written from memory.
+    """
     import torch
-    from safetensors.torch import save_file
 
     from ..devices import storage_id
 
+    refs = refs or {}
     notes: list[str] = []
     canonical: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
-    by_storage: dict[int, list[str]] = {}
-    out: dict[str, Any] = {}
+    tensors: list[tuple[str, Any]] = []
     for key, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise ConversionError(
                 f"{key!r} is a {type(t).__name__}, not a tensor: safetensors holds tensors only; "
                 "write .pth instead (--format pth)"
             )
-        if t.device.type == "meta":
-            raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
-        if t.is_sparse or t.layout != torch.strided or t.is_quantized:
+        if t.layout != torch.strided or t.is_quantized:
             raise ConversionError(f"{key!r}: {t.layout} tensors can't be stored in safetensors; write .pth instead")
+        name = str(t.dtype).replace("torch.", "")
+        if name not in _ST_NAMES:
+            raise ConversionError(f"{key!r}: dtype {name} has no safetensors equivalent; write .pth instead")
         sid = storage_id(t)
+        if t.device.type == "meta" and sid not in refs:
+            raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
         view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if view in canonical and t.numel() > 0:
             aliases[key] = canonical[view]
             continue
         canonical[view] = key
-        by_storage.setdefault(sid, []).append(key)
-        out[key] = t
-    for keys in by_storage.values():
-        if len(keys) > 1 and any(out[k].numel() for k in keys):
-            notes.append(f"{', '.join(keys)} shared one storage as different views; written as separate copies")
-            for k in keys:
-                out[k] = out[k].clone()
-    for key, t in list(out.items()):
-        if t.device.type != "cpu":
-            t = t.cpu()
         if not t.is_contiguous():
             notes.append(f"{key!r} was not contiguous; written contiguous")
-            t = t.contiguous()
-        out[key] = t
+        tensors.append((key, t))
+
+    # Larger element sizes first keeps every tensor aligned to its element size (as safetensors does).
+    tensors.sort(key=lambda kv: -kv[1].element_size())
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, t in tensors:
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST_NAMES[str(t.dtype).replace("torch.", "")], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + n]}
+        offset += n
     extra: dict[str, Any] = {"version": 1, "order": list(state_dict.keys())}
     if aliases:
         extra["aliases"] = aliases
@@ -201,5 +211,45 @@ def write(state_dict: Any, path: str) -> list[str]:
             notes.append("_metadata kept in the ckptfix metadata entry (restored by ckptfix; other loaders ignore it)")
         except (TypeError, ValueError):
             notes.append("_metadata dropped: it holds values JSON can't represent")
-    save_file(out, path, metadata={"format": "pt", META_KEY: json.dumps(extra, separators=(",", ":"))})
+    header["__metadata__"] = {"format": "pt", META_KEY: json.dumps(extra, separators=(",", ":"))}
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    _write_data(path, raw, tensors, refs)
     return notes
+
+
+def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: dict) -> None:
+    import torch
+
+    from .. import rawcopy
+    from ..devices import storage_id
+
+    fds: dict[str, int] = {}
+    mmaps: dict[str, Any] = {}
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            f.flush()
+            pos = 8 + len(header)
+            for _key, t in tensors:
+                n = t.numel() * t.element_size()
+                ref = refs.get(storage_id(t))
+                if ref is not None and t.is_contiguous():
+                    if ref.path not in fds:
+                        fds[ref.path] = os.open(ref.path, os.O_RDONLY)
+                    rawcopy.copy_range(fds[ref.path], f.fileno(), ref.offset + t.storage_offset() * t.element_size(), pos, n)
+                else:
+                    if ref is not None:  # a non-contiguous view of a storage still in the source file
+                        if ref.path not in mmaps:
+                            mmaps[ref.path] = torch.UntypedStorage.from_file(ref.path, shared=False, nbytes=os.path.getsize(ref.path))
+                        real = torch.empty(0, dtype=t.dtype)
+                        real.set_(mmaps[ref.path][ref.offset : ref.offset + ref.nbytes], t.storage_offset(), t.shape, t.stride())
+                        t = real
+                    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                    rawcopy.write_all(f.fileno(), memoryview(data), pos)
+                pos += n
+            f.seek(pos)
+            f.truncate(pos)
+    finally:
+        for fd in fds.values():
+            os.close(fd)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pickle
 import re
-import zipfile
 from typing import Any
 
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
 from . import TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, RawRead
 
 _UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global|GLOBAL|global): ?([\w.]+)")
+_UNSUPPORTED_OPERAND = re.compile(r"Unsupported operand \d+")
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
@@ -39,27 +39,28 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
             if trust:
                 obj = torch.load(source, **kwargs)
             else:
-                with torch.serialization.safe_globals(safety.allowed_globals()):
+                with safety.safe_unpickling() as finish:
                     if fmt == TORCH_LEGACY and plan.is_meta:
                         # Structure only: skip reading the legacy file's tensor bytes altogether.
                         with torch.serialization.skip_data():
                             obj = torch.load(source, **kwargs)
                     else:
                         obj = torch.load(source, **kwargs)
+                obj = finish(obj)
     except CkptfixError:
         raise
-    except pickle.UnpicklingError as e:
-        raise _unpickling_error(path, e) from None
-    except (RuntimeError, EOFError, ValueError, KeyError, IndexError, AttributeError, TypeError,
-            OSError, zipfile.BadZipFile, struct_error()) as e:
-        raise FormatError(f"{path}: can't be read as a {fmt} checkpoint: {_first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many types for bad files; all become FormatError
+        raise translate_load_error(path, fmt, e) from None
     return RawRead(obj=obj, format=fmt, tags=tags)
 
 
-def struct_error() -> type[Exception]:
-    import struct
-
-    return struct.error
+def translate_load_error(path: str, fmt: str, e: BaseException) -> CkptfixError:
+    """torch's exception for a bad or refused file → UnsafeCheckpointError or FormatError."""
+    if isinstance(e, MemoryError):
+        return FormatError(f"{path}: ran out of memory reading it (a corrupt size field?)")
+    if isinstance(e, pickle.UnpicklingError):
+        return _unpickling_error(path, e)
+    return FormatError(f"{path}: can't be read as a {fmt} checkpoint: {_first_line(e)}")
 
 
 def _first_line(e: BaseException) -> str:
@@ -69,6 +70,13 @@ def _first_line(e: BaseException) -> str:
 
 def _unpickling_error(path: str, e: Exception) -> CkptfixError:
     text = str(e)
+    operand = _UNSUPPORTED_OPERAND.search(text)
+    if operand:
+        return UnsafeCheckpointError(
+            f"{path}: refused: it uses a pickle opcode torch's safe loader does not read ({operand.group(0)}; "
+            "saved with pickle_protocol > 2?). If you trust this file and its author, pass --trust "
+            "(library: trust=True)."
+        )
     if "Weights only load failed" in text or "Unsupported" in text:
         names = sorted(set(_UNSUPPORTED_GLOBAL.findall(text)))
         listed = ", ".join(names) if names else _first_line(e)
@@ -84,6 +92,14 @@ def _unpickling_error(path: str, e: Exception) -> CkptfixError:
 def _read_torchscript(path: str, plan: Any, trust: bool) -> RawRead:
     import torch
 
+    if plan.is_meta:
+        from . import torchscript
+
+        try:
+            return torchscript.read_meta(path)  # runs none of the archive's code
+        except CkptfixError:
+            if not trust:
+                raise
     if not trust:
         raise UnsafeCheckpointError(
             f"{path}: is a TorchScript archive; loading it runs the code inside it. "

@@ -1,0 +1,160 @@
+"""Benchmark: ckptfix convert/inspect against cp, `import torch`, and the scripts users write today.
+
+Not a test. Creates a synthetic DDP checkpoint (keys ``module.layers.N.weight``) of --size-gb made
+of tensors of tens of MB, plus a variant with 20,000 small tensors, then runs every command side
+by side in alternating rounds and reports the median wall time and peak anonymous memory
+(RssAnon sampled from /proc/PID/status), as ratios to ``import torch`` + ``cp`` measured in the
+same run. Writes bench/RESULTS.md.
+
+    python bench/convert.py --size-gb 2 --rounds 3 --dir /tmp/ckptfix-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+CKPTFIX = [PY, "-m", "ckptfix"]
+
+USER_PTH = """
+import sys, torch
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+torch.save({k.replace("module.", ""): v for k, v in sd.items()}, sys.argv[2])
+"""
+USER_ST = """
+import sys, torch
+from safetensors.torch import save_file
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+save_file({k.replace("module.", ""): v.contiguous() for k, v in sd.items()}, sys.argv[2])
+"""
+
+
+def make_checkpoints(workdir: Path, size_gb: float, small: int) -> dict[str, Path]:
+    import torch
+
+    big = workdir / "ddp_big.pth"
+    n_tensors = max(1, round(size_gb * 1024 / 20))  # 20 MiB tensors
+    numel = 20 * 2**20 // 4
+    if not big.exists():
+        g = torch.Generator().manual_seed(0)
+        sd = {f"module.layers.{i}.weight": torch.randn(numel // 1024, 1024, generator=g) for i in range(n_tensors)}
+        torch.save(sd, big)
+        del sd
+    many = workdir / "ddp_many.pth"
+    if not many.exists():
+        sd = {f"module.blocks.{i}.weight": torch.full((32, 32), float(i)) for i in range(small)}
+        torch.save(sd, many)
+    st = workdir / "ddp_big.safetensors"
+    if not st.exists():
+        subprocess.run([*CKPTFIX, "convert", str(big), str(st), "--to", "keep", "--quiet"], check=True)
+    return {"big": big, "many": many, "st": st}
+
+
+def measure(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RssAnon (bytes) of one command, sampled every 5 ms."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    status = f"/proc/{proc.pid}/status"
+    while proc.poll() is None:
+        try:
+            with open(status) as f:
+                for line in f:
+                    if line.startswith("RssAnon:"):
+                        peak = max(peak, int(line.split()[1]) * 1024)
+                        break
+        except OSError:
+            pass
+        time.sleep(0.005)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()}")
+    return wall, peak
+
+
+def commands(files: dict[str, Path], out: Path) -> dict[str, list[str]]:
+    big, many, st = str(files["big"]), str(files["many"]), str(files["st"])
+    return {
+        "cp": ["cp", big, str(out / "copy.pth")],
+        "import torch": [PY, "-c", "import torch"],
+        "user: torch.load+replace+torch.save": [PY, "-c", USER_PTH, big, str(out / "user.pth")],
+        "user: torch.load+replace+save_file": [PY, "-c", USER_ST, big, str(out / "user.safetensors")],
+        "ckptfix convert pth->pth": [*CKPTFIX, "convert", big, str(out / "c.pth"), "--force", "--quiet"],
+        "ckptfix convert pth->safetensors": [*CKPTFIX, "convert", big, str(out / "c.safetensors"), "--force", "--quiet"],
+        "ckptfix convert safetensors->pth": [*CKPTFIX, "convert", st, str(out / "s.pth"), "--force", "--quiet"],
+        "ckptfix inspect": [*CKPTFIX, "inspect", big],
+        "20k small: user torch.load+replace+torch.save": [PY, "-c", USER_PTH, many, str(out / "many_user.pth")],
+        "20k small: ckptfix convert pth->pth": [*CKPTFIX, "convert", many, str(out / "many.pth"), "--force", "--quiet"],
+        "20k small: ckptfix convert pth->safetensors": [*CKPTFIX, "convert", many, str(out / "many.safetensors"), "--force", "--quiet"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--small-tensors", type=int, default=20_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir, removed after)")
+    ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    args = ap.parse_args()
+    workdir = args.dir or Path(tempfile.mkdtemp(prefix="ckptfix-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "out"
+    out.mkdir(exist_ok=True)
+    try:
+        files = make_checkpoints(workdir, args.size_gb, args.small_tensors)
+        cmds = commands(files, out)
+        runs: dict[str, list[tuple[float, int]]] = {name: [] for name in cmds}
+        for r in range(args.rounds):
+            names = list(cmds) if r % 2 == 0 else list(reversed(cmds))  # alternate the order
+            for name in names:
+                runs[name].append(measure(cmds[name]))
+                print(f"round {r + 1}: {name}: {runs[name][-1][0]:.2f} s", file=sys.stderr)
+        report = render(runs, files, args)
+        print(report)
+        args.results.write_text(report)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def render(runs: dict[str, list[tuple[float, int]]], files: dict[str, Path], args: argparse.Namespace) -> str:
+    med = {n: statistics.median(w for w, _ in v) for n, v in runs.items()}
+    peak = {n: max(m for _, m in v) for n, v in runs.items()}
+    base = med["import torch"] + med["cp"]
+    torch_mem = peak["import torch"]
+    size = files["big"].stat().st_size
+    lines = [
+        "# ckptfix conversion benchmark",
+        "",
+        f"`python bench/convert.py --size-gb {args.size_gb} --rounds {args.rounds}` on {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}; checkpoint {size / 2**30:.2f} GiB "
+        f"({len(list(runs))} commands × {args.rounds} alternating rounds, median wall, max peak RssAnon; page cache warm).",
+        "",
+        f"Baseline = `import torch` + `cp` = {base:.2f} s; memory column is peak RssAnon minus a bare "
+        f"`import torch` process ({torch_mem / 2**20:.0f} MiB).",
+        "",
+        "| command | wall (s) | × (import torch + cp) | peak RssAnon − import torch (MiB) |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in runs:
+        ratio = med[name] / base
+        extra = (peak[name] - torch_mem) / 2**20
+        lines.append(f"| {name} | {med[name]:.2f} | {ratio:.2f} | {extra:.0f} |")
+    inspect_ratio = med["ckptfix inspect"] / med["import torch"]
+    lines += ["", f"`ckptfix inspect` / `import torch` = {inspect_ratio:.2f}.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Sharded checkpoints in the Hugging Face layout: an index json plus safetensors or torch shards.
+
+Layout (transformers ``save_pretrained`` / huggingface_hub ``split_torch_state_dict_into_shards``)::
+
+    model.safetensors.index.json    {"metadata": {"total_size": N}, "weight_map": {key: shard}}
+    model-00001-of-00003.safetensors  ...          (torch: pytorch_model-00001-of-00003.bin,
+                                                    index pytorch_model.bin.index.json)
+
+``total_size`` is the bytes of every tensor, counting a storage shared by several keys once. One
+shard only: ``model.safetensors`` (``pytorch_model.bin``) and no index, as transformers writes.
+The index is validated before any shard is trusted: shards inside the directory and present,
+keys unique, every listed key in its shard and every shard tensor listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import OrderedDict
+from typing import Any
+
+from ..errors import ConversionError, FormatError
+from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead
+
+SHARDED_SAFETENSORS = "sharded-safetensors"
+SHARDED_PTH = "sharded-pth"
+INDEX_NAMES = {SAFETENSORS: "model.safetensors.index.json", TORCH_ZIP: "pytorch_model.bin.index.json"}
+SHARD_PATTERNS = {SAFETENSORS: "model{suffix}.safetensors", TORCH_ZIP: "pytorch_model{suffix}.bin"}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def find_index(path: str) -> str | None:
+    """The index json for ``path``: ``path`` itself if it is one (``*.index.json``), else the
+    safetensors or torch index in the directory ``path`` (safetensors when both); else None."""
+    if os.path.isfile(path):
+        return path if path.endswith(".index.json") else None
+    if not os.path.isdir(path):
+        return None
+    for fmt in (SAFETENSORS, TORCH_ZIP):
+        candidate = os.path.join(path, INDEX_NAMES[fmt])
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` → 5·10⁹ bytes, ``"40KiB"`` → 40·2¹⁰, ``"1000"`` → 1000 (transformers' units)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        n = text
+    else:
+        m = _SIZE_RE.match(str(text))
+        unit = (m.group(2) or "") if m else ""
+        if not m or unit[-1:] == "b":  # transformers reads a lowercase b as bits: refuse the ambiguity
+            raise ConversionError(
+                f"shard size {text!r} is not a size: use bytes or a number with KB/MB/GB (10^3…) "
+                "or KiB/MiB/GiB (2^10…), e.g. 5GB or 500MiB"
+            )
+        n = int(float(m.group(1)) * _UNITS.get(unit.lower(), 1))
+    if n <= 0:
+        raise ConversionError(f"shard size {text!r} must be more than 0 bytes")
+    return n
+
+
+def member_path(root: str, rel: Any, source: str, what: str = "shard") -> str:
+    """``root/rel`` after checking it stays inside ``root``: not absolute, no ``..``, no symlink
+    leading out. Shared by the directory formats (sharded index, DCP)."""
+    if not isinstance(rel, str) or not rel:
+        raise FormatError(f"{source}: {what} name {rel!r} is not a file name")
+    parts = re.split(r"[/\\]", rel)
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", rel):
+        raise FormatError(f"{source}: {what} path {rel!r} is absolute; shards must sit inside {root}")
+    if ".." in parts:
+        raise FormatError(f"{source}: {what} path {rel!r} leaves the directory ('..'); shards must sit inside {root}")
+    path = os.path.join(root, rel)
+    real_root = os.path.realpath(root)
+    if not os.path.realpath(path).startswith(real_root.rstrip(os.sep) + os.sep):
+        raise FormatError(
+            f"{source}: {what} {rel!r} is a symlink to {os.path.realpath(path)}, outside {root}; "
+            "copy the file into the directory"
+        )
+    if not os.path.isfile(path):
+        raise FormatError(f"{source}: {what} {rel!r} is missing from {root} (the download or save did not finish?)")
+    return path
+
+
+def _no_duplicates(source: str) -> Any:
+    def hook(pairs: list[tuple[str, Any]]) -> dict:
+        seen: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in seen:
+                raise FormatError(f"{source}: key {k!r} is listed twice; each key must map to one shard")
+            seen[k] = v
+        return seen
+
+    return hook
+
+
+def load_index(index_path: str) -> dict[str, str]:
+    """The validated ``weight_map`` (key → shard file name, in file order) of an index json."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f, object_pairs_hook=_no_duplicates(index_path))
+    except OSError as e:
+        raise FormatError(f"{index_path}: can't be read: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{index_path}: is not valid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FormatError(f"{index_path}: has no \"weight_map\" object: not a sharded-checkpoint index")
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise FormatError(f"{index_path}: key {key!r} maps to {shard!r}, not a shard file name")
+    return weight_map
+
+
+def read(index_path: str, plan: Any, trust: bool) -> RawRead:
+    """Validate the index, read every shard lazily (mapped, or structure only on meta), merge.
+
+    The state dict follows the weight_map's order; ``refs`` (structure reads) are kept only when
+    every shard gave them, so a writer either copies everything from the shards or nothing.
+    """
+    from . import read as read_file
+    from . import sniff
+
+    root = os.path.dirname(os.path.abspath(index_path))
+    weight_map = load_index(index_path)
+    by_shard: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(key)
+    paths = {shard: member_path(root, shard, index_path) for shard in by_shard}
+    kinds = {shard: sniff(path) for shard, path in paths.items()}
+    families = {SAFETENSORS if k == SAFETENSORS else TORCH_ZIP for k in kinds.values()}
+    if len(families) > 1 or not set(kinds.values()) <= {SAFETENSORS, TORCH_ZIP, TORCH_LEGACY}:
+        found = ", ".join(f"{s}: {k}" for s, k in kinds.items())
+        raise FormatError(f"{index_path}: shards must all be safetensors or all torch files ({found})")
+    merged: dict[str, Any] = {}
+    aliases_after: dict[str | None, list[str]] = {}
+    raw = RawRead(obj=None, format=SHARDED_SAFETENSORS if families == {SAFETENSORS} else SHARDED_PTH)
+    module_metadata: OrderedDict = OrderedDict()
+    refs_complete = True
+    for shard, keys in by_shard.items():
+        part = read_file(paths[shard], kinds[shard], plan, trust)
+        sd = part.obj
+        if not isinstance(sd, dict):
+            raise FormatError(f"{index_path}: shard {shard} holds a {type(sd).__name__}, not a state dict")
+        stored = _stored_keys(paths[shard], kinds[shard], sd)
+        listed = set(keys)
+        for key in keys:
+            if key not in sd:
+                raise FormatError(f"{index_path}: lists {key!r} in {shard}, but {shard} has no such tensor")
+        for key in stored:
+            if key not in listed:
+                elsewhere = f" (the index puts it in {weight_map[key]})" if key in weight_map else ""
+                raise FormatError(f"{index_path}: {shard} holds {key!r}, which the index does not list there{elsewhere}")
+        previous: str | None = None
+        for key in sd:  # keys the shard restores beyond its stored tensors: ckptfix's tied aliases
+            if key not in listed and key not in weight_map and key not in merged:
+                aliases_after.setdefault(previous, []).append(key)
+            previous = key
+        merged.update(sd)
+        module_metadata.update(getattr(sd, "_metadata", None) or {})
+        raw.tags.update(part.tags)
+        raw.notes.extend(part.notes)
+        refs_complete = refs_complete and bool(part.refs or not sd)
+        raw.refs.update(part.refs)
+    raw.obj = _in_order(weight_map, merged, aliases_after)
+    if module_metadata:
+        raw.obj._metadata = module_metadata
+    if not refs_complete:
+        raw.refs = {}
+    raw.notes.insert(0, f"{len(weight_map)} keys in {len(by_shard)} shard(s) listed by {os.path.basename(index_path)}")
+    other = INDEX_NAMES[TORCH_ZIP]
+    if os.path.basename(index_path) == INDEX_NAMES[SAFETENSORS] and os.path.isfile(os.path.join(root, other)):
+        raw.notes.append(f"the directory also holds {other}; read the safetensors index (give the other file to read it)")
+    return raw
+
+
+def _stored_keys(path: str, kind: str, sd: dict) -> list[str]:
+    """Keys a shard physically stores (safetensors aliases written by ckptfix are not)."""
+    if kind != SAFETENSORS:
+        return list(sd)
+    from .safetensors_file import read_header
+
+    return list(read_header(path)[1])
+
+
+def _in_order(weight_map: dict[str, str], merged: dict[str, Any], aliases_after: dict[str | None, list[str]]) -> OrderedDict:
+    out: OrderedDict = OrderedDict()
+
+    def put(key: str | None) -> None:
+        if key is not None:
+            out[key] = merged[key]
+        for alias in aliases_after.pop(key, []):
+            put(alias)
+
+    put(None)
+    for key in weight_map:
+        put(key)
+    for rest in list(aliases_after.values()):
+        for alias in rest:
+            out[alias] = merged[alias]
+    return out
+
+
+def plan_shards(state_dict: Any, max_shard_size: int, refs: dict | None = None) -> tuple[list[list[str]], int]:
+    """Keys per shard and total_size, exactly as huggingface_hub's ``split_state_dict_into_shards_factory``:
+    keys in order, a new shard when the next tensor would pass the limit, a tensor larger than
+    the limit alone, keys sharing a storage in the shard of the first and counted once."""
+    import torch
+
+    from ..devices import storage_id
+
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = total = 0
+    first_of: dict[int, str] = {}
+    followers: dict[str, list[str]] = {}
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise ConversionError(f"{key!r} is a {type(t).__name__}, not a tensor: shards hold tensors only; write a single .pth")
+        sid = storage_id(t)
+        if t.device.type == "meta" and sid not in (refs or {}):
+            raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
+        if sid in first_of:
+            followers[first_of[sid]].append(key)
+            continue
+        first_of[sid], followers[key] = key, []
+        size = t.numel() * t.element_size()
+        total += size
+        if size > max_shard_size:
+            shards.append([key])
+            continue
+        if current and current_size + size > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(key)
+        current_size += size
+    if current:
+        shards.append(current)
+    if not shards:
+        raise ConversionError("the state dict holds no tensors: nothing to write")
+    return [[k for key in shard for k in (key, *followers[key])] for shard in shards], total
+
+
+def shard_names(fmt: str, count: int) -> list[str]:
+    """``model.safetensors`` for one shard, else ``model-00001-of-0000N.safetensors`` … (``pytorch_model…bin``)."""
+    pattern = SHARD_PATTERNS[fmt]
+    if count == 1:
+        return [pattern.format(suffix="")]
+    return [pattern.format(suffix=f"-{i + 1:05d}-of-{count:05d}") for i in range(count)]
+
+
+def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: bool = False,
+          refs: dict | None = None) -> list[str]:
+    """Write ``state_dict`` as shards of at most ``max_shard_size`` bytes plus the index into the
+    directory ``dst_dir``, atomically; ``fmt`` is ``"safetensors"`` or ``"torch-zip"``.
+
+    Each shard goes through the single-file writer (tied tensors written once, ``refs`` copied
+    from their source file), one shard at a time. The state dict's ``_metadata`` rides in the
+    first shard.
+    """
+    from ..atomic import atomic_dir
+    from . import write as write_file
+    from .safetensors_file import read_header
+
+    if fmt not in SHARD_PATTERNS:
+        raise ConversionError(f"sharded output is safetensors or pth, not {fmt}")
+    if max_shard_size <= 0:
+        raise ConversionError(f"max shard size must be more than 0 bytes, not {max_shard_size}")
+    shards, total_size = plan_shards(state_dict, max_shard_size, refs)
+    names = shard_names(fmt, len(shards))
+    notes: list[str] = []
+    weight_map: dict[str, str] = {}
+    meta = getattr(state_dict, "_metadata", None)
+    with atomic_dir(dst_dir, force) as tmp:
+        for i, (name, keys) in enumerate(zip(names, shards)):
+            part: OrderedDict = OrderedDict((k, state_dict[k]) for k in keys)
+            if i == 0 and meta is not None:
+                part._metadata = meta  # type: ignore[attr-defined]
+            path = os.path.join(tmp, name)
+            notes += write_file(part, path, fmt, refs=refs or None, archive=os.path.splitext(name)[0])
+            stored = set(read_header(path)[1]) if fmt == SAFETENSORS else set(keys)
+            weight_map.update((k, name) for k in keys if k in stored)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+            with open(os.path.join(tmp, INDEX_NAMES[fmt]), "w", encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=2) + "\n")
+    if len(shards) == 1:
+        notes.append(f"fits in one shard: wrote {names[0]} and no index, as transformers' save_pretrained does")
+    else:
+        notes.append(f"{len(shards)} shards of at most {max_shard_size} bytes (a larger tensor alone) + {INDEX_NAMES[fmt]}")
+    return notes

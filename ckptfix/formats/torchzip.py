@@ -1,0 +1,200 @@
+"""torch zip files at the byte level: read the structure without tensor data, write by copying records.
+
+``read_structure`` unpickles ``data.pkl`` with torch's weights_only unpickler (plus ckptfix's
+allow-list) into tensors on ``meta`` and a ``StorageRef`` per storage: where its bytes sit in the
+file, their size, CRC and saved device. ``write_structure`` pickles a (renamed) object of such
+tensors and copies each referenced record into a new archive in the kernel — a prefix fix of a
+multi-GB file costs about what ``cp`` does.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CkptfixError, FormatError
+from . import TORCH_ZIP, RawRead, StorageRef
+from .zipwriter import ZipWriter
+
+
+class Unsupported(Exception):
+    """This file needs torch.load's general path (big-endian data, odd records)."""
+
+
+def read_structure(path: str) -> RawRead:
+    """Tensors on meta plus ``refs`` (storage id → StorageRef); reads only the pickle and zip directory."""
+    import torch
+    from torch._weights_only_unpickler import Unpickler
+
+    from .. import safety
+    from ..devices import storage_id
+    from .torchfile import translate_load_error
+
+    try:
+        reader = torch._C.PyTorchFileReader(path)
+        if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
+            raise Unsupported("big-endian data")
+        data = reader.get_record("data.pkl")
+        with zipfile.ZipFile(path) as z:
+            crcs = {info.filename.split("/", 1)[-1]: info.CRC for info in z.infolist()}
+    except (RuntimeError, zipfile.BadZipFile, OSError) as e:
+        raise FormatError(f"{path}: is a truncated or corrupt torch zip archive ({str(e).splitlines()[0]})") from None
+
+    storages: dict[str, Any] = {}
+    refs: dict[int, StorageRef] = {}
+    tags: dict[int, str] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] not in ("storage", b"storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {saved_id!r:.80}")
+        _, storage_type, key, location, numel = saved_id
+        location = location.decode("ascii") if isinstance(location, bytes) else str(location)
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = int(numel) * torch._utils._element_size(dtype)
+        if key not in storages:
+            name = f"data/{key}"
+            if not reader.has_record(name):
+                raise FormatError(f"{path}: the pickle refers to storage {key!r} but the archive has no {name} record")
+            if reader.get_record_size(name) < nbytes:
+                raise FormatError(f"{path}: record {name} holds {reader.get_record_size(name)} bytes, its tensor needs {nbytes}")
+            st = torch.UntypedStorage(nbytes, device="meta")
+            storages[key] = st
+            sid = storage_id(st)
+            refs[sid] = StorageRef(path, reader.get_record_offset(name), nbytes, location, crcs.get(name), str(key))
+            tags[sid] = location
+        return torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
+
+    unpickler = Unpickler(io.BytesIO(data), encoding="utf-8")
+    unpickler.persistent_load = persistent_load
+    try:
+        with safety.safe_unpickling() as finish:
+            obj = finish(unpickler.load())
+    except CkptfixError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every failure of a hostile or broken pickle becomes a FormatError
+        raise translate_load_error(path, TORCH_ZIP, e) from None
+    return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)
+
+
+class _LazyCrcs:
+    """CRCs for records whose source doesn't record one (safetensors): computed on another thread
+    while the kernel copies, so the copy and the checksum run on two cores."""
+
+    def __init__(self, order: list[tuple[str, StorageRef]], fds: dict[str, int]):
+        self.order = [ref for _, ref in order if ref.crc is None]
+        self.fds = fds
+        self.workers: dict[int, Any] = {}
+
+    def get(self, fd: int, offset: int, size: int) -> Callable[[], int]:
+        from ..rawcopy import CrcWorker
+
+        if fd not in self.workers:
+            path = next(p for p, f in self.fds.items() if f == fd)
+            ranges = [(r.offset, r.nbytes) for r in self.order if r.path == path]
+            self.workers[fd] = CrcWorker(os.open(path, os.O_RDONLY), ranges)
+        worker = self.workers[fd]
+        return lambda: worker.get(offset, size)
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+
+
+def _meta_tensor_reducer(storage_of: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    import torch
+
+    def reduce(obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "meta":
+            return NotImplemented
+        storage = storage_of(obj)
+        args = (storage, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad, OrderedDict())
+        if isinstance(obj, torch.nn.Parameter):
+            inner = torch.Tensor._make_subclass(torch.Tensor, obj.detach(), False)
+            return (torch._utils._rebuild_parameter, (inner, obj.requires_grad, OrderedDict()))
+        if type(obj) is not torch.Tensor:
+            raise FormatError(f"tensor subclass {type(obj).__name__} can't be rewritten in place; use --trust")
+        return (torch._utils._rebuild_tensor_v2, args)
+
+    return reduce
+
+
+def write_structure(
+    obj: Any,
+    refs: dict[int, StorageRef],
+    dst: str,
+    location: Callable[[str], str],
+    archive: str = "archive",
+) -> int:
+    """Write ``obj`` (tensors on meta, storages in ``refs``) as a torch zip; returns data bytes copied.
+
+    ``location`` maps each saved device tag to the tag written. Records keep their source keys
+    when they come from a torch zip, so only storages still referenced are copied.
+    """
+    import torch
+
+    from ..devices import storage_id
+
+    order: list[tuple[str, StorageRef]] = []
+    key_of: dict[int, str] = {}
+
+    def storage_of(t: Any) -> Any:
+        return torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+
+    def persistent_id(o: Any) -> Any:
+        if isinstance(o, torch.storage.TypedStorage):
+            st, numel = o._untyped_storage, o._size()
+            storage_type = getattr(torch, o._pickle_storage_type())
+        elif isinstance(o, torch.UntypedStorage):
+            st, numel, storage_type = o, o.nbytes(), torch.UntypedStorage
+        else:
+            return None
+        sid = storage_id(st)
+        if sid not in refs:
+            raise FormatError("internal: a tensor without a source storage reached the zip writer")
+        ref = refs[sid]
+        if sid not in key_of:
+            key = ref.key if ref.key is not None and ref.key not in {k for k, _ in order} else str(len(order))
+            key_of[sid] = key
+            order.append((key, ref))
+        return ("storage", storage_type, key_of[sid], location(ref.location), numel)
+
+    reducer = _meta_tensor_reducer(storage_of)
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            return persistent_id(o)
+
+        def reducer_override(self, o: Any) -> Any:
+            return reducer(o)
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(obj)
+
+    archive = "".join(c if c.isalnum() or c in "_-" else "_" for c in archive) or "archive"
+    copied = 0
+    fds: dict[str, int] = {}
+    crcs = _LazyCrcs(order, fds)
+    try:
+        with open(dst, "wb") as f:
+            z = ZipWriter(f)
+            z.add_bytes(f"{archive}/data.pkl", buf.getvalue())
+            z.add_bytes(f"{archive}/byteorder", b"little")
+            for key, ref in order:
+                if ref.path not in fds:
+                    fds[ref.path] = os.open(ref.path, os.O_RDONLY)
+                crc = ref.crc if ref.crc is not None else crcs.get(fds[ref.path], ref.offset, ref.nbytes)
+                z.add_copy(f"{archive}/data/{key}", fds[ref.path], ref.offset, ref.nbytes, crc)
+                copied += ref.nbytes
+            z.add_bytes(f"{archive}/version", b"3\n")
+            z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
+            z.close()
+    finally:
+        crcs.close()
+        for fd in fds.values():
+            os.close(fd)
+    return copied

@@ -1,0 +1,123 @@
+"""load_into: every fixture mode into plain, DataParallel and compiled models, bit-exact; short errors."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ckptfix
+from ckptfix.errors import LoadError
+from ckptfix.wrappers import strip_wrappers
+
+MODES = ["single", "dp", "ddp", "compile", "compile_ddp", "ddp_compile", "amp",
+         "cuda0", "cuda1", "model_parallel", "legacy", "train_ckpt", "safetensors"]
+TARGETS = {
+    "plain": lambda m: m,
+    "dp": nn.DataParallel,
+    "compiled": lambda m: torch.compile(m, backend="eager"),
+}
+
+
+def _fixture_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The fixture's tensors by single-form key, read with ckptfix's own reader on CPU."""
+    return {strip_wrappers(k): v for k, v in ckptfix.read(path).state_dict.items()}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_into_every_wrapping(fixtures_dir: Path, manifest: dict, train: Any, mode: str, target: str) -> None:
+    entry = manifest[train.fixture_name("mlp", mode)]
+    model = TARGETS[target](train.mlp())
+    report = ckptfix.load_into(model, fixtures_dir / entry["file"])
+    want_wrappers = {"plain": [], "dp": ["module"], "compiled": ["_orig_mod"]}[target]
+    assert report.model_wrappers == want_wrappers and report.checkpoint_wrappers == entry["wrappers"]
+    assert report.fix is None if entry["wrappers"] == want_wrappers else report.fix is not None
+    assert report.matched == 6 and report.missing == [] and report.unexpected == []
+    saved = _fixture_tensors(fixtures_dir / entry["file"])
+    loaded = {strip_wrappers(k): v for k, v in model.state_dict().items()}
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value.to(loaded[key].dtype)), key
+    inner = model.module if target == "dp" else model
+    inner.eval()
+    with torch.no_grad():
+        out = inner(train.fixed_input("mlp"))
+    assert out.tolist() == entry["output"]
+
+
+def test_wrapping_error_names_the_report_not_torchs_wall(fixtures_dir: Path) -> None:
+    wider = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+    with pytest.raises(LoadError) as info:
+        ckptfix.load_into(nn.DataParallel(wider), fixtures_dir / "mlp_compile.pth")
+    message = str(info.value)
+    assert message.startswith(f"{fixtures_dir / 'mlp_compile.pth'}: does not load into the model; "
+                              "after the repair (replace _orig_mod. with module.: 6/6 keys match); "
+                              "2 shape mismatch: module.4.weight [1, 32] vs model [2, 32], module.4.bias [1] vs model [2]")
+    assert "Error(s) in loading state_dict" not in message
+    before = wider.state_dict()["4.weight"].clone()
+    assert torch.equal(wider.state_dict()["4.weight"], before)  # nothing was loaded
+
+
+def test_renamed_keys_report_missing_and_unexpected(fixtures_dir: Path, tmp_path: Path) -> None:
+    sd = torch.load(fixtures_dir / "mlp_single.pth", weights_only=True)
+    renamed = OrderedDict((k.replace("4.", "head.") if k.startswith("4.") else k, v) for k, v in sd.items())
+    torch.save(renamed, tmp_path / "renamed.pth")
+    with pytest.raises(LoadError, match=r"2 missing: 4\.weight, 4\.bias; 2 unexpected: head\.weight, head\.bias; "
+                                        "the names differ: a renamed layer"):
+        ckptfix.load_into(nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)),
+                          tmp_path / "renamed.pth")
+
+
+def test_not_strict_loads_what_matches(fixtures_dir: Path, tmp_path: Path, train: Any) -> None:
+    sd = torch.load(fixtures_dir / "mlp_ddp.pth", weights_only=True)
+    sd["module.extra.weight"] = torch.ones(2)
+    del sd["module.4.bias"]
+    torch.save(sd, tmp_path / "partial.pth")
+    model = train.mlp()
+    bias_before = model[4].bias.detach().clone()
+    with pytest.raises(LoadError, match="1 missing: 4.bias; 1 unexpected: extra.weight"):
+        ckptfix.load_into(model, tmp_path / "partial.pth")
+    report = ckptfix.load_into(model, tmp_path / "partial.pth", strict=False)
+    assert report.missing == ["4.bias"] and report.unexpected == ["extra.weight"] and report.fix == "strip module."
+    assert torch.equal(model[0].weight, sd["module.0.weight"]) and torch.equal(model[4].bias, bias_before)
+
+
+class Lit(nn.Module):
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.model = net
+
+
+def test_lightning_checkpoint_into_a_compiled_model(fixtures_dir: Path, tmp_path: Path, train: Any) -> None:
+    lit = Lit(train.mlp())
+    ckptfix.load_into(lit.model, fixtures_dir / "mlp_single.pth")
+    torch.save({"state_dict": lit.state_dict(), "epoch": 1}, tmp_path / "lit.ckpt")
+    model = torch.compile(train.mlp(), backend="eager")
+    report = ckptfix.load_into(model, tmp_path / "lit.ckpt")
+    assert report.fix == "add _orig_mod., strip prefix model." and report.state_dict_key == "state_dict"
+    for key, value in lit.model.state_dict().items():
+        assert torch.equal(model.state_dict()[f"_orig_mod.{key}"], value)
+
+
+def test_old_batchnorm_checkpoint_fills_num_batches_tracked(tmp_path: Path) -> None:
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+
+    src = net()
+    src[1].running_mean.fill_(0.25)
+    sd = src.state_dict()
+    old = OrderedDict((k, v) for k, v in sd.items() if not k.endswith("num_batches_tracked"))
+    old._metadata = sd._metadata  # version 2 metadata: torch itself would refuse the missing key
+    torch.save(old, tmp_path / "old.pth")
+    with pytest.raises(RuntimeError, match="num_batches_tracked"):
+        net().load_state_dict(torch.load(tmp_path / "old.pth", weights_only=True))
+    model = nn.DataParallel(net())
+    report = ckptfix.load_into(model, tmp_path / "old.pth")
+    assert report.tolerated == ["module.1.num_batches_tracked"] and report.fix == "add module."
+    assert torch.equal(model.module[1].running_mean, torch.full((4,), 0.25))
+    assert int(model.module[1].num_batches_tracked) == 0

@@ -1,0 +1,328 @@
+"""verify: every fixture mode passes against its model; each kind of failure exits 3 with the right lists."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import ckptfix
+import ckptfix.api
+from ckptfix.cli import cli
+from ckptfix.models import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
+RESNET = ["--model", "torchvision:resnet18", "--arg", "num_classes=10"]
+
+
+@pytest.fixture(scope="session")
+def resnet_dir(train: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every resnet18 fixture mode, trained once per session by fixtures/train.py (real DDP, compile, DP)."""
+    out = tmp_path_factory.mktemp("resnet18")
+    train.generate(out, model="resnet18", modes=train.MODES)
+    return out
+
+
+def _json(cli_runner: Any, args: list[str], code: int) -> dict[str, Any]:
+    res = cli_runner.invoke(cli, ["verify", *args, "--json"])
+    assert res.exit_code == code, res.output
+    return json.loads(res.stdout)
+
+
+def _expected_fix(wrappers: list[str]) -> str | None:
+    return f"strip {'.'.join(wrappers)}." if wrappers else None
+
+
+def _assert_clean(report: dict[str, Any]) -> None:
+    for field in ("missing", "unexpected", "shape_mismatch", "nonfinite", "non_tensor", "shared_mismatch", "failures"):
+        assert report[field] == [], (field, report[field])
+
+
+def _state_dict(path: Path) -> OrderedDict:
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+@pytest.mark.parametrize("mode", [
+    "single", "dp", "ddp", "compile", "compile_ddp", "ddp_compile", "amp",
+    "cuda0", "cuda1", "model_parallel", "legacy", "train_ckpt", "safetensors",
+])
+def test_every_mlp_fixture_verifies_by_file_spec(cli_runner, fixtures_dir: Path, manifest: dict, train: Any,
+                                                 mode: str) -> None:
+    name = train.fixture_name("mlp", mode)
+    entry = manifest[name]
+    report = _json(cli_runner, [str(fixtures_dir / name), "--model", MLP_SPEC], 0)
+    assert report["ok"] is True and report["fix"] == _expected_fix(entry["wrappers"])
+    _assert_clean(report)
+    assert report["sha256"] == entry["sha256"]
+    assert report["state_dict_key"] == entry["state_dict_key"]
+    # The manifest's recorded float32 outputs are reproduced bit for bit.
+    (check,) = report["forward"]["against"]
+    assert check["what"] == "manifest" and check["max_abs_diff"] == 0.0 and check["ok"]
+    assert check["input_shape"] == entry["input"]["shape"]
+    assert bool(report["dtype_mismatch"]) == (mode == "amp")
+
+
+@pytest.mark.parametrize("mode", [
+    "single", "dp", "ddp", "compile", "compile_ddp", "ddp_compile", "amp",
+    "cuda0", "cuda1", "model_parallel", "legacy", "train_ckpt", "safetensors",
+])
+def test_every_resnet18_fixture_verifies_by_torchvision_name(cli_runner, resnet_dir: Path, train: Any,
+                                                             mode: str) -> None:
+    entry = json.loads((resnet_dir / "manifest.json").read_text())["fixtures"][train.fixture_name("resnet18", mode)]
+    report = _json(cli_runner, [str(resnet_dir / entry["file"]), *RESNET], 0)
+    assert report["fix"] == _expected_fix(entry["wrappers"])
+    assert report["matched"] == report["total"] == 122
+    _assert_clean(report)
+    assert report["forward"]["against"][0]["max_abs_diff"] == 0.0
+
+
+def test_manifest_comparison_catches_a_wrong_recorded_output(fixtures_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(fixtures_dir / "mlp_single.pth", tmp_path)
+    table = json.loads((fixtures_dir / "manifest.json").read_text())
+    table["fixtures"]["mlp_single.pth"]["output"][2][0] += 1e-3
+    (tmp_path / "manifest.json").write_text(json.dumps(table))
+    report = ckptfix.verify(tmp_path / "mlp_single.pth", MLP_SPEC)
+    assert not report.ok and report.forward["ok"] is False
+    assert report.forward["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_resnet18_checkpoint_against_resnet34(cli_runner, resnet_dir: Path) -> None:
+    report = _json(cli_runner, [str(resnet_dir / "resnet18_single.pth"), "--model", "torchvision:resnet34",
+                                "--arg", "num_classes=10"], 3)
+    r18 = torchvision.models.resnet18(num_classes=10).state_dict()
+    r34 = torchvision.models.resnet34(num_classes=10).state_dict()
+    assert report["missing"] == [k for k in r34 if k not in r18]
+    assert report["unexpected"] == [] and report["shape_mismatch"] == [] and report["ok"] is False
+    assert report["forward"] is None
+
+
+def test_num_classes_10_against_1000(cli_runner, resnet_dir: Path) -> None:
+    report = _json(cli_runner, [str(resnet_dir / "resnet18_ddp.pth"), "--model", "torchvision:resnet18"], 3)
+    assert report["fix"] == "strip module."
+    assert report["shape_mismatch"] == [
+        {"key": "fc.weight", "checkpoint": [10, 512], "model": [1000, 512]},
+        {"key": "fc.bias", "checkpoint": [10], "model": [1000]},
+    ]
+    assert report["missing"] == [] and report["unexpected"] == []
+
+
+def test_renamed_layer_is_reported_not_guessed(cli_runner, resnet_dir: Path, tmp_path: Path) -> None:
+    sd = _state_dict(resnet_dir / "resnet18_single.pth")
+    renamed = OrderedDict((("stage4." + k[len("layer4."):]) if k.startswith("layer4.") else k, v) for k, v in sd.items())
+    torch.save(renamed, tmp_path / "renamed.pth")
+    report = _json(cli_runner, [str(tmp_path / "renamed.pth"), *RESNET], 3)
+    assert report["fix"] is None
+    assert report["missing"] == [k for k in sd if k.startswith("layer4.")]
+    assert report["unexpected"] == [k for k in renamed if k.startswith("stage4.")]
+    (suggestion,) = report["suggestions"]
+    assert suggestion["rename"] == {"from": "stage4.", "to": "layer4."}
+    assert suggestion["keys"] == len(report["missing"])
+    text = cli_runner.invoke(cli, ["verify", str(tmp_path / "renamed.pth"), *RESNET]).output
+    assert f"missing ({len(report['missing'])}):" in text and "--rename stage4.=layer4." in text
+
+
+def test_perturbed_weight_is_caught_by_reference(cli_runner, resnet_dir: Path, tmp_path: Path) -> None:
+    original = resnet_dir / "resnet18_ddp.pth"
+    converted = tmp_path / "converted.safetensors"
+    ckptfix.convert(original, converted)
+    ok = _json(cli_runner, [str(converted), *RESNET, "--reference", str(original)], 0)
+    assert ok["forward"]["against"] == [{"what": "reference", "path": str(original), "input_shape": [1, 3, 224, 224],
+                                         "seed": 1234, "max_abs_diff": 0.0, "ok": True}]
+    sd = ckptfix.load(converted)
+    sd["layer1.0.conv1.weight"][0, 0, 0, 0] += 0.5
+    torch.save(sd, tmp_path / "perturbed.pth")
+    bad = _json(cli_runner, [str(tmp_path / "perturbed.pth"), *RESNET, "--reference", str(original)], 3)
+    _assert_clean({**bad, "failures": []})  # structurally fine: only the outputs differ
+    assert bad["forward"]["ok"] is False and bad["forward"]["max_abs_diff"] > 0
+    loose = _json(cli_runner, [str(tmp_path / "perturbed.pth"), *RESNET, "--reference", str(original),
+                               "--atol", str(bad["forward"]["max_abs_diff"])], 0)
+    assert loose["forward"]["ok"] is True
+
+
+def test_fp16_checkpoint_warns_and_exact_fails_on_dtype(cli_runner, fixtures_dir: Path) -> None:
+    path = str(fixtures_dir / "mlp_amp.pth")
+    res = cli_runner.invoke(cli, ["verify", path, "--model", MLP_SPEC])
+    assert res.exit_code == 0 and "warning: 6 tensors are cast on load (float16 -> float32)" in res.output
+    report = _json(cli_runner, [path, "--model", MLP_SPEC, "--exact"], 3)
+    assert [r["key"] for r in report["dtype_mismatch"]] == list(_state_dict(fixtures_dir / "mlp_amp.pth"))
+    assert {(r["checkpoint"], r["model"]) for r in report["dtype_mismatch"]} == {("float16", "float32")}
+    assert report["failures"] == ["exact: 6 dtypes differ from the model's (float16 vs model float32)"]
+
+
+def test_dp_checkpoint_with_exact_fails_and_names_the_repair(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "mlp_dp.pth"
+    shutil.copy(fixtures_dir / "mlp_dp.pth", src)
+    report = _json(cli_runner, [str(src), "--model", MLP_SPEC, "--exact"], 3)
+    assert report["fix"] == "strip module." and report["exact"] is True
+    assert report["convert_command"] == f"ckptfix convert {src} {tmp_path / 'mlp_dp.fixed.pth'} --to single"
+    assert "6 missing, 6 unexpected" in report["failures"][0] and report["convert_command"] in report["failures"][0]
+    # The named command really produces a file that passes --exact.
+    res = cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:])
+    assert res.exit_code == 0, res.output
+    fixed = _json(cli_runner, [str(tmp_path / "mlp_dp.fixed.pth"), "--model", MLP_SPEC, "--exact"], 0)
+    assert fixed["fix"] is None and fixed["failures"] == []
+
+
+class Lit(nn.Module):
+    """What a LightningModule's state_dict looks like: the network under an attribute."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.model = net
+
+
+def test_lightning_prefix_is_stripped_and_the_convert_command_works(cli_runner, fixtures_dir: Path, train: Any,
+                                                                    tmp_path: Path) -> None:
+    lit = Lit(train.mlp())
+    lit.model.load_state_dict(_state_dict(fixtures_dir / "mlp_single.pth"))
+    src = tmp_path / "lit.ckpt"
+    torch.save({"state_dict": lit.state_dict(), "epoch": 3, "global_step": 10}, src)
+    report = _json(cli_runner, [str(src), "--model", MLP_SPEC, "--exact",
+                                "--reference", str(fixtures_dir / "mlp_single.pth")], 3)
+    assert report["fix"] == "strip prefix model." and report["forward"]["max_abs_diff"] == 0.0
+    assert report["convert_command"] == (f"ckptfix convert {src} {tmp_path / 'lit.fixed.pth'} --to single "
+                                         "--strip-prefix model. --select state_dict")
+    assert cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:]).exit_code == 0
+    _json(cli_runner, [str(tmp_path / "lit.fixed.pth"), "--model", MLP_SPEC, "--exact"], 0)
+
+
+def test_wrapper_segments_are_added_to_match_a_wrapped_model(fixtures_dir: Path, train: Any) -> None:
+    report = ckptfix.verify(fixtures_dir / "mlp_single.pth", nn.DataParallel(train.mlp()),
+                            reference=fixtures_dir / "mlp_dp.pth")
+    assert report.ok and report.fix == "add module." and report.matched == 6
+    assert report.forward["max_abs_diff"] == 0.0
+
+
+def test_no_forward_reads_on_meta(monkeypatch, fixtures_dir: Path) -> None:
+    seen = []
+    real_read = ckptfix.api.read
+
+    def spy(path: Any, **kwargs: Any) -> Any:
+        ckpt = real_read(path, **kwargs)
+        seen.append((kwargs.get("map_location"), {t.device.type for t in ckpt.state_dict.values()}))
+        return ckpt
+
+    monkeypatch.setattr(ckptfix.api, "read", spy)
+    report = ckptfix.verify(fixtures_dir / "mlp_ddp.pth", MLP_SPEC, forward=False,
+                            reference=fixtures_dir / "mlp_single.pth")
+    assert seen == [("meta", {"meta"})]
+    assert report.ok and report.fix == "strip module." and report.nonfinite is None and report.forward is None
+
+
+def test_nonfinite_values_fail(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
+    sd = _state_dict(fixtures_dir / "mlp_single.pth")
+    sd["2.bias"][3] = float("nan")
+    sd["4.weight"][0, 1] = float("inf")
+    torch.save(sd, tmp_path / "nan.pth")
+    report = _json(cli_runner, [str(tmp_path / "nan.pth"), "--model", MLP_SPEC], 3)
+    assert report["nonfinite"] == ["2.bias", "4.weight"]
+    assert _json(cli_runner, [str(tmp_path / "nan.pth"), "--model", MLP_SPEC, "--no-forward"], 0)["nonfinite"] is None
+
+
+TIED = '''
+import torch.nn as nn
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab=11, dim=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.embed(x.long().abs() % 11))
+
+def build(vocab=11):
+    return TiedLM(vocab)
+'''
+
+
+def test_tied_weights(tmp_path: Path) -> None:
+    (tmp_path / "tied.py").write_text(TIED)
+    spec = f"{tmp_path / 'tied.py'}:build"
+    model = build_model(spec)
+    torch.save(model.state_dict(), tmp_path / "tied.pth")
+    assert ckptfix.verify(tmp_path / "tied.pth", spec).ok
+    # Saved with the twin dropped (as safetensors' save_model does): tolerated, and the outputs agree.
+    torch.save({"embed.weight": model.embed.weight.detach()}, tmp_path / "dropped.pth")
+    report = ckptfix.verify(tmp_path / "dropped.pth", spec, reference=tmp_path / "tied.pth", input_shape=(2, 3))
+    assert report.ok and report.missing == [] and report.forward["max_abs_diff"] == 0.0
+    assert report.tolerated == [{"key": "head.weight", "kind": "tied", "reason": "tied to embed.weight, which is present"}]
+    # Two different tensors for parameters the model ties: only one could survive loading.
+    untied = {"embed.weight": model.embed.weight.detach().clone(), "head.weight": torch.zeros(11, 4)}
+    torch.save(untied, tmp_path / "untied.pth")
+    bad = ckptfix.verify(tmp_path / "untied.pth", spec)
+    assert not bad.ok and bad.shared_mismatch[0]["keys"] == ["embed.weight", "head.weight"]
+
+
+@pytest.mark.parametrize("keep_metadata", [False, True])
+def test_missing_num_batches_tracked_and_exact_agrees_with_torch(resnet_dir: Path, tmp_path: Path,
+                                                                keep_metadata: bool) -> None:
+    sd = _state_dict(resnet_dir / "resnet18_single.pth")
+    old = OrderedDict((k, v) for k, v in sd.items() if not k.endswith("num_batches_tracked"))
+    if keep_metadata:
+        old._metadata = sd._metadata
+    torch.save(old, tmp_path / "old_bn.pth")
+    report = ckptfix.verify(tmp_path / "old_bn.pth", "torchvision:resnet18", model_args={"num_classes": 10},
+                            reference=resnet_dir / "resnet18_single.pth")
+    assert report.ok and report.forward["max_abs_diff"] == 0.0
+    assert [t["key"] for t in report.tolerated] == [k for k in sd if k.endswith("num_batches_tracked")]
+    exact = ckptfix.verify(tmp_path / "old_bn.pth", "torchvision:resnet18", model_args={"num_classes": 10},
+                           exact=True, forward=False)
+    model = torchvision.models.resnet18(num_classes=10)
+    try:
+        model.load_state_dict(torch.load(tmp_path / "old_bn.pth", weights_only=True, map_location="cpu"), strict=True)
+        torch_loads = True
+    except RuntimeError:
+        torch_loads = False
+    assert torch_loads is (not keep_metadata)  # BatchNorm fills the key itself for version-1 checkpoints only
+    assert exact.ok is torch_loads
+
+
+def test_input_shape_is_required_when_it_cannot_be_inferred(cli_runner, tmp_path: Path) -> None:
+    (tmp_path / "conv.py").write_text("import torch.nn as nn\ndef build():\n    return nn.Sequential(nn.Conv2d(1, 2, 3))\n")
+    spec = f"{tmp_path / 'conv.py'}:build"
+    torch.save(build_model(spec).state_dict(), tmp_path / "conv.pth")
+    res = cli_runner.invoke(cli, ["verify", str(tmp_path / "conv.pth"), "--model", spec,
+                                  "--reference", str(tmp_path / "conv.pth")])
+    assert res.exit_code == 1 and "pass --input-shape" in res.output
+    res = cli_runner.invoke(cli, ["verify", str(tmp_path / "conv.pth"), "--model", spec,
+                                  "--reference", str(tmp_path / "conv.pth"), "--input-shape", "1,1,5,5", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["forward"]["against"][0]["input_shape"] == [1, 1, 5, 5]
+
+
+def test_text_report_names_the_repair(cli_runner, fixtures_dir: Path) -> None:
+    res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp_compile.pth"), "--model", MLP_SPEC])
+    assert res.exit_code == 0
+    assert res.output.startswith("VERIFIED: ") and "keys: strip module._orig_mod.: 6/6 keys match" in res.output
+
+
+def test_errors_exit_1(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
+    res = cli_runner.invoke(cli, ["verify", str(tmp_path / "nope.pth"), "--model", MLP_SPEC])
+    assert res.exit_code == 1 and "no such file" in res.output
+    res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_single.pth"), "--model", "torchvision:resnet19"])
+    assert res.exit_code == 1 and "torchvision has no model 'resnet19'" in res.output
+
+
+def test_subprocess_exit_codes(fixtures_dir: Path) -> None:
+    exe = str(Path(sys.executable).with_name("ckptfix"))
+    ok = subprocess.run([exe, "verify", str(fixtures_dir / "mlp_dp.pth"), "--model", MLP_SPEC, "--json"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True and ok.stderr == ""
+    bad = subprocess.run([exe, "verify", str(fixtures_dir / "mlp_dp.pth"), "--model", MLP_SPEC, "--exact"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 3 and bad.stdout.startswith("FAILED: ")
+    err = subprocess.run([exe, "verify", str(fixtures_dir / "mlp_dp.pth"), "--model", "no_such_pkg.models:build"],
+                         capture_output=True, text=True, timeout=120)
+    assert err.returncode == 1 and err.stderr.startswith("Error: model spec 'no_such_pkg.models:build': can't import")

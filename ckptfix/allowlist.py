@@ -111,8 +111,6 @@ def allowed_table() -> dict[str, Any]:
         # Hyper-parameters from argparse: NEWOBJ + BUILD of a plain attribute dict.
         "argparse.Namespace": argparse.Namespace,
         # Containers of already-unpickled values (torch allows OrderedDict and Counter itself).
-        "collections.OrderedDict": collections.OrderedDict,
-        "collections.Counter": collections.Counter,
         "collections.defaultdict": _defaultdict,
         "collections.deque": _Deque,
         # Timestamps: constructed from bytes, numbers and a fixed-offset timezone.

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from . import formats, layout, wrappers
-from .atomic import atomic_path, check_destination
+from .atomic import atomic_path, check_destination, hashed_name, sha256_file
 from .devices import DevicePlan
 from .errors import ConversionError, LoadError, WrapperError
 from .progress import Progress, peak_rss_bytes
@@ -35,7 +35,7 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
     sel = layout.find_state_dict(raw.obj, select, source=path)
     sd = sel.state_dict
     keys = list(sd.keys())
-    default_tag = "cpu" if fmt == formats.SAFETENSORS else None
+    default_tag = "cpu" if fmt in (formats.SAFETENSORS, formats.SHARDED_SAFETENSORS, formats.DCP) else None
     notes = list(raw.notes)
     if sel.ema_keys:
         notes.append(f"EMA weights also present at {', '.join(sel.ema_keys)} (take them with select=KEY)")
@@ -60,17 +60,43 @@ def inspect(path: Any, trust: bool = False, select: str = "auto") -> Checkpoint:
     return read(path, map_location="meta", trust=trust, select=select)
 
 
-def _normalise(ckpt: Checkpoint, to: str, strip_prefix: str | None, add_prefix: str | None) -> Any:
+def _normalise(
+    ckpt: Checkpoint,
+    to: str,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    rename: tuple[str, ...] | list[str] = (),
+    by_order: Any = None,
+) -> tuple[Any, list[str]]:
+    """Keys: strip_prefix → wrappers off → regex renames → by-order names → add_prefix → ``to``'s wrappers.
+
+    Renames and by-order work on the single form (what ``inspect`` of a converted file shows).
+    Returns the new state dict and notes.
+    """
+    from . import transforms
+
     wrappers.check_no_flat_params(ckpt.state_dict.keys(), ckpt.path)
     if strip_prefix is not None:
         p = strip_prefix.strip().strip(".")
-        if not any(k == p or k.startswith(p + ".") for k in ckpt.state_dict):
+        if not any(wrappers.has_prefix(k, p) for k in ckpt.state_dict):
             raise WrapperError(
                 f"{ckpt.path}: no key starts with {p + '.'!r} (first key: {next(iter(ckpt.state_dict), '')!r}); "
                 "nothing was changed"
             )
-    fn = wrappers.key_transform(to, strip_prefix=strip_prefix, add_prefix=add_prefix)
-    return wrappers.rename_state_dict(ckpt.state_dict, fn, source=ckpt.path)
+    notes: list[str] = []
+    inner = "keep" if to == "keep" else "single"
+    sd = wrappers.rename_state_dict(ckpt.state_dict, wrappers.key_transform(inner, strip_prefix=strip_prefix),
+                                    source=ckpt.path)
+    if rename:
+        sd, changed = transforms.rename_keys(sd, rename, source=ckpt.path)
+        notes.append(f"--rename changed {changed} key(s)")
+    if by_order is not None:
+        sd, mapping = transforms.map_by_order(sd, by_order.state_dict(), source=ckpt.path)
+        moved = [(a, b) for a, b in mapping if a != b]
+        notes.append(f"--by-order renamed {len(moved)} of {len(mapping)} tensors by position"
+                     + (": " + ", ".join(f"{a} -> {b}" for a, b in moved[:20]) if moved else ""))
+    sd = wrappers.rename_state_dict(sd, wrappers.key_transform(to, add_prefix=add_prefix), source=ckpt.path)
+    return sd, notes
 
 
 def load(
@@ -81,13 +107,24 @@ def load(
     trust: bool = False,
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
+    rename: tuple[str, ...] | list[str] = (),
+    dtype: str | None = None,
+    allow_overflow: bool = False,
 ) -> Any:
     """The model's state dict with wrapper segments normalised to ``to`` (default: none).
+
+    ``rename`` takes ``'REGEX=REPLACEMENT'`` rules (full match, in order); ``dtype`` casts
+    floating-point tensors (fp32/fp16/bf16), never integer or bool buffers.
 
     >>> model.load_state_dict(ckptfix.load("ddp_compiled.pth"))   # doctest: +SKIP
     """
     ckpt = read(path, map_location=map_location, trust=trust, select=select)
-    return _normalise(ckpt, to, strip_prefix, add_prefix)
+    sd, _notes = _normalise(ckpt, to, strip_prefix, add_prefix, rename)
+    if dtype is not None:
+        from .transforms import cast_floating
+
+        sd, _report = cast_floating(sd, dtype, allow_overflow)
+    return sd
 
 
 def convert(
@@ -103,6 +140,13 @@ def convert(
     force: bool = False,
     trust: bool = False,
     progress: bool = False,
+    rename: tuple[str, ...] | list[str] = (),
+    by_order: Any = None,
+    dtype: str | None = None,
+    allow_overflow: bool = False,
+    hash: bool = False,
+    checksums: bool = False,
+    max_shard_size: int | str | None = None,
 ) -> ConvertReport:
     """Read ``src``, normalise its keys and write ``dst`` atomically (format by extension or ``format``).
 
@@ -110,34 +154,91 @@ def convert(
     the structure is read on ``meta`` and each tensor's bytes are copied from ``src`` into ``dst``
     in the kernel, so time and memory stay close to ``cp``'s. ``progress`` draws a progress line
     on stderr when it is a terminal.
+
+    ``rename`` (``'REGEX=REPLACEMENT'`` rules), ``by_order`` (an ``nn.Module`` whose key names are
+    given to the checkpoint's tensors by position) and ``dtype`` (fp32/fp16/bf16, floating-point
+    tensors only) transform the state dict; ``hash`` appends the first 8 hex digits of the output's
+    SHA-256 to its name (torch.hub's convention); ``checksums`` reports both files' SHA-256.
+
+    ``max_shard_size`` (bytes, or ``"5GB"``) writes a Hugging Face sharded directory at ``dst``;
+    ``format="dcp"`` a torch.distributed.checkpoint directory.
     """
     start = time.perf_counter()
     src, dst = _fspath(src), _fspath(dst)
     fmt_in = formats.sniff(src)
-    check_destination(src, dst, force)
-    fmt_out = formats.format_for_destination(dst, format)
-    if keep_extra and fmt_out != formats.TORCH_ZIP:
+    shard_size = None
+    if max_shard_size is not None:
+        from .formats.sharded import parse_size
+
+        shard_size = parse_size(max_shard_size)
+    fmt_out = formats.format_for_destination(dst, format, sharded=shard_size is not None)
+    to_dir = shard_size is not None or fmt_out == formats.DCP
+    if to_dir:
+        from .atomic import check_destination_dir
+
+        if hash:
+            raise ConversionError("--hash names one output file; it does not apply to a sharded or DCP directory")
+        check_destination_dir(src, dst, force)
+    else:
+        check_destination(src, dst, force or hash)  # with hash the name is known only once written
+    if keep_extra and fmt_out not in (formats.TORCH_ZIP, formats.DCP) or (keep_extra and shard_size is not None):
         raise ConversionError(
-            f"{dst}: --keep-extra keeps optimizer state and other Python objects, which only a .pth "
-            "file can hold; write .pth, or drop --keep-extra to write the weights alone"
+            f"{dst}: --keep-extra keeps optimizer state and other Python objects, which only a single .pth "
+            "file or a DCP directory can hold; write .pth, or drop --keep-extra to write the weights alone"
         )
     plan = DevicePlan(map_location, source=src)
     if plan.is_meta:
         raise ConversionError("map_location='meta' reads no tensor data; convert needs real tensors")
+    if dtype is not None:
+        from .transforms import parse_dtype
+
+        parse_dtype(dtype)
     ckpt = None
-    if not trust and fmt_in in (formats.TORCH_ZIP, formats.SAFETENSORS) and plan.user_fn is None:
+    if (not trust and fmt_in in formats.STREAMABLE and fmt_out != formats.DCP and plan.user_fn is None
+            and dtype is None):
         ckpt = read(src, map_location="meta", select=select)
         if not ckpt.refs or any(plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
             ckpt = None  # a device other than the CPU asked for: load the tensors for real
     streamed = ckpt is not None
     if ckpt is None:
         ckpt = read(src, map_location=map_location, trust=trust, select=select)
-    sd = _normalise(ckpt, to, strip_prefix, add_prefix)
+    sd, notes = _normalise(ckpt, to, strip_prefix, add_prefix, rename, by_order)
+    cast = None
+    if dtype is not None:
+        from .transforms import cast_floating
+
+        sd, cast = cast_floating(sd, dtype, allow_overflow)
+        notes.append(f"cast to {cast.dtype}: " + (", ".join(f"{k} ×{v}" for k, v in cast.cast.items()) or "nothing to cast")
+                     + ("; kept " + ", ".join(f"{k} ×{v}" for k, v in cast.kept.items()) if cast.kept else ""))
+        if cast.infs_produced:
+            notes.append(f"overflow: {cast.infs_produced} value(s) became inf in {', '.join(cast.overflow_keys)}")
     keep = keep_extra and ckpt.state_dict_key not in (None, "<nn.Module>")
     out_obj = layout.put_back(ckpt.raw, ckpt.state_dict_key, sd) if keep else sd
-    archive = os.path.splitext(os.path.basename(dst))[0]
-    with atomic_path(dst) as tmp, Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=progress):
-        notes = formats.write(out_obj, tmp, fmt_out, refs=ckpt.refs if streamed else None, archive=archive)
+    refs = ckpt.refs if streamed else None
+    final = {"dst": dst, "sha256": None}
+
+    def finalize(tmp: str) -> str:
+        if hash or checksums:
+            final["sha256"] = sha256_file(tmp)
+        if hash:
+            final["dst"] = hashed_name(dst, final["sha256"])
+            check_destination(src, final["dst"], force)
+        return final["dst"]
+
+    with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=progress):
+        if shard_size is not None:
+            from .formats import sharded
+
+            notes += sharded.write(out_obj, dst, fmt_out, shard_size, force=force, refs=refs)
+        elif fmt_out == formats.DCP:
+            from .formats import dcp
+
+            notes += dcp.write(out_obj, dst, force=force)
+        else:
+            with atomic_path(dst, finalize=finalize) as tmp:
+                archive = os.path.splitext(os.path.basename(dst))[0]
+                notes += formats.write(out_obj, tmp, fmt_out, refs=refs, archive=archive)
+    dst = final["dst"]
     renamed = sum(1 for a, b in zip(ckpt.state_dict.keys(), sd.keys()) if a != b)
     extra_kept = list(ckpt.extra) if keep else []
     dropped = [] if keep else list(ckpt.extra)
@@ -160,11 +261,20 @@ def convert(
         kept_extra=extra_kept,
         streamed=streamed,
         bytes_read=ckpt.stats.nbytes,
-        bytes_written=os.path.getsize(dst),
+        bytes_written=_size_on_disk(dst),
         seconds=round(time.perf_counter() - start, 3),
         peak_rss=peak_rss_bytes(),
+        sha256_in=sha256_file(src) if checksums and os.path.isfile(src) else None,
+        sha256_out=final["sha256"] if checksums else None,
+        dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,
     )
+
+
+def _size_on_disk(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    return os.path.getsize(path)
 
 
 def load_into(

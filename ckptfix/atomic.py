@@ -7,9 +7,12 @@ unless ``force``; dst may never be the source (also through symlinks or hard lin
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .errors import DestinationError
 
@@ -35,11 +38,29 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file, read in bounded chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(16 * 2**20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hashed_name(dst: str, sha256: str) -> str:
+    """``resnet18.pth`` → ``resnet18-1a2b3c4d.pth``: torch.hub's ``check_hash`` file-name convention."""
+    head, name = os.path.split(dst)
+    stem, dot, ext = name.partition(".")
+    stem = re.sub(r"-[0-9a-f]{8,}$", "", stem)  # re-hashing replaces an old hash
+    return os.path.join(head, f"{stem}-{sha256[:8]}{dot}{ext}")
+
+
 @contextlib.contextmanager
-def atomic_path(dst: str) -> Iterator[str]:
+def atomic_path(dst: str, finalize: Callable[[str], str] | None = None) -> Iterator[str]:
     """Yield a temp path in dst's directory; on clean exit fsync it and rename it onto dst.
 
-    On any exception (KeyboardInterrupt included) the temp file is removed and dst untouched.
+    ``finalize(tmp)`` may name a different final path (e.g. with a hash in it) once the data is
+    written. On any exception (KeyboardInterrupt included) the temp file is removed and dst untouched.
     """
     parent = os.path.dirname(os.path.abspath(dst)) or "."
     try:
@@ -51,13 +72,13 @@ def atomic_path(dst: str) -> Iterator[str]:
         os.chmod(tmp, _output_mode(dst))
         yield tmp
         _fsync_path(tmp)
-        os.replace(tmp, dst)
+        os.replace(tmp, finalize(tmp) if finalize is not None else dst)
         _fsync_dir(parent)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
-            raise DestinationError(f"{dst}: write failed: {e.strerror or e}; nothing was written") from None
+            raise DestinationError(f"{dst}: write failed: {getattr(e, 'strerror', None) or e}; nothing was written") from None
         raise
 
 
@@ -81,7 +102,6 @@ def _fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
 
 
 def check_destination_dir(src: str, dst: str, force: bool) -> None:
@@ -110,8 +130,6 @@ def atomic_dir(dst: str, force: bool) -> Iterator[str]:
 
     On any exception (KeyboardInterrupt included) the temp directory is removed and dst untouched.
     """
-    import shutil
-
     dst = os.path.abspath(dst)
     parent = os.path.dirname(dst)
     _check_dir_dst(dst, force)
@@ -131,15 +149,13 @@ def atomic_dir(dst: str, force: bool) -> Iterator[str]:
         _fsync_dir(parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise DestinationError(f"{dst}: write failed: {e.strerror or e}; nothing was written") from None
+        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
+            raise DestinationError(f"{dst}: write failed: {getattr(e, 'strerror', None) or e}; nothing was written") from None
         raise
 
 
 def _replace_dir(tmp: str, dst: str, force: bool) -> None:
     """rename(tmp, dst); a non-empty dst (force only) is moved aside first and removed after."""
-    import shutil
-
     try:
         os.rename(tmp, dst)  # atomic; also replaces an empty directory
         return

@@ -32,6 +32,10 @@ class Group(click.Group):
         except KeyboardInterrupt:
             click.echo("Error: interrupted; nothing was written", err=True)
             ctx.exit(130)
+        except BrokenPipeError:  # the reader (e.g. `| head`) closed the pipe: stop quietly, like cat
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            ctx.exit(141)
         except CkptfixError as e:
             _fail(ctx, str(e), e)
         except Exception as e:  # noqa: BLE001 - the CLI's edge: no traceback for users
@@ -115,20 +119,41 @@ def cli() -> None:
 @click.option("--keep-extra", is_flag=True, help="Keep optimizer, epoch, … around the fixed state dict (pth only).")
 @click.option("--strip-prefix", metavar="P", help="Remove this leading prefix (whole segments), e.g. model.")
 @click.option("--add-prefix", metavar="P", help="Add this prefix (whole segments), e.g. backbone.")
-@click.option("--format", "fmt", type=click.Choice(["pth", "safetensors"]), help="Output format (default: by DST's extension).")
+@click.option("--format", "fmt", type=click.Choice(["pth", "safetensors", "dcp"]),
+              help="Output format (default: by DST's extension; dcp: a torch.distributed.checkpoint directory).")
+@click.option("--max-shard-size", metavar="SIZE",
+              help="Write a Hugging Face sharded directory at DST, shards at most SIZE (5GB, 500MiB, 40KB).")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL",
+              help="Rename keys (Python re, full match, applied in order to the single form); repeatable.")
+@click.option("--by-order", is_flag=True, help="Give the tensors --model's key names by position (counts and shapes must agree).")
+@click.option("--model", "model_spec", metavar="SPEC", help="Model for --by-order: torchvision:NAME, pkg.mod:fn or file.py:fn.")
+@click.option("--arg", "model_args", multiple=True, metavar="NAME=VALUE", help="Keyword for the --model builder; repeatable.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), help="Cast floating-point tensors (never integer or bool buffers).")
+@click.option("--allow-overflow", is_flag=True, help="With --dtype fp16: allow values beyond ±65504 to become inf.")
+@click.option("--hash", "add_hash", is_flag=True, help="Append the first 8 hex digits of DST's SHA-256 to its name.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @trust_option
 @json_option
 def convert(src: str, dst: str, to: str, map_location: tuple[str, ...], select: str, keep_extra: bool,
-            strip_prefix: str | None, add_prefix: str | None, fmt: str | None, force: bool, quiet: bool,
-            trust: bool, as_json: bool) -> None:
-    """Convert SRC to DST: normalise wrapper prefixes, remap devices, change format."""
+            strip_prefix: str | None, add_prefix: str | None, fmt: str | None, max_shard_size: str | None,
+            rename: tuple[str, ...], by_order: bool,
+            model_spec: str | None, model_args: tuple[str, ...], dtype: str | None, allow_overflow: bool,
+            add_hash: bool, force: bool, quiet: bool, trust: bool, as_json: bool) -> None:
+    """Convert SRC to DST: normalise wrapper prefixes, remap devices, rename, cast, change format."""
     from .api import convert as do_convert
 
+    if by_order != bool(model_spec):
+        raise click.UsageError("--by-order and --model go together")
+    model = None
+    if model_spec:
+        from .models import build_model, parse_model_args
+
+        model = build_model(model_spec, parse_model_args(model_args))
     report = do_convert(src, dst, to=to, map_location=_map_location(map_location, "cpu"), select=select,
                         keep_extra=keep_extra, strip_prefix=strip_prefix, add_prefix=add_prefix, format=fmt,
-                        force=force, trust=trust, progress=not quiet)
+                        force=force, trust=trust, progress=not quiet, rename=rename, by_order=model, dtype=dtype,
+                        allow_overflow=allow_overflow, hash=add_hash, checksums=as_json, max_shard_size=max_shard_size)
     if as_json:
         _emit_json(report.to_dict())
         return
@@ -157,6 +182,9 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
         ("path", info["path"]),
         ("format", info["format"]),
         ("state dict", where + (f" (EMA weights also at: {', '.join(info['ema_keys'])})" if info["ema_keys"] else "")),
+        ("layout", (f"{info['framework']} checkpoint" if info["framework"] else "plain")
+         + (f"; every key starts with {info['common_prefix']!r} (--strip-prefix {info['common_prefix']})"
+            if info["common_prefix"] else "")),
         ("wrappers", _stack(info["wrappers"]) + (f"; inner: {', '.join(info['inner_wrappers'])}" if info["inner_wrappers"] else "")),
         ("tensors", f"{info['num_tensors']} ({info['num_params']:,} elements, {_size(info['nbytes'])})"),
         ("dtypes", _counts(info["dtypes"])),
@@ -182,9 +210,19 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
 def tolerance_options(f: Callable) -> Callable:
     """``--atol``/``--rtol`` for output and tensor comparisons (default 0: exact)."""
     for name in ("--rtol", "--atol"):
-        f = click.option(name, type=click.FloatRange(min=0), default=0.0, show_default=True,
+        f = click.option(name, type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="X",
                          help=f"{'Absolute' if name == '--atol' else 'Relative'} tolerance (0: bit-exact).")(f)
     return f
+
+
+def _render_finding(ctx: click.Context, report: Any, as_json: bool, ok: bool) -> None:
+    """Print ``report`` (``--json``: ``to_dict()``, else ``format_text()``); exit 3 unless ``ok``."""
+    if as_json:
+        _emit_json(report.to_dict())
+    else:
+        click.echo(report.format_text())
+    if not ok:
+        ctx.exit(EXIT_FINDING)
 
 
 @cli.command()
@@ -215,13 +253,9 @@ def verify(ctx: click.Context, path: str, model_spec: str, args: tuple[str, ...]
     report = do_verify(path, model_spec, model_args=parse_model_args(args), reference=reference, exact=exact,
                        forward=not no_forward, atol=atol, rtol=rtol,
                        input_shape=parse_shape(input_shape) if input_shape else None,
-                       map_location=_map_location(map_location, "cpu"), select=select, trust=trust)
-    if as_json:
-        _emit_json(report.to_dict())
-    else:
-        click.echo(report.format_text())
-    if not report.ok:
-        ctx.exit(EXIT_FINDING)
+                       map_location=_map_location(map_location, "cpu"), select=select, trust=trust,
+                       checksum=as_json)  # text + --no-forward: no tensor byte read, not even to hash
+    _render_finding(ctx, report, as_json, report.ok)
 
 
 @cli.command()
@@ -241,12 +275,7 @@ def diff(ctx: click.Context, a: str, b: str, raw: bool, atol: float, rtol: float
 
     report = do_diff(a, b, raw=raw, atol=atol, rtol=rtol, map_location=_map_location(map_location, "cpu"),
                      select=select, trust=trust)
-    if as_json:
-        _emit_json(report.to_dict())
-    else:
-        click.echo(report.format_text())
-    if not report.identical:
-        ctx.exit(EXIT_FINDING)
+    _render_finding(ctx, report, as_json, report.identical)
 
 
 @cli.command()

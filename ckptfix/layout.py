@@ -108,10 +108,39 @@ def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") 
         )
     else:
         keys = ", ".join(repr(k) for k in list(obj)[:12])
+        if not keys:
+            raise SelectError(f"{source}: is empty: an empty dict, no tensors at all (a save before the model was built?)")
         raise SelectError(f"{source}: no state dict found; its top-level entries are {keys}")
     value = obj[key]
     sd = _module_state_dict(value)
     return Selection(sd if sd is not None else value, key, _extra(obj, key), ema)
+
+
+def detect_framework(obj: Any) -> str | None:
+    """Name the training framework whose checkpoint layout ``obj`` has, from its top-level keys."""
+    if not isinstance(obj, Mapping):
+        return None
+    keys = set(obj)
+    if "pytorch-lightning_version" in keys or "lightning_version" in keys:
+        return "lightning"
+    if {"meta", "state_dict", "message_hub"} <= keys or ({"meta", "state_dict"} <= keys and isinstance(obj.get("meta"), Mapping)
+                                                        and "mmengine_version" in obj["meta"]):
+        return "mmengine"
+    if "state_dict" in keys and "arch" in keys:
+        return "timm"
+    if "model_state_dict" in keys and "optimizer_state_dict" in keys:
+        return "pytorch-tutorial"
+    return None
+
+
+def common_prefix(keys: list[str]) -> str | None:
+    """The first segment every key shares (Lightning's attribute, e.g. ``'model.'``), if any."""
+    if not keys:
+        return None
+    first = {k.split(".", 1)[0] for k in keys}
+    if len(first) == 1 and all("." in k for k in keys):
+        return first.pop() + "."
+    return None
 
 
 def _extra(obj: Mapping, key: str) -> dict[str, Any]:

@@ -139,6 +139,7 @@ class _Machine:
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
+        self.handlers = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
 
     # -- helpers -------------------------------------------------------------------------------
     def push(self, value: Any) -> None:
@@ -188,37 +189,18 @@ class _Machine:
 
     # -- the opcodes ---------------------------------------------------------------------------
     def step(self, op: str, arg: Any, pos: int) -> None:
-        handler = getattr(self, "op_" + op, None)
+        handler = self.handlers.get(op)
         if handler is not None:
             handler(arg, pos)
         elif op in _CONSTANTS:
-            self.push(arg)
+            self.stack.append(arg)
+        elif op in _NEW:
+            self.push(_NEW[op]())
         elif op not in ("FRAME", "READONLY_BUFFER"):
             raise _Malformed(f"unhandled opcode {op}")  # pragma: no cover - every opcode is listed
 
     def op_PROTO(self, arg: int, pos: int) -> None:
         self.r.protocol = arg
-
-    def op_NONE(self, arg: Any, pos: int) -> None:
-        self.push(None)
-
-    def op_NEWTRUE(self, arg: Any, pos: int) -> None:
-        self.push(True)
-
-    def op_NEWFALSE(self, arg: Any, pos: int) -> None:
-        self.push(False)
-
-    def op_EMPTY_TUPLE(self, arg: Any, pos: int) -> None:
-        self.push(())
-
-    def op_EMPTY_LIST(self, arg: Any, pos: int) -> None:
-        self.push([])
-
-    def op_EMPTY_DICT(self, arg: Any, pos: int) -> None:
-        self.push({})
-
-    def op_EMPTY_SET(self, arg: Any, pos: int) -> None:
-        self.push(set())
 
     def op_MARK(self, arg: Any, pos: int) -> None:
         self.metastack.append(self.stack)
@@ -387,6 +369,8 @@ class _Machine:
         self.r.value = self.pop()
 
 
+_NEW = {"NONE": lambda: None, "NEWTRUE": lambda: True, "NEWFALSE": lambda: False, "EMPTY_TUPLE": tuple,
+        "EMPTY_LIST": list, "EMPTY_DICT": dict, "EMPTY_SET": set}
 _CONSTANTS = frozenset({
     "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT",
     "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",

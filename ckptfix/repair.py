@@ -10,6 +10,7 @@ applied, only suggested (:func:`suggest_renames`).
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -274,7 +275,8 @@ def torch_fills_num_batches_tracked(key: str, state_dict: Any) -> bool:
     return key.rsplit(".", 1)[-1] == "num_batches_tracked" and (version is None or version < 2)
 
 
-def convert_command(path: str, keys: list[str], repair: Repair, target: Target, select: str | None) -> str | None:
+def convert_command(path: str, keys: list[str], repair: Repair, target: Target, select: str | None,
+                    dtype: str | None = None) -> str | None:
     """The ``ckptfix convert …`` line whose output plain ``torch.load`` + ``load_state_dict`` takes.
 
     Each candidate command is checked by running its key function over every key; ``None`` when
@@ -293,16 +295,16 @@ def convert_command(path: str, keys: list[str], repair: Repair, target: Target, 
             argv += ["--strip-prefix", strip + "."] if strip else []
             argv += ["--add-prefix", repair.add_prefix + "."] if repair.add_prefix else []
             argv += ["--select", select] if select not in (None, "<nn.Module>") else []
+            argv += ["--dtype", dtype] if dtype else []
             return " ".join(shlex.quote(a) for a in argv)
     return None
 
 
-def suggest_renames(unexpected: Mapping[str, Any], missing: Mapping[str, Any]) -> list[dict[str, Any]]:
+def suggest_renames(unexpected: Mapping[str, Any], missing: Mapping[str, Any], path: str = "PATH") -> list[dict[str, Any]]:
     """Prefix renames (``layer4.`` → ``stage4.``) that would turn unexpected keys into missing ones.
 
     ``unexpected``/``missing`` map key → shape. A rule is offered only when every unexpected key
-    under its prefix lands on a missing key of the same shape; when the leftovers pair up one to
-    one in order with equal shapes, a by-order mapping is offered too. Nothing is applied.
+    under its prefix lands on a missing key of the same shape. Nothing is applied.
     """
     by_suffix: dict[str, list[str]] = {}
     for m in missing:
@@ -311,7 +313,7 @@ def suggest_renames(unexpected: Mapping[str, Any], missing: Mapping[str, Any]) -
             by_suffix.setdefault(".".join(segs[d:]), []).append(".".join(segs[:d]))
     out: list[dict[str, Any]] = []
     covered: set[str] = set()
-    landed: set[str] = set()
+    landed: set[str] = set()  # missing keys a rule already reaches
     tried: set[str] = set()
     for u in unexpected:
         segs = u.split(".")
@@ -325,16 +327,19 @@ def suggest_renames(unexpected: Mapping[str, Any], missing: Mapping[str, Any]) -
                 if rule and not rule.keys() & covered and not set(rule.values()) & landed:
                     covered.update(rule)
                     landed.update(rule.values())
+                    option = shlex.quote(f"{re.escape(old)}\\.(.*)={new}.\\1")
                     out.append({"rename": {"from": old + ".", "to": new + "."}, "keys": len(rule),
-                                "text": f"rename {old}. -> {new}. ({len(rule)} keys, shapes agree): --rename {old}.={new}."})
+                                "text": f"rename {old}. -> {new}. ({len(rule)} keys, shapes agree): "
+                                        f"ckptfix convert {shlex.quote(path)} OUT --rename {option}"})
                     break
-    rest_u = [k for k in unexpected if k not in covered]
-    rest_m = [k for k in missing if k not in landed]
-    if rest_u and len(rest_u) == len(rest_m) and all(unexpected[a] == missing[b] for a, b in zip(rest_u, rest_m)):
-        out.append({"by_order": True, "keys": len(rest_u),
-                    "text": f"the {'other ' if out else ''}{len(rest_u)} unexpected and missing keys pair up in "
-                            "order with equal shapes: --by-order would map them"})
     return out
+
+
+def by_order_fits(state_dict: Mapping[str, Any], target: Target) -> bool:
+    """Would ``convert --by-order`` take it: as many tensors as the model, shapes equal in order."""
+    have = [s for s in map(shape_of, state_dict.values()) if s is not None]
+    want = [s for s in target.shapes.values() if s is not None]
+    return have == want
 
 
 def _check_rule(old: str, new: str, unexpected: Mapping[str, Any], missing: Mapping[str, Any]) -> dict[str, str]:

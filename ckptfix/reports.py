@@ -94,6 +94,21 @@ class Checkpoint:
     refs: dict = field(default_factory=dict, repr=False)  # storage id -> StorageRef (structure reads)
 
     @property
+    def framework(self) -> str | None:
+        """The training framework whose layout the file has (lightning, timm, mmengine, …)."""
+        from .layout import detect_framework
+
+        return detect_framework(self.raw)
+
+    @property
+    def common_prefix(self) -> str | None:
+        """The leading segment all keys share after wrappers (e.g. Lightning's ``model.``)."""
+        from .layout import common_prefix
+        from .wrappers import strip_wrappers
+
+        return common_prefix([strip_wrappers(k) for k in self.state_dict])
+
+    @property
     def devices(self) -> dict[str, int]:
         return self.stats.devices
 
@@ -121,6 +136,8 @@ class Checkpoint:
             "format": self.format,
             "state_dict_key": self.state_dict_key,
             "ema_keys": self.ema_keys,
+            "framework": self.framework,
+            "common_prefix": self.common_prefix,
             "wrappers": self.wrappers,
             "inner_wrappers": self.inner_wrappers,
             "num_tensors": self.stats.num_tensors,
@@ -159,6 +176,9 @@ class ConvertReport:
     bytes_written: int = 0
     seconds: float = 0.0
     peak_rss: int = 0
+    sha256_in: str | None = None
+    sha256_out: str | None = None
+    dtype_cast: dict[str, int] | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 from . import pickle_scan, zip_check
 from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals, classify, safe_unpickling
 from .errors import FormatError, UnsafeCheckpointError
-from .formats import LEGACY_MAGIC, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, sniff
+from .formats import LEGACY_MAGIC, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, sniff
 
 __all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe", "allowed_globals", "safe_unpickling",
            "SAFE", "ALLOWED", "UNSAFE"]
@@ -90,6 +90,11 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True) -> ScanRepor
     """
     path = os.fspath(path)
     fmt = fmt or _scan_format(path)
+    if fmt in SHARDED:
+        return _scan_sharded(path, fmt, check_crc)
+    if fmt not in (SAFETENSORS, TORCH_ZIP, TORCHSCRIPT, TORCH_LEGACY, PICKLE):
+        raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors) "
+                          f"and sharded checkpoints, not {fmt} directories")
     c = _Collector(path, fmt)
     if fmt == SAFETENSORS:
         from .formats.safetensors_file import read_header
@@ -110,6 +115,21 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True) -> ScanRepor
     return c.finish()
 
 
+def _scan_sharded(path: str, fmt: str, check_crc: bool) -> ScanReport:
+    """Every shard an index lists, scanned as a file of its own; ``where`` names the shard."""
+    from .formats import sharded
+
+    index = sharded.find_index(path) or path
+    root = os.path.dirname(os.path.abspath(index))
+    report = ScanReport(path, fmt)
+    for shard in dict.fromkeys(sharded.load_index(index).values()):
+        part = scan(sharded.member_path(root, shard, index), check_crc=check_crc)
+        report.globals += [GlobalRef(g.name, g.category, f"{shard}: {g.where}", g.ops) for g in part.globals]
+        report.findings += [Finding(f.kind, f"{shard}: {f.where}", f"{shard}: {f.message}") for f in part.findings]
+        report.pickles += [f"{shard}: {w}" for w in part.pickles]
+    return report
+
+
 def ensure_safe(path: str, fmt: str, structure_only: bool = False) -> None:
     """Raise UnsafeCheckpointError naming every unsafe global (sorted) and structural problem.
 
@@ -128,19 +148,24 @@ def ensure_safe(path: str, fmt: str, structure_only: bool = False) -> None:
         f"{path}: refused: loading it could run code or read the wrong bytes: {'; '.join(parts)}. "
         "If you trust this file and its author, pass --trust (library: trust=True); "
         f"`ckptfix scan {path}` lists everything it references.",
-        report.unsafe_globals,
+        [] if structure_only else report.unsafe_globals,
     )
 
 
 def _scan_format(path: str) -> str:
+    """The checkpoint's format, or ``pickle`` for a plain pickle (not a checkpoint, but scannable)."""
     try:
         return sniff(path)
-    except FormatError:
+    except FormatError as e:
+        not_checkpoint = e
+    try:
         with open(path, "rb") as f:
             head = f.read(2)
-        if len(head) == 2 and head[0] == 0x80 and head[1] <= 5:
-            return PICKLE
-        raise
+    except OSError:
+        head = b""
+    if len(head) == 2 and head[0] == 0x80 and head[1] <= 5:
+        return PICKLE
+    raise not_checkpoint
 
 
 class _Collector:
@@ -148,7 +173,7 @@ class _Collector:
         self.path, self.fmt = path, fmt
         self.globals: dict[tuple[str, str], GlobalRef] = {}
         self.findings: list[Finding] = []
-        self.errors: list[tuple[str, str]] = []  # (where, message): damage, not danger
+        self.errors: list[tuple[str, str, bool]] = []  # (where, message, a pickle broke): damage, not danger
         self.pickles: list[str] = []
 
     def find(self, kind: str, where: str, message: str) -> None:
@@ -165,7 +190,10 @@ class _Collector:
         for problem in w.problems:
             self.find("unsafe-construct", w.where, f"{w.where}: {problem}")
         if w.error:
-            self.errors.append((w.where, f"{w.where} is truncated or corrupt ({w.error})"))
+            self.errors.append((w.where, f"{w.where} is truncated or corrupt ({w.error})", True))
+
+    def damage(self, where: str, message: str) -> None:
+        self.errors.append((where, message, False))
 
     def finish(self) -> ScanReport:
         unsafe = [Finding("unsafe-global", g.where, f"unsafe global {g.name} ({', '.join(g.ops)}) in {g.where}")
@@ -173,8 +201,8 @@ class _Collector:
         findings = unsafe + self.findings
         if findings:
             # A pickle that breaks after a payload still runs the payload: report both.
-            findings += [Finding("malformed", where, f"{msg}; an unpickler runs everything before the break")
-                         for where, msg in self.errors]
+            findings += [Finding("malformed", where, msg + ("; an unpickler runs everything before the break"
+                                                            if broke else "")) for where, msg, broke in self.errors]
         elif self.errors:
             more = f" (and {len(self.errors) - 1} more problems)" if len(self.errors) > 1 else ""
             raise FormatError(f"{self.path}: {self.errors[0][1]}{more}")
@@ -185,7 +213,12 @@ def _scan_zip(c: _Collector, buf: Any, size: int, torchscript: bool, check_crc: 
     layout = zip_check.check_zip(c.path, buf, size, torchscript=torchscript, check_crc=check_crc)
     for kind, where, message in layout.findings:
         c.find(kind, where, message)
-    c.errors += [("archive", e) for e in layout.errors]
+    for error in layout.errors:
+        c.damage("archive", error)
+    for start, end in layout.unreferenced:  # hidden bytes that hold a pickle: say what it would run
+        if buf[start] == 0x80:
+            for w in pickle_scan.walk_stack(buf, start, end, f"unreferenced bytes at {start}"):
+                c.add_walk(w)
     names = [m.name for m in layout.members]
     for i, m in enumerate(layout.members):
         if not m.name.endswith(".pkl") or m.flags & 1 or m.compress_type not in (0, 8):
@@ -194,7 +227,7 @@ def _scan_zip(c: _Collector, buf: Any, size: int, torchscript: bool, check_crc: 
         try:
             data = zip_check.read_member(m, buf)
         except ValueError as e:
-            c.errors.append((where, f"member {where} {e}"))
+            c.damage(where, f"member {where} {e}")
             continue
         walks = pickle_scan.walk_stack(data, 0, len(data), where)
         for w in walks:
@@ -221,13 +254,15 @@ def _scan_legacy(c: _Collector, buf: Any, size: int) -> None:
             return
         pos = w.end
     if walks[0].value != LEGACY_MAGIC or walks[1].value != _LEGACY_PROTOCOL_VERSION:
-        c.errors.append((walks[1].where, f"is not a torch legacy file (magic {walks[0].value!r}, "
-                                         f"protocol {walks[1].value!r})"))
+        c.damage(walks[1].where, f"is not a torch legacy file (magic {walks[0].value!r}, protocol {walks[1].value!r})")
         return
     try:
         end = _storages_end(walks[3].persistent_ids, walks[4].value, buf, pos, size)
+    except _Truncated as e:
+        c.damage("storage data", f"is truncated: {e}")
+        return
     except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
-        c.errors.append(("storage data", f"its storage data does not match the pickle's storages ({e})"))
+        c.damage("storage data", f"its storage data does not match the pickle's storages ({e})")
         return
     if end < size:
         c.find("data-after", "file", f"{size - end} bytes after the end of the checkpoint's storage data")
@@ -245,12 +280,17 @@ def _storages_end(pids: list[Any], keys: Any, buf: Any, pos: int, size: int) -> 
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage"):
             dtype = torch.serialization.StorageType(pid[1].name).dtype
             elem[str(pid[2])] = torch._utils._element_size(dtype)
-    for key in keys:
-        (numel,) = struct.unpack("<q", buf[pos : pos + 8])
+    keys = list(keys)
+    for i, key in enumerate(keys):
+        numel = struct.unpack("<q", buf[pos : pos + 8])[0] if pos + 8 <= size else -1
         pos += 8 + numel * elem[str(key)]
         if numel < 0 or pos > size:
-            raise ValueError(f"storage {key} runs past the end of the file (truncated)")
+            raise _Truncated(f"storage {i + 1} of {len(keys)} runs past the end of the file")
     return pos
+
+
+class _Truncated(ValueError):
+    pass
 
 
 def _scan_tar(c: _Collector) -> None:
@@ -265,5 +305,5 @@ def _scan_tar(c: _Collector) -> None:
                 for w in pickle_scan.walk_stack(data, 0, len(data), f"tar member {name}"):
                     c.add_walk(w)
     except (tarfile.TarError, KeyError, OSError) as e:
-        c.errors.append(("archive", f"is a corrupt legacy tar checkpoint ({e})"))
+        c.damage("archive", f"is a corrupt legacy tar checkpoint ({e})")
     c.find("tar-format", "archive", "a torch < 0.4 tar checkpoint: torch loads these only with full unpickling")

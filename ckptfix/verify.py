@@ -11,17 +11,18 @@ cast, so they are warnings); with ``exact`` it must load as saved through plain
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import models, repair
+from . import forward as fwd
+from . import models, repair, wrappers
+from .atomic import sha256_file
 from .errors import CkptfixError
 
-#: Seed of the input used for forward checks (the fixtures' own: fixtures/train.py INPUT_SEED).
-INPUT_SEED = 1234
+_TORCH_FORMATS = ("torch-zip", "torch-legacy")  # what plain torch.load reads
+_SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # convert --dtype names
 
 
 @dataclass
@@ -38,7 +39,7 @@ class VerifyReport:
     dtype_mismatch: list[dict[str, Any]]
     nonfinite: list[str] | None
     forward: dict[str, Any] | None
-    sha256: str
+    sha256: str | None
     exact: bool = False
     format: str = ""
     state_dict_key: str | None = None
@@ -61,8 +62,8 @@ class VerifyReport:
         mode = "exact" if self.exact else "repaired"
         lines = [f"{'VERIFIED' if self.ok else 'FAILED'}: {self.checkpoint} against {self.model} ({mode})",
                  f"  keys: {self.fix or 'as saved'}: {self.matched}/{self.total} keys match"]
-        if self.convert_command and self.fix:
-            lines.append(f"  to apply the repair: {self.convert_command}")
+        if self.convert_command:
+            lines.append(f"  fix the file with: {self.convert_command}")
         for name, keys in (("missing", self.missing), ("unexpected", self.unexpected),
                            ("not a tensor", self.non_tensor), ("NaN/Inf", self.nonfinite or [])):
             if keys:
@@ -88,7 +89,7 @@ class VerifyReport:
         lines += [f"  warning: {w}" for w in self.warnings]
         lines += [f"  suggestion: {s['text']}" for s in self.suggestions]
         lines += [f"  note: {n}" for n in self.notes]
-        lines.append(f"  sha256: {self.sha256}")
+        lines += [f"  sha256: {self.sha256}"] if self.sha256 else []
         return "\n".join(lines)
 
 
@@ -144,14 +145,6 @@ def _deepcopy(model: Any) -> Any:
                            "pass a model spec or a factory instead of an instance") from None
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify(
     path: Any,
     model: Any,
@@ -166,23 +159,26 @@ def verify(
     select: str = "auto",
     trust: bool = False,
     manifest: Any = "auto",
-    seed: int = INPUT_SEED,
+    seed: int = fwd.INPUT_SEED,
+    checksum: bool = True,
 ) -> VerifyReport:
     """Check checkpoint ``path`` against ``model`` (an nn.Module, a spec such as
     ``'torchvision:resnet18'`` with ``model_args``, or a factory).
 
-    ``forward=False`` reads on ``meta``: keys, shapes and dtypes only. ``manifest='auto'`` compares
-    with the outputs a fixtures ``manifest.json`` beside the file records for it (same sha256).
+    ``forward=False`` reads on ``meta``: keys, shapes and dtypes only; with ``checksum=False`` too,
+    no tensor byte is read at all (``sha256`` is then None). ``manifest='auto'`` compares with the
+    outputs a fixtures ``manifest.json`` beside the file records for it (same sha256).
     """
     from .api import read
 
     path = os.fspath(path)
+    forward = forward and str(map_location).strip().lower() != "meta"  # meta holds no values to run
     source = _ModelSource(model, model_args)
     ckpt = read(path, map_location=map_location if forward else "meta", trust=trust, select=select)
     structure, is_fresh = source.structure(meta=not forward)
     target = repair.describe_target(structure)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
-    sha = file_sha256(path)
+    sha = sha256_file(path) if checksum or forward else None
     report = VerifyReport(
         ok=False, checkpoint=path, model=source.label, fix=chosen.description, missing=fit.missing,
         unexpected=fit.unexpected, shape_mismatch=fit.shape_mismatch, dtype_mismatch=fit.dtype_mismatch,
@@ -190,14 +186,16 @@ def verify(
         state_dict_key=ckpt.state_dict_key, matched=chosen.matched, total=chosen.total,
         non_tensor=fit.non_tensor, tolerated=fit.tolerated, notes=list(ckpt.notes),
     )
-    if chosen.description:
-        report.convert_command = repair.convert_command(path, list(ckpt.state_dict), chosen, target, ckpt.state_dict_key)
+    cast = _cast_to(fit, target) if exact else None
+    if chosen.description or cast or (exact and (ckpt.state_dict_key is not None or ckpt.format not in _TORCH_FORMATS)):
+        report.convert_command = repair.convert_command(path, list(ckpt.state_dict), chosen, target,
+                                                        ckpt.state_dict_key, dtype=cast)
     _check_values(report, fit, target, has_data=forward)
     _judge_structure(report, fit, exact, ckpt, target)
     if forward and fit.loads:
         net = structure if is_fresh else source.fresh()
         _forward_checks(report, fit.state_dict, net, source, reference, input_shape, atol, rtol, seed,
-                        _manifest_entry(path, manifest, sha), map_location, trust)
+                        _manifest_entry(path, manifest, sha or ""), map_location, trust)
     elif forward:
         report.notes.append("forward check skipped: the checkpoint does not load into the model")
     else:
@@ -240,8 +238,13 @@ def _judge_structure(report: VerifyReport, fit: repair.Fit, exact: bool, ckpt: A
         fails.append(("after the repair: " if report.fix else "") + ", ".join(problems))
         if fit.missing and fit.unexpected:
             fails[-1] += " (names differ: a renamed layer, or a different architecture)"
-            shapes = {k: repair.shape_of(fit.state_dict[k]) for k in fit.unexpected}
-            report.suggestions = repair.suggest_renames(shapes, {k: target.shapes[k] for k in fit.missing})
+            single = wrappers.strip_wrappers  # convert's --rename applies to the single form
+            report.suggestions = repair.suggest_renames({single(k): repair.shape_of(fit.state_dict[k]) for k in fit.unexpected},
+                                                        {single(k): target.shapes[k] for k in fit.missing}, ckpt.path)
+            if repair.by_order_fits(fit.state_dict, target):
+                report.suggestions.append({"by_order": True, "keys": len(fit.state_dict), "text": (
+                    "the tensors pair up with the model's in order, shapes equal: "
+                    f"ckptfix convert {ckpt.path} OUT --by-order --model SPEC [--arg NAME=VALUE …]")})
         elif fit.missing or fit.shape_mismatch:
             fails[-1] += " (a different architecture or configuration than the checkpoint's?)"
     if fit.dtype_mismatch and not exact:
@@ -253,13 +256,10 @@ def _judge_structure(report: VerifyReport, fit: repair.Fit, exact: bool, ckpt: A
 
 def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> list[str]:
     """Why plain ``load_state_dict(torch.load(PATH, weights_only=True), strict=True)`` would not take it as is."""
-    from .formats import TORCH_LEGACY, TORCH_ZIP
-
     out = []
-    how = f" (repair: {report.fix}; apply it with: {report.convert_command or 'no single convert command does'})" if report.fix else ""
-    if ckpt.format not in (TORCH_ZIP, TORCH_LEGACY):
-        out.append(f"exact: plain torch.load can't read a {ckpt.format} file" + (
-            f"; `ckptfix convert {ckpt.path} {os.path.splitext(ckpt.path)[0]}.pth` writes one" if not how else ""))
+    how = f" (the repair: {report.fix})" if report.fix else ""
+    if ckpt.format not in _TORCH_FORMATS:
+        out.append(f"exact: plain torch.load can't read a {ckpt.format} file")
     if ckpt.state_dict_key is not None:
         out.append(f"exact: torch.load returns a dict with the state dict under {ckpt.state_dict_key!r}, not the state dict")
     plain = repair.check_fit(ckpt.state_dict, target, fill=False)
@@ -273,6 +273,14 @@ def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> l
         kinds = sorted({f"{r['checkpoint']} vs model {r['model']}" for r in plain.dtype_mismatch})
         out.append(f"exact: {len(plain.dtype_mismatch)} dtypes differ from the model's ({', '.join(kinds)})")
     return out
+
+
+def _cast_to(fit: repair.Fit, target: repair.Target) -> str | None:
+    """``--dtype`` for convert when one cast makes every floating tensor the model's (its floats share one dtype)."""
+    floats = {d for d in target.dtypes.values() if d and d.startswith(("float", "bfloat"))}
+    if not fit.dtype_mismatch or len(floats) != 1:
+        return None
+    return _SHORT_DTYPES.get(floats.pop())
 
 
 def _manifest_entry(path: str, manifest: Any, sha: str) -> dict[str, Any] | None:
@@ -293,14 +301,6 @@ def _manifest_entry(path: str, manifest: Any, sha: str) -> dict[str, Any] | None
     return {**entry, "manifest_path": where}
 
 
-def seeded_input(shape: tuple[int, ...], seed: int, dtype: Any = None) -> Any:
-    """``torch.randn(*shape)`` from a generator seeded with ``seed`` (the fixtures' recipe)."""
-    import torch
-
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-    return x.to(dtype) if dtype is not None else x
-
-
 def _forward_checks(report: VerifyReport, sd: Any, net: Any, source: _ModelSource, reference: Any,
                     input_shape: tuple[int, ...] | None, atol: float, rtol: float, seed: int,
                     entry: dict[str, Any] | None, map_location: Any, trust: bool) -> None:
@@ -313,15 +313,15 @@ def _forward_checks(report: VerifyReport, sd: Any, net: Any, source: _ModelSourc
     checks = []
     if entry is not None:
         shape, entry_seed = tuple(entry["input"]["shape"]), entry["input"].get("seed", seed)
-        x = seeded_input(shape, entry_seed)
-        checks.append(_compare("manifest", entry["manifest_path"], _run(net, x), _as_tensor(entry["output"]),
-                               atol, rtol, shape, entry_seed))
+        out = fwd.run_model(net, fwd.seeded_input(shape, entry_seed))
+        checks.append(fwd.compare_outputs("manifest", entry["manifest_path"], out, fwd.as_tensor(entry["output"]),
+                                          atol, rtol, shape, entry_seed))
     if reference is not None:
         shape = _input_shape(input_shape, entry, net)
-        x = seeded_input(shape, seed)
+        x = fwd.seeded_input(shape, seed)
         ref_net = _load_reference(reference, source, map_location, trust)
-        checks.append(_compare("reference", os.fspath(reference), _run(net, x), _run(ref_net, x),
-                               atol, rtol, shape, seed))
+        checks.append(fwd.compare_outputs("reference", os.fspath(reference), fwd.run_model(net, x),
+                                          fwd.run_model(ref_net, x), atol, rtol, shape, seed))
     if not checks:
         return
     diffs = [c["max_abs_diff"] for c in checks]
@@ -358,49 +358,3 @@ def _load_reference(reference: Any, source: _ModelSource, map_location: Any, tru
                            "`ckptfix verify` it against the model first")
     net.load_state_dict(fit.state_dict, strict=True)
     return net
-
-
-def _run(net: Any, x: Any) -> Any:
-    import torch
-
-    param = next((p for p in net.parameters() if p.is_floating_point()), None)
-    if param is not None:
-        x = x.to(param.device, param.dtype)
-    net.eval()
-    try:
-        with torch.no_grad():
-            return net(x)
-    except Exception as e:  # noqa: BLE001 - the user's forward can raise anything
-        raise CkptfixError(f"the model's forward on a {list(x.shape)} input failed ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}); pass the right --input-shape") from None
-
-
-def _as_tensor(value: Any) -> Any:
-    import torch
-
-    return torch.tensor(value, dtype=torch.float64)
-
-
-def _tensors(out: Any) -> list[Any]:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in _tensors(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _tensors(v)]
-    return []
-
-
-def _compare(what: str, where: str, got: Any, want: Any, atol: float, rtol: float,
-             shape: tuple[int, ...], seed: int) -> dict[str, Any]:
-    from .diff import tensor_diff
-
-    row: dict[str, Any] = {"what": what, "path": where, "input_shape": list(shape), "seed": seed,
-                           "max_abs_diff": None, "ok": False}
-    a, b = _tensors(got), _tensors(want)
-    if a and len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b)):
-        diffs = [tensor_diff(x.double(), y.double(), atol, rtol) for x, y in zip(a, b)]
-        row.update(max_abs_diff=max(d for d, _ in diffs), ok=all(ok for _, ok in diffs))
-    return row

@@ -119,6 +119,22 @@ def _normalise_prefix(prefix: str | None) -> str | None:
     return p
 
 
+def remove_prefix(key: str, prefix: str) -> str:
+    """Remove ``prefix`` (whole segments) where it stands after any leading wrapper segments:
+    ``remove_prefix('module.model.fc.w', 'model') == 'module.fc.w'``; keys without it are unchanged."""
+    lead = leading_wrappers(key)
+    rest = ".".join(_segments(key)[len(lead):])
+    if rest == prefix or rest.startswith(prefix + "."):
+        rest = rest[len(prefix) + 1 :]
+        return ".".join((*lead, rest)) if rest else ".".join(lead)
+    return key
+
+
+def has_prefix(key: str, prefix: str) -> bool:
+    """Whether ``remove_prefix`` would change ``key``."""
+    return remove_prefix(key, prefix) != key
+
+
 def key_transform(
     to: str = "single",
     strip_prefix: str | None = None,
@@ -126,7 +142,7 @@ def key_transform(
 ) -> Callable[[str], str]:
     """Build the key function for a ``to=`` target and optional user prefixes.
 
-    Order: remove ``strip_prefix`` (leading whole segments, where present) → remove wrappers
+    Order: remove ``strip_prefix`` (whole segments after any leading wrappers, where present) → remove wrappers
     → add ``add_prefix`` → put the target's wrapper segments on top. With ``to='keep'`` the
     wrappers are left as they are and ``add_prefix`` goes in front.
     """
@@ -137,9 +153,7 @@ def key_transform(
     on_top = TARGETS[to]
 
     def transform(key: str) -> str:
-        k = key
-        if strip is not None and (k == strip or k.startswith(strip + ".")):
-            k = k[len(strip) + 1 :]
+        k = remove_prefix(key, strip) if strip is not None else key
         if on_top is not None:
             k = strip_wrappers(k)
         if add is not None:
@@ -175,21 +189,39 @@ def rename_state_dict(
         out[new] = value
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:
-        out._metadata = rename_metadata(meta, fn)  # type: ignore[attr-defined]
+        out._metadata = rename_metadata(meta, fn, _module_moves(origin))  # type: ignore[attr-defined]
     return out
 
 
-def rename_metadata(meta: Mapping[str, Any], fn: Callable[[str], str]) -> OrderedDict:
+def _module_moves(new_to_old: Mapping[str, str]) -> dict[str, str]:
+    """Module-path renames implied by key renames: ``layer4.0.conv.weight → stage4.0.conv.weight``
+    moves ``layer4.0.conv → stage4.0.conv``, and its parents while their tails agree."""
+    moves: dict[str, str] = {}
+    for new, old in new_to_old.items():
+        o, n = _segments(old)[:-1], _segments(new)[:-1]
+        while o and n:
+            moves.setdefault(".".join(o), ".".join(n))
+            if o[-1] != n[-1]:
+                break
+            o, n = o[:-1], n[:-1]
+    return moves
+
+
+def rename_metadata(meta: Mapping[str, Any], fn: Callable[[str], str], moves: Mapping[str, str] | None = None) -> OrderedDict:
     """Rename module paths in ``_metadata``; on a clash the deeper (longer) original path wins.
 
-    ``fn`` is a key function; module paths have no trailing parameter name, so it is applied to
-    ``path + '.x'`` and the ``'.x'`` taken off again.
+    A path whose keys were renamed follows them (``moves``); others go through ``fn`` as a key
+    would (``path + '.x'``, the ``'.x'`` taken off again).
     """
     chosen: dict[str, tuple[int, Any]] = {}
     order: list[str] = []
+    moves = moves or {}
     for path, value in meta.items():
-        probe = fn(f"{path}.x" if path else "x")
-        new = probe[:-2] if probe.endswith(".x") else ""
+        if path in moves:
+            new = moves[path]
+        else:
+            probe = fn(f"{path}.x" if path else "x")
+            new = probe[:-2] if probe.endswith(".x") else ""
         depth = len(_segments(path))
         if new not in chosen:
             order.append(new)

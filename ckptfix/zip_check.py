@@ -47,6 +47,7 @@ class ZipLayout:
     members: list[Member] = field(default_factory=list)
     findings: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, where, message)
     errors: list[str] = field(default_factory=list)  # corruption: the file can't be read at all
+    unreferenced: list[tuple[int, int]] = field(default_factory=list)  # byte ranges no record accounts for
 
     def find(self, kind: str, where: str, message: str) -> None:
         self.findings.append((kind, where, message))
@@ -146,6 +147,7 @@ def _end_records(layout: ZipLayout, buf: Any, size: int) -> tuple[int, int]:
     after = size - (pos + 22 + comment_len)
     if after > 0:
         layout.find("data-after", "archive", f"{after} bytes after the end of the zip archive")
+        layout.unreferenced.append((size - after, size))
     concat = record_start - cd_size - cd_offset
     if concat:
         layout.find("data-before", "archive",
@@ -211,6 +213,7 @@ def _check_gaps(layout: ZipLayout, buf: Any, cd_start: int, cd_end: int) -> None
     ordered = sorted(layout.members, key=lambda m: m.offset)
     if ordered and ordered[0].offset > 0:
         layout.find("data-before", "archive", f"{ordered[0].offset} bytes before the first member")
+        layout.unreferenced.append((0, ordered[0].offset))
     for m, nxt in zip(ordered, [*ordered[1:], None]):
         data_end = m.data_start + m.compress_size
         if m.flags & 0x8:
@@ -225,3 +228,4 @@ def _check_gaps(layout: ZipLayout, buf: Any, cd_start: int, cd_end: int) -> None
             layout.find("hidden-data", m.name,
                         f"{next_start - data_end} bytes between the end of member {m.name} and {what} "
                         "that no zip record accounts for")
+            layout.unreferenced.append((data_end + extra[0], next_start))

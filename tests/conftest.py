@@ -56,6 +56,21 @@ def fake_location(tag: str | Callable[[Any], str]) -> Iterator[None]:
         yield
 
 
+def mapped_from(t: Any) -> str:
+    """The file a tensor's memory is mapped from, per /proc/self/maps ('' for anonymous memory).
+
+    Proves a read is lazy: tensor bytes still in the checkpoint file's pages, not copied.
+    """
+    ptr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5].strip() if len(parts) > 5 else ""
+    return ""
+
+
 @pytest.fixture
 def cli_runner() -> Any:
     from click.testing import CliRunner

@@ -109,7 +109,7 @@ def test_keep_extra_keeps_training_state(tmp_path: Path, fixtures_dir: Path) -> 
 
 
 def test_keep_extra_refused_for_safetensors(tmp_path: Path, fixtures_dir: Path) -> None:
-    with pytest.raises(ckptfix.errors.ConversionError, match="only a .pth"):
+    with pytest.raises(ckptfix.errors.ConversionError, match="only a single .pth"):
         ckptfix.convert(fixtures_dir / "mlp_train_ckpt.pth", tmp_path / "x.safetensors", keep_extra=True)
     assert not list(tmp_path.iterdir())
 

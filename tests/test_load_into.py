@@ -121,3 +121,15 @@ def test_old_batchnorm_checkpoint_fills_num_batches_tracked(tmp_path: Path) -> N
     assert report.tolerated == ["module.1.num_batches_tracked"] and report.fix == "add module."
     assert torch.equal(model.module[1].running_mean, torch.full((4,), 0.25))
     assert int(model.module[1].num_batches_tracked) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["cuda0", "model_parallel", "ddp_compile"])
+def test_into_a_cuda_model(fixtures_dir: Path, manifest: dict, train: Any, mode: str) -> None:
+    entry = manifest[train.fixture_name("mlp", mode)]
+    model = train.mlp().cuda()
+    ckptfix.load_into(model, fixtures_dir / entry["file"])  # map_location="auto": saved device if present
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    loaded = model.state_dict()
+    for key, value in _fixture_tensors(fixtures_dir / entry["file"]).items():
+        assert torch.equal(loaded[key].cpu(), value), key

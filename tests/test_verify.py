@@ -125,11 +125,17 @@ def test_renamed_layer_is_reported_not_guessed(cli_runner, resnet_dir: Path, tmp
     assert report["fix"] is None
     assert report["missing"] == [k for k in sd if k.startswith("layer4.")]
     assert report["unexpected"] == [k for k in renamed if k.startswith("stage4.")]
-    (suggestion,) = report["suggestions"]
-    assert suggestion["rename"] == {"from": "stage4.", "to": "layer4."}
-    assert suggestion["keys"] == len(report["missing"])
+    rename, by_order = report["suggestions"]
+    assert rename["rename"] == {"from": "stage4.", "to": "layer4."} and rename["keys"] == len(report["missing"])
+    assert by_order["by_order"] is True
     text = cli_runner.invoke(cli, ["verify", str(tmp_path / "renamed.pth"), *RESNET]).output
-    assert f"missing ({len(report['missing'])}):" in text and "--rename stage4.=layer4." in text
+    assert f"missing ({len(report['missing'])}):" in text and rename["text"] in text
+    # The suggested rename, applied by convert, gives a file that verifies.
+    argv = shlex.split(rename["text"].split(": ", 1)[1])
+    assert argv[:5] == ["ckptfix", "convert", str(tmp_path / "renamed.pth"), "OUT", "--rename"]
+    argv[3] = str(tmp_path / "fixed.pth")
+    assert cli_runner.invoke(cli, argv[1:]).exit_code == 0
+    _json(cli_runner, [str(tmp_path / "fixed.pth"), *RESNET, "--exact", "--no-forward"], 0)
 
 
 def test_perturbed_weight_is_caught_by_reference(cli_runner, resnet_dir: Path, tmp_path: Path) -> None:
@@ -150,14 +156,18 @@ def test_perturbed_weight_is_caught_by_reference(cli_runner, resnet_dir: Path, t
     assert loose["forward"]["ok"] is True
 
 
-def test_fp16_checkpoint_warns_and_exact_fails_on_dtype(cli_runner, fixtures_dir: Path) -> None:
-    path = str(fixtures_dir / "mlp_amp.pth")
+def test_fp16_checkpoint_warns_and_exact_fails_on_dtype(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
+    path = str(shutil.copy(fixtures_dir / "mlp_amp.pth", tmp_path))
     res = cli_runner.invoke(cli, ["verify", path, "--model", MLP_SPEC])
     assert res.exit_code == 0 and "warning: 6 tensors are cast on load (float16 -> float32)" in res.output
     report = _json(cli_runner, [path, "--model", MLP_SPEC, "--exact"], 3)
     assert [r["key"] for r in report["dtype_mismatch"]] == list(_state_dict(fixtures_dir / "mlp_amp.pth"))
     assert {(r["checkpoint"], r["model"]) for r in report["dtype_mismatch"]} == {("float16", "float32")}
     assert report["failures"] == ["exact: 6 dtypes differ from the model's (float16 vs model float32)"]
+    assert report["convert_command"].endswith("--to single --dtype fp32")
+    assert cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:]).exit_code == 0
+    fixed = _json(cli_runner, [str(tmp_path / "mlp_amp.fixed.pth"), "--model", MLP_SPEC, "--exact"], 0)
+    assert fixed["dtype_mismatch"] == [] and fixed["convert_command"] is None
 
 
 def test_dp_checkpoint_with_exact_fails_and_names_the_repair(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
@@ -166,12 +176,30 @@ def test_dp_checkpoint_with_exact_fails_and_names_the_repair(cli_runner, fixture
     report = _json(cli_runner, [str(src), "--model", MLP_SPEC, "--exact"], 3)
     assert report["fix"] == "strip module." and report["exact"] is True
     assert report["convert_command"] == f"ckptfix convert {src} {tmp_path / 'mlp_dp.fixed.pth'} --to single"
-    assert "6 missing, 6 unexpected" in report["failures"][0] and report["convert_command"] in report["failures"][0]
+    assert report["failures"] == ["exact: load_state_dict(strict=True) would fail as saved: 6 missing, 6 unexpected "
+                                  "(the repair: strip module.)"]
     # The named command really produces a file that passes --exact.
     res = cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:])
     assert res.exit_code == 0, res.output
     fixed = _json(cli_runner, [str(tmp_path / "mlp_dp.fixed.pth"), "--model", MLP_SPEC, "--exact"], 0)
     assert fixed["fix"] is None and fixed["failures"] == []
+
+
+@pytest.mark.parametrize("name, failure, option", [
+    ("mlp_train_ckpt.pth", "exact: torch.load returns a dict with the state dict under 'model_state_dict', "
+                           "not the state dict", " --select model_state_dict"),
+    ("mlp_safetensors.safetensors", "exact: plain torch.load can't read a safetensors file", ""),
+])
+def test_exact_needs_a_bare_torch_file(cli_runner, fixtures_dir: Path, tmp_path: Path, name: str, failure: str,
+                                       option: str) -> None:
+    path = Path(shutil.copy(fixtures_dir / name, tmp_path))
+    report = ckptfix.verify(path, MLP_SPEC, exact=True)
+    assert report.failures == [failure] and report.fix is None
+    fixed = tmp_path / f"{path.stem}.fixed.pth"
+    assert report.convert_command == f"ckptfix convert {path} {fixed} --to single{option}"
+    assert cli_runner.invoke(cli, shlex.split(report.convert_command)[1:]).exit_code == 0
+    again = ckptfix.verify(fixed, MLP_SPEC, exact=True, reference=fixtures_dir / name)
+    assert again.ok and again.forward["max_abs_diff"] == 0.0
 
 
 class Lit(nn.Module):
@@ -204,6 +232,11 @@ def test_wrapper_segments_are_added_to_match_a_wrapped_model(fixtures_dir: Path,
     assert report.forward["max_abs_diff"] == 0.0
 
 
+def test_the_models_own_prefix_is_added(fixtures_dir: Path, train: Any) -> None:
+    report = ckptfix.verify(fixtures_dir / "mlp_ddp.pth", Lit(train.mlp()), forward=False)
+    assert report.ok and report.fix == "strip module., add prefix model." and report.matched == 6
+
+
 def test_no_forward_reads_on_meta(monkeypatch, fixtures_dir: Path) -> None:
     seen = []
     real_read = ckptfix.api.read
@@ -218,6 +251,18 @@ def test_no_forward_reads_on_meta(monkeypatch, fixtures_dir: Path) -> None:
                             reference=fixtures_dir / "mlp_single.pth")
     assert seen == [("meta", {"meta"})]
     assert report.ok and report.fix == "strip module." and report.nonfinite is None and report.forward is None
+
+
+def test_text_no_forward_does_not_hash_the_file(monkeypatch, cli_runner, fixtures_dir: Path) -> None:
+    def refuse(path: str) -> str:
+        raise AssertionError(f"hashed {path}")
+
+    monkeypatch.setattr(sys.modules["ckptfix.verify"], "sha256_file", refuse)
+    res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp.pth"), "--model", MLP_SPEC, "--no-forward"])
+    assert res.exit_code == 0 and "sha256" not in res.output, res.output
+    res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp.pth"), "--model", MLP_SPEC, "--no-forward",
+                                  "--json"])
+    assert res.exit_code == 1 and "hashed" in res.output  # --json always carries the sha256
 
 
 def test_nonfinite_values_fail(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
@@ -326,3 +371,11 @@ def test_subprocess_exit_codes(fixtures_dir: Path) -> None:
     err = subprocess.run([exe, "verify", str(fixtures_dir / "mlp_dp.pth"), "--model", "no_such_pkg.models:build"],
                          capture_output=True, text=True, timeout=120)
     assert err.returncode == 1 and err.stderr.startswith("Error: model spec 'no_such_pkg.models:build': can't import")
+
+
+@pytest.mark.gpu
+def test_verify_with_tensors_on_the_gpu(fixtures_dir: Path, manifest: dict) -> None:
+    report = ckptfix.verify(fixtures_dir / "mlp_model_parallel.pth", MLP_SPEC, map_location="cuda",
+                            reference=fixtures_dir / "mlp_single.pth")
+    assert report.ok and report.nonfinite == [] and report.forward["max_abs_diff"] == 0.0
+    assert [c["what"] for c in report.forward["against"]] == ["manifest", "reference"]

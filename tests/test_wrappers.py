@@ -58,6 +58,9 @@ def test_prefixes_by_whole_segments() -> None:
     assert fn("model.module.conv.weight") == "backbone.conv.weight"
     assert fn("modelx.conv.weight") == "backbone.modelx.conv.weight"  # not a substring match
     assert key_transform("ddp", add_prefix="backbone.")("fc.w") == "module.backbone.fc.w"
+    # a framework prefix under a wrapper (Lightning + DDP: module.model.…) is found too
+    assert key_transform("single", strip_prefix="model")("module.model.fc.w") == "fc.w"
+    assert key_transform("keep", strip_prefix="model")("module.model.fc.w") == "module.fc.w"
     with pytest.raises(WrapperError):
         key_transform("single", strip_prefix="a..b")
     with pytest.raises(WrapperError):

@@ -18,8 +18,14 @@ TORCH_ZIP = "torch-zip"
 TORCH_LEGACY = "torch-legacy"
 SAFETENSORS = "safetensors"
 TORCHSCRIPT = "torchscript"
+SHARDED_SAFETENSORS = "sharded-safetensors"
+SHARDED_PTH = "sharded-pth"
+DCP = "dcp"
+SHARDED = (SHARDED_SAFETENSORS, SHARDED_PTH)
+#: formats whose structure read gives every storage's byte range, so conversions can stream
+STREAMABLE = (TORCH_ZIP, SAFETENSORS, *SHARDED)
 
-WRITABLE = {"pth": TORCH_ZIP, "safetensors": SAFETENSORS}
+WRITABLE = {"pth": TORCH_ZIP, "safetensors": SAFETENSORS, "dcp": DCP}
 _EXT_FORMAT = {".pth": TORCH_ZIP, ".pt": TORCH_ZIP, ".bin": TORCH_ZIP, ".ckpt": TORCH_ZIP,
                ".tar": TORCH_ZIP, ".safetensors": SAFETENSORS}
 
@@ -58,11 +64,8 @@ def sniff(path: str) -> str:
     """Name the format of ``path`` from its bytes, or raise a FormatError that says what it is."""
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise FormatError(
-            f"{path}: is a directory; give the checkpoint file inside it "
-            "(sharded and torch.distributed.checkpoint directories are not supported yet)"
-        )
+    if os.path.isdir(path) or path.endswith(".index.json"):
+        return _sniff_dir(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -87,17 +90,41 @@ def sniff(path: str) -> str:
         return TORCH_LEGACY
     if len(head) > 262 and head[257:262] == b"ustar":
         return TORCH_LEGACY  # torch < 0.4 tar layout; torch.load's legacy path reads it
-    low = head.lstrip()[:64].lower()
-    if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head")):
+    low = head.removeprefix(b"\xef\xbb\xbf").lstrip()[:64].lower()  # (a UTF-8 byte order mark first)
+    if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<!--")):
         raise FormatError(
             f"{path}: is an HTML page, not a checkpoint (a failed or login-walled download?); "
             "download the file itself"
+        )
+    if low[:1] in (b"{", b"["):
+        raise FormatError(
+            f"{path}: is a JSON document (starts with {low[:24]!r}), not a checkpoint: a server's error "
+            "response saved in its place?"
         )
     if head[:1] == b"\x80":
         raise FormatError(f"{path}: is a plain pickle, not a torch checkpoint (no torch magic number)")
     raise FormatError(
         f"{path}: unknown format (starts with {head[:8]!r}): not a torch zip, torch legacy "
         "or safetensors file"
+    )
+
+
+def _sniff_dir(path: str) -> str:
+    """A torch.distributed.checkpoint directory, or a Hugging Face sharded one (or its index)."""
+    from . import dcp, sharded
+
+    if os.path.isdir(path) and dcp.is_dcp_dir(path):
+        return DCP
+    index = sharded.find_index(path)
+    if index is not None:
+        return SHARDED_SAFETENSORS if index.endswith("safetensors.index.json") else SHARDED_PTH
+    if not os.path.isdir(path):
+        raise FormatError(f"{path}: is not a sharded-checkpoint index (expected a JSON file with a weight_map)")
+    singles = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, n))]
+    hint = f"; give the file inside it: {os.path.join(path, singles[0])}" if singles else ""
+    raise FormatError(
+        f"{path}: is a directory but neither a torch.distributed.checkpoint (no .metadata) nor a "
+        f"sharded checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json){hint}"
     )
 
 
@@ -129,20 +156,23 @@ def _zip_kind(path: str) -> str:
     raise FormatError(f"{path}: is a zip archive but not a torch checkpoint (no data.pkl inside)")
 
 
-def format_for_destination(dst: str, format: str | None) -> str:
-    """The output format: ``format`` ('pth'/'safetensors') if given, else by dst's extension."""
+def format_for_destination(dst: str, format: str | None, sharded: bool = False) -> str:
+    """The output format: ``format`` ('pth'/'safetensors'/'dcp') if given, else by dst's extension
+    (a sharded output, a directory, defaults to safetensors)."""
     if format is not None:
         key = format.lower().lstrip(".")
         if key in ("pt", "bin", "torch"):
             key = "pth"
         if key not in WRITABLE:
-            raise FormatError(f"unknown output format {format!r}; choose pth or safetensors")
+            raise FormatError(f"unknown output format {format!r}; choose pth, safetensors or dcp")
         return WRITABLE[key]
+    if sharded:
+        return SAFETENSORS
     ext = os.path.splitext(dst)[1].lower()
     if ext not in _EXT_FORMAT:
         raise FormatError(
             f"{dst}: can't tell the output format from the extension {ext or '(none)'!r}; "
-            "use .pth/.pt/.bin or .safetensors, or pass --format pth|safetensors"
+            "use .pth/.pt/.bin or .safetensors, or pass --format pth|safetensors|dcp"
         )
     return _EXT_FORMAT[ext]
 
@@ -157,6 +187,14 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
         from . import safetensors_file
 
         return safetensors_file.read(path, plan)
+    if fmt in SHARDED:
+        from . import sharded
+
+        return sharded.read(sharded.find_index(path), plan, trust)
+    if fmt == DCP:
+        from . import dcp
+
+        return dcp.read(path, plan, trust)
     from . import torchfile
 
     if fmt == TORCH_ZIP and plan.is_meta and not trust:

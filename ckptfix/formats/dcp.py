@@ -1,12 +1,12 @@
 """torch.distributed.checkpoint (DCP) directories: ``.metadata`` plus ``__R_S.distcp`` files.
 
-Reading consolidates every sharded tensor into one whole tensor. ``.metadata`` is a pickle (protocol
-4, which torch's weights_only unpickler can't parse), so it is loaded by a restricted unpickler that
-builds only DCP's metadata dataclasses, torch.Size/dtype/layout and paths, unless trusted. A tensor
-stored as one chunk is mapped from its ``.distcp`` file (no copy); a sharded one (FSDP2, …) is
-assembled chunk by chunk into a file-backed scratch mapping under TMPDIR, so anonymous memory
-stays bounded by one chunk however large the checkpoint. Keys DCP flattened from nested dicts
-(``model.0.weight`` from ``{"model": {"0.weight": …}}``) are nested again from its planner data.
+Reading consolidates every sharded tensor into one whole tensor (``.metadata`` is unpickled under
+an allow-list: see ``dcp_metadata``). A tensor stored as one chunk is mapped from its ``.distcp``
+file (no copy); a sharded one (FSDP2, …) is assembled chunk by chunk into a file-backed scratch
+mapping under TMPDIR, so anonymous memory stays bounded by one chunk however large the
+checkpoint. Keys DCP flattened from nested dicts (``model.0.weight`` from
+``{"model": {"0.weight": …}}``) are nested again from its planner data. Writing is torch's own
+``torch.distributed.checkpoint.save`` in one process.
 """
 
 from __future__ import annotations
@@ -14,18 +14,17 @@ from __future__ import annotations
 import io
 import math
 import os
-import pickle
 import tempfile
 import warnings
 from collections import OrderedDict
 from typing import Any
 
-from ..errors import CkptfixError, ConversionError, FormatError, UnsafeCheckpointError
+from ..errors import CkptfixError, ConversionError, FormatError
 from . import RawRead
+from .dcp_metadata import METADATA, load_metadata
 from .sharded import member_path
 
 DCP = "dcp"
-METADATA = ".metadata"
 
 
 def is_dcp_dir(path: str) -> bool:
@@ -33,118 +32,61 @@ def is_dcp_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
 
 
-class _Refused(Exception):
-    def __init__(self, name: str):
-        super().__init__(name)
-        self.name = name
-
-
-def _allowed_globals() -> dict[str, Any]:
-    """What ``FileSystemWriter`` pickles into ``.metadata``, plus ckptfix's allow-list."""
-    import pathlib
-
-    import torch
-    from torch.distributed.checkpoint import filesystem as fs
-    from torch.distributed.checkpoint import metadata as md
-
-    from .. import safety
-
-    allowed: dict[str, Any] = {}
-    for obj in (md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
-                md.TensorProperties, md.MetadataIndex, md.StorageMeta, md._MEM_FORMAT_ENCODING,
-                fs._StorageInfo, fs._StoragePrefix, torch.Size, torch.serialization._get_layout,
-                pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath, pathlib.WindowsPath,
-                *safety.allowed_globals()):
-        obj, name = obj if isinstance(obj, tuple) else (obj, f"{obj.__module__}.{obj.__qualname__}")
-        allowed[name] = obj
-    allowed.update((str(v), v) for v in vars(torch).values() if isinstance(v, torch.dtype))
-    return allowed
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """pickle's documented way to restrict globals: ``find_class`` answers only from the allow-list."""
-
-    allowed: dict[str, Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        full = f"{module}.{name}"
-        if full not in self.allowed:
-            raise _Refused(full)
-        return self.allowed[full]
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
-
-
-def load_metadata(path: str, trust: bool) -> Any:
-    """The ``Metadata`` object of the DCP directory ``path``, unpickled safely unless ``trust``."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    meta_path = os.path.join(path, METADATA)
-    try:
-        with open(meta_path, "rb") as f:
-            if trust:
-                meta = pickle.load(f)  # noqa: S301 - the caller trusts this file
-            else:
-                unpickler = _MetadataUnpickler(f)
-                unpickler.allowed = _allowed_globals()
-                meta = unpickler.load()
-    except _Refused as e:
-        raise UnsafeCheckpointError(
-            f"{meta_path}: refused: the DCP metadata needs {e.name}, which is outside the safe allow-list "
-            "(loading it could run code). If you trust this checkpoint and its author, pass --trust "
-            "(library: trust=True).",
-            [e.name],
-        ) from None
-    except OSError as e:
-        raise FormatError(f"{meta_path}: can't be read: {e.strerror or e}") from None
-    except Exception as e:  # noqa: BLE001 - a hostile or broken pickle fails in many ways
-        raise FormatError(f"{meta_path}: is corrupt or truncated (the pickle can't be read: {e})") from None
-    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
-        raise FormatError(f"{meta_path}: holds a {type(meta).__name__}, not torch.distributed.checkpoint Metadata")
-    if not isinstance(meta.storage_data, dict):
-        raise FormatError(f"{meta_path}: has no storage data: not written by FileSystemWriter")
-    return meta
-
-
 def read(path: str, plan: Any, trust: bool) -> RawRead:
-    """Consolidate the DCP checkpoint in directory ``path``: one whole tensor per entry, nested again."""
-    import torch
+    """Consolidate the DCP checkpoint in directory ``path``: one whole tensor per entry, nested again.
+
+    With ``plan.is_meta`` tensors come back on meta and no tensor record is read (plain values,
+    such as an optimizer's hyper-parameters, still are).
+    """
+    meta = load_metadata(path, trust)
+    source = _Chunks(path, meta)
+    try:
+        flat, tags, sharded = _consolidate(meta, source, plan, trust)
+    except CkptfixError:
+        raise
+    except (AttributeError, TypeError, ValueError, IndexError, KeyError, RuntimeError) as e:
+        raise FormatError(f"{source.meta_path}: malformed DCP metadata ({type(e).__name__}: {e})") from None
+    finally:
+        source.close()
+    files = {info.relative_path for info in meta.storage_data.values()}
+    notes = [f"consolidated {len(flat)} DCP entries ({sharded} tensors sharded in chunks) from {len(files)} file(s)"]
+    return RawRead(obj=_unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes)
+
+
+def _consolidate(meta: Any, source: _Chunks, plan: Any, trust: bool) -> tuple[dict[str, Any], dict[int, str], int]:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     from ..devices import storage_id
 
-    meta = load_metadata(path, trust)
-    source = _Chunks(path, meta)
     dev = "cpu" if plan.user_fn is not None else plan.target("cpu")
     entries = meta.state_dict_metadata
-    sharded = {fqn: md for fqn, md in entries.items() if isinstance(md, TensorStorageMetadata) and not _whole(md)}
-    scratch = None
-    if dev != "meta":
-        scratch = _Scratch(sum(_aligned(_nbytes(md)) for md in sharded.values()))
+    tensors = {fqn: md for fqn, md in entries.items() if isinstance(md, TensorStorageMetadata)}
+    for fqn, md in tensors.items():
+        source.check_geometry(fqn, md)
+    sharded = [md for md in tensors.values() if not _whole(md)]
+    scratch = None if dev == "meta" else _Scratch(sum(_aligned(_nbytes(md)) for md in sharded))
     flat: dict[str, Any] = {}
     tags: dict[int, str] = {}
     for fqn, md in entries.items():
-        if isinstance(md, TensorStorageMetadata):
+        if fqn in tensors:
             t = source.tensor(fqn, md, scratch)
             if dev not in ("cpu", "meta"):
                 t = t.to(dev)
             tags[storage_id(t)] = "cpu"
             flat[fqn] = t
         elif isinstance(md, BytesStorageMetadata):
-            flat[fqn] = source.object(fqn, plan, trust, tags)
+            flat[fqn] = source.value(fqn, plan, trust, tags)
         else:
             raise FormatError(f"{source.meta_path}: entry {fqn!r} has unknown storage type {type(md).__name__}")
-    source.close()
-    files = {info.relative_path for info in meta.storage_data.values()}
-    notes = [f"consolidated {len(entries)} DCP entries ({len(sharded)} tensors sharded in chunks) from {len(files)} file(s)"]
-    if dev == "meta":
-        notes.append("structure only: chunk files were not read")
-    return RawRead(obj=_unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes)
+    return flat, tags, len(sharded)
 
 
 def _whole(md: Any) -> bool:
-    return len(md.chunks) == 1 and list(md.chunks[0].offsets) == [0] * len(md.size) and list(md.chunks[0].sizes) == list(md.size)
+    """Stored as one chunk covering the whole tensor."""
+    if len(md.chunks) != 1:
+        return False
+    chunk = md.chunks[0]
+    return list(chunk.offsets) == [0] * len(md.size) and list(chunk.sizes) == list(md.size)
 
 
 def _nbytes(md: Any) -> int:
@@ -158,8 +100,8 @@ def _aligned(n: int) -> int:
 
 
 class _Scratch:
-    """One file-backed shared mapping (unlinked at once) that sharded tensors are assembled in:
-    its pages are the page cache's to write back, not anonymous memory."""
+    """One file-backed shared mapping (its file unlinked at once) that sharded tensors are
+    assembled in: its pages are the page cache's to write back, not anonymous memory."""
 
     def __init__(self, nbytes: int):
         self.storage: Any = None
@@ -189,16 +131,16 @@ class _Scratch:
     def take(self, shape: list[int], dtype: Any, nbytes: int) -> Any:
         import torch
 
-        t = torch.empty(0, dtype=dtype)
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
+        t = torch.empty(0, dtype=dtype)
         t.set_(self.storage[self.pos : self.pos + nbytes], 0, shape)
         self.pos += _aligned(nbytes)
         return t
 
 
 class _Chunks:
-    """The chunk records of one DCP directory: located, checked, mapped from their files."""
+    """The records of one DCP directory: located (inside it), checked against the metadata, mapped."""
 
     def __init__(self, path: str, meta: Any):
         self.path = path
@@ -209,18 +151,14 @@ class _Chunks:
         self.records: dict[tuple, Any] = {}
         for index, info in meta.storage_data.items():
             offset = getattr(index, "offset", None)
-            key = (getattr(index, "fqn", None), None if offset is None else tuple(offset))
             rel = getattr(info, "relative_path", None)
             if rel not in self.files:
                 self.files[rel] = member_path(path, rel, self.meta_path, what="chunk file")
-            self.records[key] = info
-        for fqn, md in meta.state_dict_metadata.items():
-            for c in getattr(md, "chunks", []):
-                self._record(fqn, c)
+            self.records[(getattr(index, "fqn", None), None if offset is None else tuple(offset))] = info
 
-    def _record(self, fqn: str, chunk: Any = None) -> Any:
-        key = (fqn, None if chunk is None else tuple(chunk.offsets))
-        info = self.records.get(key)
+    def record(self, fqn: str, chunk: Any = None) -> Any:
+        """The storage info of ``fqn`` (a chunk of it for tensors)."""
+        info = self.records.get((fqn, None if chunk is None else tuple(chunk.offsets)))
         if info is None:
             where = "" if chunk is None else f" chunk at offset {list(chunk.offsets)}"
             raise FormatError(f"{self.meta_path}: {fqn!r}{where} is in the metadata but no .distcp file holds it")
@@ -230,6 +168,35 @@ class _Chunks:
                 "(compression?); ckptfix reads plain FileSystemWriter checkpoints only"
             )
         return info
+
+    def check_geometry(self, fqn: str, md: Any) -> None:
+        """Every chunk inside the tensor and stored somewhere, together covering it exactly."""
+        size = list(md.size)
+        for c in md.chunks:
+            if len(c.offsets) != len(size) or len(c.sizes) != len(size) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, size)
+            ):
+                raise FormatError(
+                    f"{self.meta_path}: {fqn!r} chunk {list(c.offsets)}+{list(c.sizes)} falls outside its size {size}"
+                )
+            self.record(fqn, c)
+        if sum(math.prod(c.sizes) for c in md.chunks) != math.prod(size):
+            raise FormatError(f"{self.meta_path}: the chunks of {fqn!r} don't cover its {size} elements exactly")
+
+    def tensor(self, fqn: str, md: Any, scratch: _Scratch | None) -> Any:
+        """The whole tensor: on meta, mapped from its one chunk, or assembled in ``scratch``."""
+        import torch
+
+        size, dtype = list(md.size), md.properties.dtype
+        if scratch is None:
+            return torch.empty(size, dtype=dtype, device="meta")
+        if _whole(md):
+            return self._chunk(fqn, md.chunks[0], dtype)
+        full = scratch.take(size, dtype, _nbytes(md))
+        for c in md.chunks:
+            if math.prod(c.sizes):
+                full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))].copy_(self._chunk(fqn, c, dtype))
+        return full
 
     def _blob(self, fqn: str, info: Any) -> _Slice:
         file = self.files[info.relative_path]
@@ -244,69 +211,54 @@ class _Chunks:
             )
         return _Slice(f, info.offset, info.length)
 
-    def tensor(self, fqn: str, md: Any, scratch: _Scratch | None) -> Any:
-        import torch
-
-        size, dtype = list(md.size), md.properties.dtype
-        for c in md.chunks:
-            if len(c.offsets) != len(size) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, size)):
-                raise FormatError(f"{self.meta_path}: {fqn!r} chunk {list(c.offsets)}+{list(c.sizes)} falls outside its size {size}")
-        if sum(math.prod(c.sizes) for c in md.chunks) != math.prod(size):
-            raise FormatError(f"{self.meta_path}: the chunks of {fqn!r} don't cover its {size} elements exactly")
-        if scratch is None:
-            return torch.empty(size, dtype=dtype, device="meta")
-        if _whole(md):
-            return self._chunk(fqn, md.chunks[0], dtype)
-        full = scratch.take(size, dtype, _nbytes(md))
-        for c in md.chunks:
-            if math.prod(c.sizes):
-                full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))].copy_(self._chunk(fqn, c, dtype))
-        return full
-
     def _chunk(self, fqn: str, chunk: Any, dtype: Any) -> Any:
-        """One chunk as a tensor mapped from its file (no copy), or loaded when it can't be mapped."""
+        """One chunk (a torch.save record) mapped from its file without a copy; loaded if it can't be."""
         import torch
 
-        info = self._record(fqn, chunk)
+        info = self.record(fqn, chunk)
+        file = self.files[info.relative_path]
         blob = self._blob(fqn, info)
         if blob.read(4) != b"PK\x03\x04":
-            raise FormatError(f"{self.files[info.relative_path]}: {fqn!r} is not a torch.save record (another DCP serialization format?)")
-        blob.seek(0)
+            raise FormatError(f"{file}: {fqn!r} is not a torch.save record (another DCP serialization format?)")
         try:
+            blob.seek(0)
             shell = torch.load(blob, map_location="meta", weights_only=True)  # structure only, no data
-            offset = getattr(shell.untyped_storage(), "_checkpoint_offset", None) if isinstance(shell, torch.Tensor) else None
             if not isinstance(shell, torch.Tensor) or list(shell.shape) != list(chunk.sizes) or shell.dtype != dtype:
                 got = f"{type(shell).__name__} {list(getattr(shell, 'shape', []))} {getattr(shell, 'dtype', '')}"
-                raise FormatError(f"{self.files[info.relative_path]}: {fqn!r} chunk holds {got}, the metadata says {list(chunk.sizes)} {dtype}")
-            if offset is None:
+                raise FormatError(f"{file}: {fqn!r} chunk holds {got}, the metadata says {list(chunk.sizes)} {dtype}")
+            nbytes = shell.untyped_storage().nbytes()
+            # torch.load sets where the storage's bytes start in the record; without it, load for real
+            offset = getattr(shell.untyped_storage(), "_checkpoint_offset", None)
+            if offset is None or not 0 <= offset <= info.length - nbytes:
                 blob.seek(0)
                 return torch.load(blob, map_location="cpu", weights_only=True)
         except CkptfixError:
             raise
         except Exception as e:  # noqa: BLE001 - torch raises many types for a bad record
-            raise FormatError(f"{self.files[info.relative_path]}: {fqn!r} chunk can't be read: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        file = self.files[info.relative_path]
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise FormatError(f"{file}: {fqn!r} chunk can't be read: {first}") from None
+        if nbytes == 0:
+            return torch.empty(shell.shape, dtype=dtype)
         if file not in self.maps:
             self.maps[file] = torch.UntypedStorage.from_file(file, shared=False, nbytes=os.path.getsize(file))
         start = info.offset + offset
-        nbytes = shell.untyped_storage().nbytes()
         t = torch.empty(0, dtype=dtype)
-        if nbytes:
-            t.set_(self.maps[file][start : start + nbytes], shell.storage_offset(), shell.shape, shell.stride())
+        t.set_(self.maps[file][start : start + nbytes], shell.storage_offset(), shell.shape, shell.stride())
         return t
 
-    def object(self, fqn: str, plan: Any, trust: bool, tags: dict[int, str]) -> Any:
-        """A non-tensor entry (torch.save bytes), under the same safe policy as a torch file."""
+    def value(self, fqn: str, plan: Any, trust: bool, tags: dict[int, str]) -> Any:
+        """A non-tensor entry (torch.save bytes) under the same safe policy as a torch file."""
         import torch
 
         from .. import safety
         from .torchfile import translate_load_error
 
-        info = self._record(fqn)
-        blob = io.BytesIO(self._blob(fqn, info).read())
+        blob = io.BytesIO(self._blob(fqn, self.record(fqn)).read())
         try:
-            with torch.serialization.safe_globals(safety.allowed_globals()):
-                return torch.load(blob, map_location=plan.torch_map_location(tags), weights_only=not trust)
+            if trust:
+                return torch.load(blob, map_location=plan.torch_map_location(tags), weights_only=False)
+            with safety.safe_unpickling() as finish:
+                return finish(torch.load(blob, map_location=plan.torch_map_location(tags), weights_only=True))
         except CkptfixError:
             raise
         except Exception as e:  # noqa: BLE001 - all become FormatError / UnsafeCheckpointError
@@ -347,10 +299,15 @@ class _Slice(io.RawIOBase):
 
 
 def _unflatten(flat: dict[str, Any], planner_data: Any, source: str) -> OrderedDict:
-    """Nest DCP's flat keys again with its planner data (fqn → path of dict keys / list indices)."""
+    """Nest DCP's flat keys again with its planner data (fqn → path of dict keys / list indices).
+
+    The planner data also keeps the saved state dict's key order (the metadata lists entries rank by
+    rank, so a buffer deduplicated onto rank 1 would come after every parameter).
+    """
     root: OrderedDict = OrderedDict()
     paths = planner_data if isinstance(planner_data, dict) else {}
-    for fqn, value in flat.items():
+    for fqn in [*(k for k in paths if k in flat), *(k for k in flat if k not in paths)]:
+        value = flat[fqn]
         path = paths.get(fqn) or (fqn,)
         if not isinstance(path, (tuple, list)) or not all(isinstance(p, (str, int)) for p in path):
             raise FormatError(f"{source}: the planner data gives {fqn!r} the path {path!r}, not a key path")
@@ -382,8 +339,13 @@ def _put(container: Any, key: Any, value: Any, limit: int, source: str) -> None:
 
 
 def write(state_dict: Any, dst_dir: str, force: bool = False, key: str | None = None) -> list[str]:
-    """Save ``state_dict`` (or ``{key: state_dict}``) as a DCP directory with torch's own
-    ``torch.distributed.checkpoint.save`` (single process), atomically."""
+    """Save ``state_dict`` (or ``{key: state_dict}``) as a DCP directory, atomically, with torch's
+    own ``torch.distributed.checkpoint.save`` in this process alone.
+
+    Load it the way FSDP2 training resumes: ``sd = get_model_state_dict(model)``;
+    ``dcp.load(sd, checkpoint_id=dst_dir)`` (``{key: sd}`` when written under ``key``);
+    ``set_model_state_dict(model, sd)``.
+    """
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -392,15 +354,15 @@ def write(state_dict: Any, dst_dir: str, force: bool = False, key: str | None = 
 
     if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in _leaves(state_dict)):
         raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a DCP checkpoint")
-    obj = {key: state_dict} if key else state_dict
     notes = []
     if getattr(state_dict, "_metadata", None) is not None:
         notes.append("_metadata (module versions) is not kept: DCP has no place for it")
     with atomic_dir(dst_dir, force) as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(obj, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True), no_dist=True)
-    notes.append(f"DCP checkpoint: load with torch.distributed.checkpoint.load({{{key!r}: sd}} …)" if key
-                 else "DCP checkpoint with the state dict's keys at the top level")
+        writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+        dcp.save({key: state_dict} if key else state_dict, storage_writer=writer, no_dist=True)
+    notes.append(f"written under {key!r}: load with torch.distributed.checkpoint.load({{{key!r}: sd}}, …)" if key
+                 else "written with the state dict's keys at the top level")
     return notes
 
 

@@ -50,7 +50,7 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_dup_check)
     except FormatError as e:
         raise FormatError(f"{path}: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FormatError(f"{path}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")
@@ -245,7 +245,10 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
                         real = torch.empty(0, dtype=t.dtype)
                         real.set_(mmaps[ref.path][ref.offset : ref.offset + ref.nbytes], t.storage_offset(), t.shape, t.stride())
                         t = real
-                    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                    flat = t.detach().cpu().reshape(-1)
+                    if flat.stride(0) != 1:  # contiguous() keeps a 1-element view's stride; view() needs 1
+                        flat = flat.clone(memory_format=torch.contiguous_format)
+                    data = flat.view(torch.uint8).numpy()
                     rawcopy.write_all(f.fileno(), memoryview(data), pos)
                 pos += n
             f.seek(pos)

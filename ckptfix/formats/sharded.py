@@ -8,8 +8,8 @@ Layout (transformers ``save_pretrained`` / huggingface_hub ``split_torch_state_d
 
 ``total_size`` is the bytes of every tensor, counting a storage shared by several keys once. One
 shard only: ``model.safetensors`` (``pytorch_model.bin``) and no index, as transformers writes.
-The index is validated before any shard is trusted: shards inside the directory and present,
-keys unique, every listed key in its shard and every shard tensor listed.
+Reading checks the index before using a shard: shards inside the directory and present, keys
+unique, every listed key in its shard and every tensor a shard stores listed for it.
 """
 
 from __future__ import annotations
@@ -147,18 +147,10 @@ def read(index_path: str, plan: Any, trust: bool) -> RawRead:
         sd = part.obj
         if not isinstance(sd, dict):
             raise FormatError(f"{index_path}: shard {shard} holds a {type(sd).__name__}, not a state dict")
-        stored = _stored_keys(paths[shard], kinds[shard], sd)
-        listed = set(keys)
-        for key in keys:
-            if key not in sd:
-                raise FormatError(f"{index_path}: lists {key!r} in {shard}, but {shard} has no such tensor")
-        for key in stored:
-            if key not in listed:
-                elsewhere = f" (the index puts it in {weight_map[key]})" if key in weight_map else ""
-                raise FormatError(f"{index_path}: {shard} holds {key!r}, which the index does not list there{elsewhere}")
+        _check_shard(index_path, shard, keys, _stored_keys(paths[shard], kinds[shard], sd), sd, weight_map)
         previous: str | None = None
         for key in sd:  # keys the shard restores beyond its stored tensors: ckptfix's tied aliases
-            if key not in listed and key not in weight_map and key not in merged:
+            if key not in weight_map and key not in merged:
                 aliases_after.setdefault(previous, []).append(key)
             previous = key
         merged.update(sd)
@@ -172,11 +164,24 @@ def read(index_path: str, plan: Any, trust: bool) -> RawRead:
         raw.obj._metadata = module_metadata
     if not refs_complete:
         raw.refs = {}
-    raw.notes.insert(0, f"{len(weight_map)} keys in {len(by_shard)} shard(s) listed by {os.path.basename(index_path)}")
+    raw.notes.insert(0, f"{len(by_shard)} shard(s) listed by {os.path.basename(index_path)}")
     other = INDEX_NAMES[TORCH_ZIP]
     if os.path.basename(index_path) == INDEX_NAMES[SAFETENSORS] and os.path.isfile(os.path.join(root, other)):
-        raw.notes.append(f"the directory also holds {other}; read the safetensors index (give the other file to read it)")
+        raw.notes.append(f"the directory also holds {other}; read the safetensors index (pass {other} to read that)")
     return raw
+
+
+def _check_shard(index_path: str, shard: str, keys: list[str], stored: list[str], sd: dict,
+                 weight_map: dict[str, str]) -> None:
+    """Every key the index lists for ``shard`` is in it, and every tensor it stores is listed for it."""
+    for key in keys:
+        if key not in sd:
+            raise FormatError(f"{index_path}: lists {key!r} in {shard}, but {shard} has no such tensor")
+    listed = set(keys)
+    for key in stored:
+        if key not in listed:
+            elsewhere = f" (the index puts it in {weight_map[key]})" if key in weight_map else ""
+            raise FormatError(f"{index_path}: {shard} holds {key!r}, which the index does not list there{elsewhere}")
 
 
 def _stored_keys(path: str, kind: str, sd: dict) -> list[str]:
@@ -188,7 +193,9 @@ def _stored_keys(path: str, kind: str, sd: dict) -> list[str]:
     return list(read_header(path)[1])
 
 
-def _in_order(weight_map: dict[str, str], merged: dict[str, Any], aliases_after: dict[str | None, list[str]]) -> OrderedDict:
+def _in_order(weight_map: dict[str, str], merged: dict[str, Any],
+              aliases_after: dict[str | None, list[str]]) -> OrderedDict:
+    """The weight_map's order, each alias right after the key it followed in its shard."""
     out: OrderedDict = OrderedDict()
 
     def put(key: str | None) -> None:
@@ -207,9 +214,9 @@ def _in_order(weight_map: dict[str, str], merged: dict[str, Any], aliases_after:
 
 
 def plan_shards(state_dict: Any, max_shard_size: int, refs: dict | None = None) -> tuple[list[list[str]], int]:
-    """Keys per shard and total_size, exactly as huggingface_hub's ``split_state_dict_into_shards_factory``:
-    keys in order, a new shard when the next tensor would pass the limit, a tensor larger than
-    the limit alone, keys sharing a storage in the shard of the first and counted once."""
+    """Keys per shard and total_size as huggingface_hub's ``split_state_dict_into_shards_factory``
+    computes them: keys in order, a new shard when the next tensor would pass the limit, a tensor
+    larger than the limit alone, keys sharing a storage in the shard of the first, counted once."""
     import torch
 
     from ..devices import storage_id
@@ -221,7 +228,9 @@ def plan_shards(state_dict: Any, max_shard_size: int, refs: dict | None = None) 
     followers: dict[str, list[str]] = {}
     for key, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
-            raise ConversionError(f"{key!r} is a {type(t).__name__}, not a tensor: shards hold tensors only; write a single .pth")
+            raise ConversionError(
+                f"{key!r} is a {type(t).__name__}, not a tensor: shards hold tensors only; write a single .pth"
+            )
         sid = storage_id(t)
         if t.device.type == "meta" and sid not in (refs or {}):
             raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
@@ -274,7 +283,7 @@ def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: b
     shards, total_size = plan_shards(state_dict, max_shard_size, refs)
     names = shard_names(fmt, len(shards))
     notes: list[str] = []
-    weight_map: dict[str, str] = {}
+    shard_of: dict[str, str] = {}
     meta = getattr(state_dict, "_metadata", None)
     with atomic_dir(dst_dir, force) as tmp:
         for i, (name, keys) in enumerate(zip(names, shards)):
@@ -284,13 +293,15 @@ def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: b
             path = os.path.join(tmp, name)
             notes += write_file(part, path, fmt, refs=refs or None, archive=os.path.splitext(name)[0])
             stored = set(read_header(path)[1]) if fmt == SAFETENSORS else set(keys)
-            weight_map.update((k, name) for k in keys if k in stored)
-        if len(shards) > 1:
+            shard_of.update((k, name) for k in keys if k in stored)
+        if len(shards) > 1:  # weight_map in the state dict's order, which reading restores
+            weight_map = {k: shard_of[k] for k in state_dict if k in shard_of}
             index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
             with open(os.path.join(tmp, INDEX_NAMES[fmt]), "w", encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2) + "\n")
     if len(shards) == 1:
         notes.append(f"fits in one shard: wrote {names[0]} and no index, as transformers' save_pretrained does")
     else:
-        notes.append(f"{len(shards)} shards of at most {max_shard_size} bytes (a larger tensor alone) + {INDEX_NAMES[fmt]}")
+        notes.append(f"{len(shards)} shards of at most {max_shard_size} bytes (a larger tensor alone), "
+                     f"index {INDEX_NAMES[fmt]}")
     return notes

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 from typing import Any
 
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
 from . import TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, RawRead
 
-_UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global|GLOBAL|global): ?([\w.]+)")
+# "Unsupported global: GLOBAL a.b was not…" and "Trying to load unsupported GLOBAL posix.system whose…"
+_UNSUPPORTED_GLOBAL = re.compile(r"\bGLOBAL ([\w.]+)")
 _UNSUPPORTED_OPERAND = re.compile(r"Unsupported operand \d+")
+_WEIGHTS_ONLY_DETAIL = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
@@ -39,7 +42,9 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
             if trust:
                 obj = torch.load(source, **kwargs)
             else:
-                with safety.safe_unpickling() as finish:
+                with safety.safe_unpickling() as finish, warnings.catch_warnings():
+                    # torch warns about any pickle protocol but 2 on stderr; the outcome is reported anyway
+                    warnings.filterwarnings("ignore", message="Detected pickle protocol")
                     if fmt == TORCH_LEGACY and plan.is_meta:
                         # Structure only: skip reading the legacy file's tensor bytes altogether.
                         with torch.serialization.skip_data():
@@ -68,7 +73,8 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def _unpickling_error(path: str, e: Exception) -> CkptfixError:
+def _unpickling_error(path: str, e: Exception, weights_only: bool = False) -> CkptfixError:
+    """``weights_only``: the error came from torch's weights_only unpickler itself (a refusal)."""
     text = str(e)
     operand = _UNSUPPORTED_OPERAND.search(text)
     if operand:
@@ -77,14 +83,20 @@ def _unpickling_error(path: str, e: Exception) -> CkptfixError:
             "saved with pickle_protocol > 2?). If you trust this file and its author, pass --trust "
             "(library: trust=True)."
         )
-    if "Weights only load failed" in text or "Unsupported" in text:
-        names = sorted(set(_UNSUPPORTED_GLOBAL.findall(text)))
-        listed = ", ".join(names) if names else _first_line(e)
+    names = sorted(set(_UNSUPPORTED_GLOBAL.findall(text)))
+    if names:
         return UnsafeCheckpointError(
-            f"{path}: refused: loading it would need globals outside the safe allow-list ({listed}). "
+            f"{path}: refused: loading it would need globals outside the safe allow-list ({', '.join(names)}). "
             "If you trust this file and its author, pass --trust (library: trust=True); "
             "`ckptfix scan` lists everything it references.",
             names,
+        )
+    if weights_only or "Weights only load failed" in text:
+        detail = _WEIGHTS_ONLY_DETAIL.search(text)
+        return UnsafeCheckpointError(
+            f"{path}: refused: torch's safe loader would not build it "
+            f"({detail.group(1).strip() if detail else _first_line(e)}). "
+            "If you trust this file and its author, pass --trust (library: trust=True)."
         )
     return FormatError(f"{path}: is corrupt or truncated (the pickle can't be read: {_first_line(e)})")
 
@@ -121,5 +133,14 @@ def write(obj: Any, path: str) -> list[str]:
     """``torch.save`` in the zip format, which plain ``torch.load(weights_only=True)`` reads."""
     import torch
 
-    torch.save(obj, path)
+    # Through a file object: given a path, torch names the archive's root folder after the file,
+    # which here is the atomic writer's temp name.
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except RuntimeError as e:
+        # A failed write (disk full, Ctrl-C) makes torch's cleanup raise "unexpected pos", hiding it.
+        if isinstance(e.__context__, (OSError, KeyboardInterrupt)):
+            raise e.__context__ from None
+        raise
     return []

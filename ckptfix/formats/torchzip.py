@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -72,10 +73,15 @@ def read_structure(path: str) -> RawRead:
     unpickler = Unpickler(io.BytesIO(data), encoding="utf-8")
     unpickler.persistent_load = persistent_load
     try:
-        with safety.safe_unpickling() as finish:
+        with safety.safe_unpickling() as finish, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             obj = finish(unpickler.load())
     except CkptfixError:
         raise
+    except pickle.UnpicklingError as e:  # torch's weights_only unpickler refused something
+        from .torchfile import _unpickling_error
+
+        raise _unpickling_error(path, e, weights_only=True) from None
     except Exception as e:  # noqa: BLE001 - every failure of a hostile or broken pickle becomes a FormatError
         raise translate_load_error(path, TORCH_ZIP, e) from None
     return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)

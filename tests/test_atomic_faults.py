@@ -1,0 +1,223 @@
+"""Write-path faults: a full disk, Ctrl-C, a read-only directory, dst == src, kill -9 mid-write.
+
+Whatever happens, the old dst (if any) is intact, nothing new appears at dst, and no temp file is
+left behind — except after ``kill -9``, which no process can clean up after: then dst is still
+absent and the only leftover is the hidden ``.NAME.*.ckptfix-tmp`` file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptfix
+from ckptfix.cli import cli
+from ckptfix.errors import DestinationError
+
+# (source fixture, output name): the streamed zip and safetensors writers, and the in-memory ones.
+ROUTES = [("mlp_ddp.pth", "out.safetensors"), ("mlp_ddp.pth", "out.pth"),
+          ("mlp_legacy.pth", "out.pth"), ("mlp_legacy.pth", "out.safetensors")]
+
+
+class _Disk:
+    """Lets ``limit`` bytes through every write path, then raises ``error``."""
+
+    def __init__(self, limit: int, error: BaseException):
+        self.left, self.error, self.written = limit, error, 0
+
+    def take(self, n: int) -> None:
+        if n > self.left:
+            raise self.error
+        self.left -= n
+        self.written += n
+
+
+class _File:
+    def __init__(self, f: Any, disk: _Disk):
+        self._f, self._disk = f, disk
+
+    def write(self, data: Any) -> int:
+        self._disk.take(len(memoryview(data).cast("B")))
+        return self._f.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> _File:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+
+def _fail_writes(monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
+    """Route every write ckptfix's writers make (file objects, pwrite, copy_file_range) through ``disk``."""
+    import builtins
+
+    from ckptfix.formats import safetensors_file, torchfile, torchzip
+
+    real_open, real_pwrite, real_cfr = builtins.open, os.pwrite, os.copy_file_range
+
+    def fake_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real_open(file, mode, *args, **kwargs)
+        return _File(f, disk) if "w" in mode else f
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        disk.take(len(data))
+        return real_pwrite(fd, data, offset)
+
+    def copy_file_range(src: int, dst: int, count: int, *args: Any) -> int:
+        disk.take(count)
+        return real_cfr(src, dst, count, *args)
+
+    for module in (torchfile, safetensors_file, torchzip):
+        monkeypatch.setattr(module, "open", fake_open, raising=False)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-dst", "replace-dst"])
+@pytest.mark.parametrize("src, dst_name", ROUTES)
+def test_disk_full_mid_write(src: str, dst_name: str, existing: bool, tmp_path: Path, fixtures_dir: Path,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    dst = tmp_path / dst_name
+    if existing:
+        dst.write_bytes(b"the old file")
+    disk = _Disk(1500, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    _fail_writes(monkeypatch, disk)
+    with pytest.raises(DestinationError, match="nothing was written"):
+        ckptfix.convert(fixtures_dir / src, dst, force=existing)
+    assert disk.written > 0  # it failed mid-write, not before
+    assert _leftovers(tmp_path) == ([dst_name] if existing else [])
+    if existing:
+        assert dst.read_bytes() == b"the old file"
+
+
+@pytest.mark.parametrize("src, dst_name", ROUTES)
+def test_keyboard_interrupt_mid_write(src: str, dst_name: str, tmp_path: Path, fixtures_dir: Path,
+                                      monkeypatch: pytest.MonkeyPatch, cli_runner) -> None:
+    dst = tmp_path / dst_name
+    dst.write_bytes(b"the old file")
+    disk = _Disk(1500, KeyboardInterrupt())
+    _fail_writes(monkeypatch, disk)
+    with pytest.raises(KeyboardInterrupt):
+        ckptfix.convert(fixtures_dir / src, dst, force=True)
+    assert disk.written > 0
+    assert _leftovers(tmp_path) == [dst_name] and dst.read_bytes() == b"the old file"
+    disk.left = 1500
+    res = cli_runner.invoke(cli, ["convert", str(fixtures_dir / src), str(dst), "--force", "-q"])
+    assert res.exit_code == 130 and "interrupted; nothing was written" in res.stderr
+    assert _leftovers(tmp_path) == [dst_name] and dst.read_bytes() == b"the old file"
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory no one can create files in: mode 0555, or for root (which ignores modes) +i."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    (d / "out.pth").write_bytes(b"the old file")
+    undo: list[str] = []
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+    elif shutil.which("chattr") and subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode == 0:
+        undo = ["chattr", "-i", str(d)]
+    else:
+        pytest.skip("running as root without chattr: no way to make a read-only directory here")
+    try:
+        probe = d / "probe"
+        with pytest.raises(OSError):
+            probe.write_bytes(b"")
+        yield d
+    finally:
+        if undo:
+            subprocess.run(undo, check=True)
+        d.chmod(0o755)
+
+
+def test_read_only_destination_directory(read_only_dir: Path, fixtures_dir: Path, cli_runner) -> None:
+    for dst in (read_only_dir / "new.pth", read_only_dir / "out.pth"):
+        res = cli_runner.invoke(cli, ["convert", str(fixtures_dir / "mlp_ddp.pth"), str(dst), "--force", "-q"])
+        assert res.exit_code == 1 and f"can't create a file in {read_only_dir}" in res.stderr
+        assert res.stderr.count("\n") == 1
+    assert _leftovers(read_only_dir) == ["out.pth"] and (read_only_dir / "out.pth").read_bytes() == b"the old file"
+
+
+def test_read_only_destination_simulated(tmp_path: Path, fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    def denied(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    with pytest.raises(DestinationError, match="Permission denied"):
+        ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.pth")
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["same-path", "dot-slash", "symlink", "symlinked-directory", "hardlink"])
+def test_dst_is_src(how: str, tmp_path: Path, fixtures_dir: Path, cli_runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src.pth"
+    shutil.copy(fixtures_dir / "mlp_ddp.pth", src)
+    before = src.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    if how == "same-path":
+        dst = str(src)
+    elif how == "dot-slash":
+        dst = "./src.pth"
+    elif how == "symlink":
+        os.symlink(src, tmp_path / "link.pth")
+        dst = str(tmp_path / "link.pth")
+    elif how == "symlinked-directory":
+        os.symlink(tmp_path, tmp_path / "alias")
+        dst = str(tmp_path / "alias" / "src.pth")
+    else:
+        os.link(src, tmp_path / "hard.pth")
+        dst = str(tmp_path / "hard.pth")
+    listing = _leftovers(tmp_path)
+    for extra in ([], ["--force"]):
+        res = cli_runner.invoke(cli, ["convert", "src.pth", dst, "-q", *extra])
+        assert res.exit_code == 1 and "is the source file itself" in res.stderr
+    assert src.read_bytes() == before and _leftovers(tmp_path) == listing
+
+
+def test_existing_dst_without_force(tmp_path: Path, fixtures_dir: Path, cli_runner) -> None:
+    dst = tmp_path / "out.safetensors"
+    dst.write_bytes(b"the old file")
+    res = cli_runner.invoke(cli, ["convert", str(fixtures_dir / "mlp_ddp.pth"), str(dst), "-q"])
+    assert res.exit_code == 1 and "already exists; pass --force" in res.stderr
+    assert dst.read_bytes() == b"the old file" and _leftovers(tmp_path) == ["out.safetensors"]
+
+
+@pytest.mark.slow
+def test_kill_9_mid_write_leaves_nothing_at_dst(tmp_path: Path) -> None:
+    src, dst = tmp_path / "big.pth", tmp_path / "out" / "big.safetensors"
+    dst.parent.mkdir()
+    torch.save({"w": torch.zeros(64 * 2**20 // 4 * 4)}, src, _use_new_zipfile_serialization=False)  # 256 MiB
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfix", "convert", str(src), str(dst), "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    tmp: list[Path] = []
+    while not tmp and proc.poll() is None and time.monotonic() < deadline:
+        tmp = list(dst.parent.glob(".big.safetensors.*.ckptfix-tmp"))
+        time.sleep(0.0005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert tmp and proc.returncode == -signal.SIGKILL, "the write finished before the kill"
+    assert not dst.exists()
+    assert all(p.name.startswith(".big.safetensors.") and p.name.endswith(".ckptfix-tmp")
+               for p in dst.parent.iterdir())

@@ -32,6 +32,8 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/ckptfix inspect $(DEMO_DIR)/mlp_ddp.pth
 	$(VENV)/bin/ckptfix convert $(DEMO_DIR)/mlp_ddp.pth $(DEMO_DIR)/mlp.safetensors
 	$(VENV)/bin/ckptfix inspect $(DEMO_DIR)/mlp.safetensors
+	@echo "== the pre-deploy gate: keys, shapes, dtypes and the forward output against the original"
+	$(VENV)/bin/ckptfix verify $(DEMO_DIR)/mlp.safetensors --model fixtures/train.py:mlp --reference $(DEMO_DIR)/mlp_ddp.pth
 	@echo "== load it into a fresh model and check it reproduces the trained model's output"
 	$(PY) -c "import sys, json, torch, ckptfix; sys.path.insert(0, 'fixtures'); from train import mlp, fixed_input; \
 	  m = mlp(); print(ckptfix.load_into(m, '$(DEMO_DIR)/mlp.safetensors')); m.eval(); \

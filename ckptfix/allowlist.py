@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import standins
+
 SAFE, ALLOWED, UNSAFE = "safe", "allowed", "unsafe"
 
 _pending = threading.local()  # stand-ins made during the current load, to restore afterwards
@@ -63,6 +65,32 @@ class _Deque(list):
         _remember(self, None)
 
 
+class _ClassToken:
+    """A class named in a pickle only to be handed to one constructor that checks for it (numpy's
+    ``_reconstruct``); the token itself can't be called or instantiated."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise pickle.UnpicklingError(f"{self.name} is allowed only as the subtype numpy's _reconstruct is given")
+
+
+_NDARRAY = _ClassToken("numpy.ndarray")
+
+
+def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> Any:
+    """numpy's ``_reconstruct`` only as ``ndarray.__reduce__`` calls it: an empty plain ndarray, which
+    the pickle's BUILD (``ndarray.__setstate__``: shape, dtype, raw bytes, all checked by numpy) fills."""
+    import numpy as np
+    from numpy._core import multiarray
+
+    if subtype is not _NDARRAY or shape != (0,) or dtype_code != b"b":
+        raise pickle.UnpicklingError("numpy _reconstruct is allowed only as numpy pickles an array: "
+                                     "_reconstruct(numpy.ndarray, (0,), b'b'); subclasses such as memmap are refused")
+    return multiarray._reconstruct(np.ndarray, (0,), b"b")
+
+
 def _remember(stand_in: Any, factory: Any) -> None:
     if getattr(_pending, "items", None) is None:
         _pending.items = []
@@ -95,6 +123,11 @@ def _numpy_entries() -> list[tuple[str, Any]]:
         ("numpy._core.multiarray.scalar", multiarray.scalar),
         ("numpy.dtype", np.dtype),  # dtype(spec) plus __setstate__ of byte order/fields: data only
     ]
+    # Arrays (mmengine's HistoryBuffer histories): _reconstruct(ndarray, (0,), b'b') + BUILD. The name
+    # numpy.ndarray is a token only _reconstruct accepts; the class itself is listed under a name no
+    # pickle can spell (GLOBAL names end at a newline) because torch's BUILD needs it among the values.
+    out += [("numpy.core.multiarray._reconstruct", _reconstruct), ("numpy._core.multiarray._reconstruct", _reconstruct),
+            ("numpy.ndarray", _NDARRAY), ("numpy.ndarray\n(BUILD target of _reconstruct only)", np.ndarray)]
     dtypes = getattr(np, "dtypes", None)  # the DType classes (numpy >= 1.25): dtype constructors
     for name in dir(dtypes) if dtypes is not None else []:
         if name.endswith("DType") and isinstance(getattr(dtypes, name), type):
@@ -127,7 +160,37 @@ def allowed_table() -> dict[str, Any]:
         table[f"builtins.{t.__name__}"] = _FactoryType(t)
     table.update(_path_classes())
     table.update(_numpy_entries())
+    # mmengine's message_hub: HistoryBuffer loads as an inert stand-in (attributes only; mmengine's
+    # __setstate__ never runs, mmengine is never imported) and getattr only as the getattr(HistoryBuffer,
+    # 'min'|'max'|'current'|'mean') a protocol-2 pickle writes for its statistics_methods: an inert token.
+    table[standins.HISTORY_BUFFER] = standins.HistoryBuffer
+    table["builtins.getattr"] = standins.getattr_method
     return table
+
+
+def refused_call(name: str, args: Any) -> str | None:
+    """Why calling the allowed global ``name`` with ``args`` (as walked statically: globals are
+    objects with ``.full``) would be refused by the loader, or None. For the scanner."""
+
+    def global_name(x: Any) -> str | None:
+        return getattr(x, "full", None)
+
+    if name == "builtins.getattr":
+        ok = (isinstance(args, tuple) and len(args) == 2 and global_name(args[0]) == standins.HISTORY_BUFFER
+              and args[1] in standins.STATISTICS_METHODS)
+        return None if ok else f"getattr{_short(args)} reaches an attribute; only getattr({standins.HISTORY_BUFFER}, " \
+                               "'min'|'max'|'current'|'mean') is allowed"
+    if name.endswith("multiarray._reconstruct") and not (isinstance(args, tuple) and len(args) == 3
+                                                         and global_name(args[0]) == "numpy.ndarray" and args[1] == (0,)):
+        return f"numpy _reconstruct{_short(args)} is not how numpy pickles an array: _reconstruct(numpy.ndarray, (0,), b'b')"
+    if name == "numpy.ndarray":
+        return "numpy.ndarray is called; it is allowed only as the subtype numpy's _reconstruct is given"
+    return None
+
+
+def _short(args: Any) -> str:
+    text = repr(tuple(getattr(a, "full", a) for a in args)) if isinstance(args, tuple) else f"({args!r})"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def allowed_globals() -> list[Any]:

@@ -232,6 +232,13 @@ def convert(
             notes += sharded.write(out_obj, dst, fmt_out, shard_size, force=force, refs=refs)
         elif fmt_out == formats.DCP:
             from .formats import dcp
+            from .standins import contains_stand_ins
+
+            if contains_stand_ins(out_obj):
+                raise ConversionError(
+                    f"{src}: holds mmengine objects (message_hub) that a DCP directory can't store under "
+                    "their own names; write .pth with --keep-extra, or drop --keep-extra for DCP"
+                )
 
             notes += dcp.write(out_obj, dst, force=force)
         else:

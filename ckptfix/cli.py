@@ -182,7 +182,8 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
         ("path", info["path"]),
         ("format", info["format"]),
         ("state dict", where + (f" (EMA weights also at: {', '.join(info['ema_keys'])})" if info["ema_keys"] else "")),
-        ("layout", (f"{info['framework']} checkpoint" if info["framework"] else "plain")
+        ("layout", (f"{info['framework']} checkpoint" if info["framework"] else
+                    "TorchScript archive (tensors listed without running its code)" if info["format"] == "torchscript" else "plain")
          + (f"; every key starts with {info['common_prefix']!r} (--strip-prefix {info['common_prefix']})"
             if info["common_prefix"] else "")),
         ("wrappers", _stack(info["wrappers"]) + (f"; inner: {', '.join(info['inner_wrappers'])}" if info["inner_wrappers"] else "")),
@@ -198,11 +199,12 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
         click.echo(f"{name + ':':<16}{value}")
     click.echo(f"keys ({info['num_keys']}):")
     shown = info["keys"]
+    width = max((len(row["key"]) for row in shown), default=0)
     for i, row in enumerate(shown):
         if i == len(shown) // 2 and info["num_keys"] > len(shown):
             click.echo("  …")
         shape = "x".join(map(str, row["shape"])) if row["shape"] is not None else "-"
-        click.echo(f"  {row['key']}  [{shape}]  {row['dtype']}")
+        click.echo(f"  {row['key']:<{width}}  [{shape}]  {row['dtype']}")
     for note in info["notes"]:
         click.echo(f"note: {note}")
 

@@ -80,6 +80,7 @@ class Walk:
     error: str | None = None  # why the walk stopped before STOP
     value: Any = None
     persistent_ids: list[Any] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)  # every call of a named global, with its arguments
 
 
 class _Malformed(Exception):
@@ -177,11 +178,13 @@ class _Machine:
         return ref
 
     def call(self, func: Any, args: Any, op: str, pos: int) -> None:
+        call = Call(func, args)
         if isinstance(func, Ref):
             self.r.uses.append(Use(func.module, func.name, op, pos))
+            self.r.calls.append(call)
         else:
             self.r.problems.append(f"{op} at byte {pos} calls a computed object, not a named global")
-        self.push(Call(func, args))
+        self.push(call)
 
     def mutate(self, target: Any, op: str, pos: int) -> None:
         if isinstance(target, Ref):

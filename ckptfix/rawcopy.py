@@ -3,6 +3,7 @@ and a bounded-buffer fallback; CRC-32 of a file range computed on the other core
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import zlib
@@ -59,16 +60,21 @@ def write_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def crc32_range(fd: int, offset: int, size: int) -> int:
-    """CRC-32 of a file range, read in bounded chunks."""
-    crc = 0
-    done = 0
-    while done < size:
-        data = os.pread(fd, min(_CHUNK, size - done), offset + done)
-        if not data:
-            raise OSError(5, "short read while computing CRC-32")
-        crc = zlib.crc32(data, crc)
-        done += len(data)
-    return crc
+    """CRC-32 of a file range, read through a memory map (no copy into Python memory)."""
+    if size == 0:
+        return 0
+    if offset + size > os.fstat(fd).st_size:
+        raise OSError(5, "short read while computing CRC-32")
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, offset + size - start, access=mmap.ACCESS_READ, offset=start) as mm:
+        view = memoryview(mm)
+        try:
+            crc = 0
+            for pos in range(offset - start, offset - start + size, _CHUNK):
+                crc = zlib.crc32(view[pos : min(pos + _CHUNK, offset - start + size)], crc)
+            return crc
+        finally:
+            view.release()
 
 
 class CrcWorker:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import pickle_scan, zip_check
-from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals, classify, safe_unpickling
+from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals, classify, refused_call, safe_unpickling
 from .errors import FormatError, UnsafeCheckpointError
 from .formats import LEGACY_MAGIC, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, sniff
 
@@ -181,13 +181,20 @@ class _Collector:
 
     def add_walk(self, w: pickle_scan.Walk) -> None:
         self.pickles.append(w.where)
+        # Allowed globals that take only certain arguments (getattr, numpy's _reconstruct) are unsafe
+        # in a pickle that calls them with others.
+        misused: dict[str, str] = {}
+        for call in w.calls:
+            if (reason := refused_call(call.func.full, call.args)) is not None:
+                misused.setdefault(call.func.full, reason)
         for use in w.uses:
             g = self.globals.get((use.full, w.where))
             if g is None:
-                g = self.globals[(use.full, w.where)] = GlobalRef(use.full, classify(use.module, use.name), w.where)
+                category = UNSAFE if use.full in misused else classify(use.module, use.name)
+                g = self.globals[(use.full, w.where)] = GlobalRef(use.full, category, w.where)
             if use.op not in g.ops:
                 g.ops.append(use.op)
-        for problem in w.problems:
+        for problem in [*w.problems, *misused.values()]:
             self.find("unsafe-construct", w.where, f"{w.where}: {problem}")
         if w.error:
             self.errors.append((w.where, f"{w.where} is truncated or corrupt ({w.error})", True))

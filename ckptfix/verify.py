@@ -59,7 +59,7 @@ class VerifyReport:
 
     def format_text(self) -> str:
         """The readable summary: verdict, repair, then each problem with its keys, counts first."""
-        mode = "exact" if self.exact else "repaired"
+        mode = "--exact: as plain torch.load would load it" if self.exact else "repairs allowed"
         lines = [f"{'VERIFIED' if self.ok else 'FAILED'}: {self.checkpoint} against {self.model} ({mode})",
                  f"  keys: {self.fix or 'as saved'}: {self.matched}/{self.total} keys match"]
         if self.convert_command:
@@ -195,7 +195,7 @@ def verify(
     if forward and fit.loads:
         net = structure if is_fresh else source.fresh()
         _forward_checks(report, fit.state_dict, net, source, reference, input_shape, atol, rtol, seed,
-                        _manifest_entry(path, manifest, sha or ""), map_location, trust)
+                        _manifest_entry(path, manifest, sha or "", ckpt.state_dict_key), map_location, trust)
     elif forward:
         report.notes.append("forward check skipped: the checkpoint does not load into the model")
     else:
@@ -283,8 +283,9 @@ def _cast_to(fit: repair.Fit, target: repair.Target) -> str | None:
     return _SHORT_DTYPES.get(floats.pop())
 
 
-def _manifest_entry(path: str, manifest: Any, sha: str) -> dict[str, Any] | None:
-    """The fixtures-manifest entry recorded for this very file (name and sha256 agree), if any."""
+def _manifest_entry(path: str, manifest: Any, sha: str, selected: str | None = None) -> dict[str, Any] | None:
+    """The fixtures-manifest entry recorded for this very file (name and sha256 agree), if any;
+    with EMA weights selected, its ``output`` is the one recorded for them (``ema_output``)."""
     if manifest is None:
         return None
     where = os.path.join(os.path.dirname(os.path.abspath(path)), "manifest.json") if manifest == "auto" else os.fspath(manifest)
@@ -298,6 +299,10 @@ def _manifest_entry(path: str, manifest: Any, sha: str) -> dict[str, Any] | None
     entry = table.get(os.path.basename(path)) if isinstance(table, dict) else None
     if not isinstance(entry, dict) or entry.get("sha256") != sha or "output" not in entry:
         return None
+    if selected is not None and selected in (entry.get("ema_keys") or []):
+        if "ema_output" not in entry:
+            return None
+        entry = {**entry, "output": entry["ema_output"]}
     return {**entry, "manifest_path": where}
 
 

@@ -66,8 +66,9 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     """
     layout = ZipLayout()
     try:
-        with zipfile.ZipFile(path) as zf:
-            infos = zf.infolist()
+        from .formats import zip_infos
+
+        infos = zip_infos(path)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
         layout.errors.append(f"is a truncated or corrupt zip archive ({e})")
         return layout

@@ -8,6 +8,8 @@ whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says; ``trust=True`` / ``--trust`` is 
 
 from __future__ import annotations
 
+import re
+
 import argparse
 import collections
 import datetime
@@ -130,15 +132,24 @@ def test_allow_list_holds_no_function_that_runs_code() -> None:
 
     for name, obj in allowed_table().items():
         assert classify(*name.rsplit(".", 1)) == "allowed"
-        if name.startswith("builtins."):
+        if name == "builtins.getattr":  # only getattr(HistoryBuffer, <statistic>), giving an inert name
+            with pytest.raises(Exception, match="getattr is allowed only as"):
+                obj(pathlib.PosixPath, "touch")
+        elif name.startswith("builtins."):
             with pytest.raises(Exception, match="default factory"):
                 obj("x")
         elif name.endswith("multiarray.scalar"):
             assert obj is np._core.multiarray.scalar
+        elif name.endswith("multiarray._reconstruct"):  # an empty plain ndarray, nothing else
+            with pytest.raises(Exception, match="allowed only as numpy pickles an array"):
+                obj(np.memmap, (0,), b"b")
+        elif name == "numpy.ndarray":  # a token only _reconstruct accepts
+            with pytest.raises(Exception, match="allowed only as the subtype"):
+                obj((2,))
         else:
             assert isinstance(obj, type) or obj is allowlist._defaultdict, name
     for unsafe in ("builtins.eval", "posix.system", "pathlib.Path", "collections.ChainMap", "torch.load",
-                   "numpy.load", "numpy.core.multiarray._reconstruct"):
+                   "numpy.load", "numpy.memmap", "numpy._core.numeric._frombuffer", "builtins.setattr"):
         assert classify(*unsafe.rsplit(".", 1)) == "unsafe"
     assert classify("pathlib", "PosixPath.touch") == "unsafe"
 
@@ -252,7 +263,7 @@ def test_torchscript_inspect_lists_tensors_without_running_code(scripted: Path, 
         assert t.device.type == "meta"
         assert (t.shape, t.stride(), t.dtype) == (expected[key].shape, expected[key].stride(), expected[key].dtype)
     res = cli_runner.invoke(cli, ["inspect", str(scripted)])
-    assert res.exit_code == 0 and "torchscript" in res.stdout and "body.2.weight  [2x4]" in res.stdout
+    assert res.exit_code == 0 and "torchscript" in res.stdout and re.search(r"body\.2\.weight +\[2x4\]", res.stdout)
 
 
 def test_torchscript_load_needs_trust(scripted: Path, cli_runner, tmp_path: Path) -> None:

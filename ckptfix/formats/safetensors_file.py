@@ -14,7 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ..errors import ConversionError, FormatError
-from . import SAFETENSORS, RawRead
+from . import SAFETENSORS, RawRead, no_duplicate_keys
 
 META_KEY = "ckptfix"
 
@@ -24,15 +24,6 @@ _DTYPES = {
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
 }
-
-
-def _dup_check(pairs: list[tuple[str, Any]]) -> dict:
-    seen: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in seen:
-            raise FormatError(f"duplicate key {k!r} in the safetensors header")
-        seen[k] = v
-    return seen
 
 
 def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
@@ -47,9 +38,9 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
             raise FormatError(f"{path}: safetensors header length ({n}) runs past the end of the file ({size} bytes)")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_dup_check)
-    except FormatError as e:
-        raise FormatError(f"{path}: {e}") from None
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys(f"{path}: safetensors header"))
+    except FormatError:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FormatError(f"{path}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ..errors import ConversionError, FormatError
-from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead
+from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead, no_duplicate_keys
 
 SHARDED_SAFETENSORS = "sharded-safetensors"
 SHARDED_PTH = "sharded-pth"
@@ -87,23 +87,11 @@ def member_path(root: str, rel: Any, source: str, what: str = "shard") -> str:
     return path
 
 
-def _no_duplicates(source: str) -> Any:
-    def hook(pairs: list[tuple[str, Any]]) -> dict:
-        seen: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in seen:
-                raise FormatError(f"{source}: key {k!r} is listed twice; each key must map to one shard")
-            seen[k] = v
-        return seen
-
-    return hook
-
-
 def load_index(index_path: str) -> dict[str, str]:
     """The validated ``weight_map`` (key → shard file name, in file order) of an index json."""
     try:
         with open(index_path, encoding="utf-8") as f:
-            index = json.load(f, object_pairs_hook=_no_duplicates(index_path))
+            index = json.load(f, object_pairs_hook=no_duplicate_keys(index_path))
     except OSError as e:
         raise FormatError(f"{index_path}: can't be read: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -120,7 +120,9 @@ def _read_torchscript(path: str, plan: Any, trust: bool) -> RawRead:
         )
     dev = "cpu" if plan.user_fn is not None or plan.mapping is not None else plan.target("cpu")
     try:
-        module = torch.jit.load(path, map_location="cpu" if dev == "meta" else dev)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.load. is deprecated", category=FutureWarning)
+            module = torch.jit.load(path, map_location="cpu" if dev == "meta" else dev)
     except (RuntimeError, ValueError, OSError) as e:
         raise FormatError(f"{path}: can't be read as a TorchScript archive: {_first_line(e)}") from None
     sd = module.state_dict()
@@ -133,11 +135,13 @@ def write(obj: Any, path: str) -> list[str]:
     """``torch.save`` in the zip format, which plain ``torch.load(weights_only=True)`` reads."""
     import torch
 
+    from ..standins import pickle_module_for
+
     # Through a file object: given a path, torch names the archive's root folder after the file,
-    # which here is the atomic writer's temp name.
+    # which here is the atomic writer's temp name. Stand-ins are written under their original names.
     try:
         with open(path, "wb") as f:
-            torch.save(obj, f)
+            torch.save(obj, f, pickle_module=pickle_module_for(obj))
     except RuntimeError as e:
         # A failed write (disk full, Ctrl-C) makes torch's cleanup raise "unexpected pos", hiding it.
         if isinstance(e.__context__, (OSError, KeyboardInterrupt)):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CkptfixError, FormatError
-from . import TORCH_ZIP, RawRead, StorageRef
+from . import TORCH_ZIP, RawRead, StorageRef, zip_infos
 from .zipwriter import ZipWriter
 
 
@@ -41,8 +41,7 @@ def read_structure(path: str) -> RawRead:
         if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
             raise Unsupported("big-endian data")
         data = reader.get_record("data.pkl")
-        with zipfile.ZipFile(path) as z:
-            crcs = {info.filename.split("/", 1)[-1]: info.CRC for info in z.infolist()}
+        crcs = {info.filename.split("/", 1)[-1]: info.CRC for info in zip_infos(path)}
     except (RuntimeError, zipfile.BadZipFile, OSError) as e:
         raise FormatError(f"{path}: is a truncated or corrupt torch zip archive ({str(e).splitlines()[0]})") from None
 
@@ -144,19 +143,24 @@ def write_structure(
     import torch
 
     from ..devices import storage_id
+    from ..standins import pickler_base_for
 
     order: list[tuple[str, StorageRef]] = []
     key_of: dict[int, str] = {}
+    used: set[str] = set()
 
     def storage_of(t: Any) -> Any:
         return torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
 
+    typed, untyped = torch.storage.TypedStorage, torch.UntypedStorage
+
     def persistent_id(o: Any) -> Any:
-        if isinstance(o, torch.storage.TypedStorage):
+        cls = type(o)  # called for every object pickled: the common case must be cheap
+        if cls is typed:
             st, numel = o._untyped_storage, o._size()
             storage_type = getattr(torch, o._pickle_storage_type())
-        elif isinstance(o, torch.UntypedStorage):
-            st, numel, storage_type = o, o.nbytes(), torch.UntypedStorage
+        elif cls is untyped:
+            st, numel, storage_type = o, o.nbytes(), untyped
         else:
             return None
         sid = storage_id(st)
@@ -164,14 +168,17 @@ def write_structure(
             raise FormatError("internal: a tensor without a source storage reached the zip writer")
         ref = refs[sid]
         if sid not in key_of:
-            key = ref.key if ref.key is not None and ref.key not in {k for k, _ in order} else str(len(order))
+            key = ref.key if ref.key is not None and ref.key not in used else str(len(order))
+            while key in used:  # a fresh key for a source without record keys (safetensors)
+                key = f"{key}_"
+            used.add(key)
             key_of[sid] = key
             order.append((key, ref))
         return ("storage", storage_type, key_of[sid], location(ref.location), numel)
 
     reducer = _meta_tensor_reducer(storage_of)
 
-    class _Pickler(pickle.Pickler):
+    class _Pickler(pickler_base_for(obj)):  # type: ignore[misc] # stand-ins keep their original names
         def persistent_id(self, o: Any) -> Any:
             return persistent_id(o)
 

@@ -109,3 +109,38 @@ def test_peak_memory_growth_is_bounded(dst: str, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     growth = int(out.stdout.strip().splitlines()[-1])
     assert growth < 0.25 * src.stat().st_size, growth
+
+
+class _Tty:
+    """A stand-in stderr that says it is a terminal and keeps what is written."""
+
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> None:
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tty, enabled, drawn", [(True, True, True), (False, True, False), (True, False, False)])
+def test_progress_line_only_on_a_terminal_and_not_quiet(tty: bool, enabled: bool, drawn: bool, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptfix import progress
+
+    stream = _Tty(tty)
+    src = tmp_path / "p.pth"
+    torch.save({f"module.l{i}": torch.zeros(256, 256) for i in range(8)}, src)
+    clock = iter(range(0, 10_000, 2))  # every reading 2 s later: past the 1-second threshold at once
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: float(next(clock)))
+    ckpt = ckptfix.read(src, map_location="meta")
+    with progress.Progress(8 * 256 * 256 * 4, 8, enabled=enabled, stream=stream):
+        ckptfix.formats.write(ckpt.state_dict, str(tmp_path / "o.pth"), "torch-zip", refs=ckpt.refs)
+    if drawn:
+        assert "8/8 tensors" in stream.text and "2.0 MiB / 2.0 MiB (100%)" in stream.text and stream.text.endswith("\n")
+    else:
+        assert stream.text == ""

@@ -194,8 +194,7 @@ def convert(
 
         parse_dtype(dtype)
     ckpt = None
-    if (not trust and fmt_in in formats.STREAMABLE and fmt_out != formats.DCP and plan.user_fn is None
-            and dtype is None):
+    if not trust and fmt_in in formats.STREAMABLE and fmt_out != formats.DCP and plan.user_fn is None:
         ckpt = read(src, map_location="meta", select=select)
         if not ckpt.refs or any(plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
             ckpt = None  # a device other than the CPU asked for: load the tensors for real
@@ -208,13 +207,18 @@ def convert(
         from .transforms import cast_floating
 
         sd, cast = cast_floating(sd, dtype, allow_overflow)
+        if streamed:  # cast tensor by tensor while writing: memory stays bounded by the largest tensor
+            from .devices import storage_id
+
+            refs_with_casts = dict(ckpt.refs)
+            for key, before, after in cast.deferred:
+                refs_with_casts[storage_id(after)] = formats.CastRef(ckpt.refs[storage_id(before)], key, before, after,
+                                                                     cast.check_values)
         notes.append(f"cast to {cast.dtype}: " + (", ".join(f"{k} ×{v}" for k, v in cast.cast.items()) or "nothing to cast")
                      + ("; kept " + ", ".join(f"{k} ×{v}" for k, v in cast.kept.items()) if cast.kept else ""))
-        if cast.infs_produced:
-            notes.append(f"overflow: {cast.infs_produced} value(s) became inf in {', '.join(cast.overflow_keys)}")
     keep = keep_extra and ckpt.state_dict_key not in (None, "<nn.Module>")
     out_obj = layout.put_back(ckpt.raw, ckpt.state_dict_key, sd) if keep else sd
-    refs = ckpt.refs if streamed else None
+    refs = (refs_with_casts if cast is not None else ckpt.refs) if streamed else None
     final = {"dst": dst, "sha256": None}
 
     def finalize(tmp: str) -> str:
@@ -246,6 +250,8 @@ def convert(
                 archive = os.path.splitext(os.path.basename(dst))[0]
                 notes += formats.write(out_obj, tmp, fmt_out, refs=refs, archive=archive)
     dst = final["dst"]
+    if cast is not None and cast.infs_produced:
+        notes.append(f"overflow: {cast.infs_produced} value(s) became inf in {', '.join(cast.overflow_keys)}")
     renamed = sum(1 for a, b in zip(ckpt.state_dict.keys(), sd.keys()) if a != b)
     extra_kept = list(ckpt.extra) if keep else []
     dropped = [] if keep else list(ckpt.extra)

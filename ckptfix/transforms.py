@@ -29,6 +29,25 @@ class CastReport:
     kept: dict[str, int] = field(default_factory=dict)  # dtype left alone (int, bool, …) -> count
     overflow_keys: list[str] = field(default_factory=list)
     infs_produced: int = 0
+    #: (key, source tensor, cast tensor) for tensors on meta, whose values are checked when
+    #: the writer computes them (see ``check_values``)
+    deferred: list[tuple[str, Any, Any]] = field(default_factory=list)
+    allow_overflow: bool = False
+
+    def check_values(self, key: str, before: Any, after: Any) -> None:
+        """Count the infs a cast produced; refuse float16 overflow unless allowed."""
+        import torch
+
+        if not before.numel():
+            return
+        if after.dtype == torch.float16 and bool(((before.abs() > _FP16_MAX) & torch.isfinite(before)).any()):
+            self.overflow_keys.append(key)
+            if not self.allow_overflow:
+                raise ConversionError(
+                    f"casting to float16 would overflow to inf in {key!r}: values beyond ±65504; "
+                    "use bf16, or pass --allow-overflow (library: allow_overflow=True)"
+                )
+        self.infs_produced += int((torch.isinf(after) & ~torch.isinf(before)).sum())
 
 
 def parse_dtype(name: str) -> Any:
@@ -44,12 +63,14 @@ def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: boo
     """Cast floating-point tensors to ``dtype``; integer buffers (num_batches_tracked) and bool stay.
 
     Values beyond float16's range would become inf: refused unless ``allow_overflow``.
-    Tensors that shared storage still share it afterwards.
+    Tensors that shared storage still share it afterwards. Tensors on ``meta`` (a streaming
+    conversion) are cast in shape only; their values are checked as they are written
+    (``report.deferred``).
     """
     import torch
 
     target = parse_dtype(dtype)
-    report = CastReport(dtype=str(target).replace("torch.", ""))
+    report = CastReport(dtype=str(target).replace("torch.", ""), allow_overflow=allow_overflow)
     cast_cache: dict[tuple, Any] = {}
     out: OrderedDict = OrderedDict()
     for key, t in state_dict.items():
@@ -63,13 +84,12 @@ def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: boo
         if view in cast_cache:
             out[key] = cast_cache[view]
             continue
-        if target == torch.float16 and t.numel():
-            finite = torch.isfinite(t)
-            too_big = (t.abs() > _FP16_MAX) & finite
-            if bool(too_big.any()):
-                report.overflow_keys.append(key)
         new = t.to(target)
-        if t.numel():
+        if t.device.type == "meta":
+            report.deferred.append((key, t, new))
+        elif target == torch.float16 and t.numel():
+            if bool(((t.abs() > _FP16_MAX) & torch.isfinite(t)).any()):
+                report.overflow_keys.append(key)
             report.infs_produced += int((torch.isinf(new) & ~torch.isinf(t)).sum())
         cast_cache[view] = new
         out[key] = new

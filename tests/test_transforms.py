@@ -33,7 +33,7 @@ def test_dtype_casts_floats_only(dtype: str, torch_dtype: torch.dtype, fmt: str,
 def test_fp16_overflow_refused_unless_allowed(tmp_path: Path) -> None:
     src = tmp_path / "big.pth"
     torch.save({"w": torch.tensor([1.0, 1e6, -7e4]), "ok": torch.tensor([2.0])}, src)
-    with pytest.raises(ConversionError, match="overflow to inf in 1 tensor\\(s\\) \\(w\\).*--allow-overflow"):
+    with pytest.raises(ConversionError, match="overflow to inf in .*w.*--allow-overflow"):
         ckptfix.convert(src, tmp_path / "o.pth", dtype="fp16")
     assert not (tmp_path / "o.pth").exists()
     report = ckptfix.convert(src, tmp_path / "o.pth", dtype="fp16", allow_overflow=True)

@@ -47,6 +47,58 @@ class StorageRef:
 
 
 @dataclass
+class CastRef:
+    """A storage no file holds yet: a view of a source storage cast to another dtype, computed
+    tensor by tensor while writing, so memory stays bounded by the largest tensor."""
+
+    source: StorageRef
+    key: str  # the state-dict key, for messages
+    before: Any  # the source view (a meta tensor: dtype, offset, shape, stride)
+    after: Any  # the cast result (a meta tensor with the layout to produce)
+    check: Any  # CastReport.check_values
+    location: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.location = self.source.location
+        self.nbytes = self.after.untyped_storage().nbytes()
+        self.crc = None
+        self.path = None  # not a byte range of a file: writers materialize() it
+
+    def materialize(self) -> Any:
+        """The cast tensor on the CPU, with ``after``'s layout."""
+        import torch
+
+        src = torch.empty(0, dtype=self.before.dtype)
+        src.set_(mapped(self.source.path)[self.source.offset : self.source.offset + self.source.nbytes],
+                 self.before.storage_offset(), self.before.shape, self.before.stride())
+        out = torch.empty_strided(self.after.shape, self.after.stride(), dtype=self.after.dtype)
+        out.copy_(src)
+        self.check(self.key, src, out)
+        return out
+
+
+_MAPPED: dict[str, Any] = {}
+
+
+def mapped(path: str) -> Any:
+    """The whole file as a private read-only-in-practice memory map (torch.UntypedStorage)."""
+    import torch
+
+    if path not in _MAPPED:
+        _MAPPED.clear()
+        _MAPPED[path] = torch.UntypedStorage.from_file(path, shared=False, nbytes=os.path.getsize(path))
+    return _MAPPED[path]
+
+
+def storage_bytes(t: Any) -> memoryview:
+    """The bytes of a CPU tensor's whole storage, without a copy."""
+    import torch
+
+    whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return memoryview(whole.numpy())
+
+
+@dataclass
 class RawRead:
     """What a format reader hands back: the unpickled object and each storage's saved device.
 

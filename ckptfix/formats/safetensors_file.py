@@ -14,7 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ..errors import ConversionError, FormatError
-from . import SAFETENSORS, RawRead, no_duplicate_keys
+from . import SAFETENSORS, CastRef, RawRead, mapped, no_duplicate_keys
 
 META_KEY = "ckptfix"
 
@@ -216,7 +216,6 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
     from ..devices import storage_id
 
     fds: dict[str, int] = {}
-    mmaps: dict[str, Any] = {}
     try:
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(header)) + header)
@@ -225,16 +224,16 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
             for _key, t in tensors:
                 n = t.numel() * t.element_size()
                 ref = refs.get(storage_id(t))
+                if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
+                    t, ref = ref.materialize(), None
                 if ref is not None and t.is_contiguous():
                     if ref.path not in fds:
                         fds[ref.path] = os.open(ref.path, os.O_RDONLY)
                     rawcopy.copy_range(fds[ref.path], f.fileno(), ref.offset + t.storage_offset() * t.element_size(), pos, n)
                 else:
                     if ref is not None:  # a non-contiguous view of a storage still in the source file
-                        if ref.path not in mmaps:
-                            mmaps[ref.path] = torch.UntypedStorage.from_file(ref.path, shared=False, nbytes=os.path.getsize(ref.path))
                         real = torch.empty(0, dtype=t.dtype)
-                        real.set_(mmaps[ref.path][ref.offset : ref.offset + ref.nbytes], t.storage_offset(), t.shape, t.stride())
+                        real.set_(mapped(ref.path)[ref.offset : ref.offset + ref.nbytes], t.storage_offset(), t.shape, t.stride())
                         t = real
                     flat = t.detach().cpu().reshape(-1)
                     if flat.stride(0) != 1:  # contiguous() keeps a 1-element view's stride; view() needs 1

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CkptfixError, FormatError
-from . import TORCH_ZIP, RawRead, StorageRef, zip_infos
+from . import TORCH_ZIP, CastRef, RawRead, StorageRef, storage_bytes, zip_infos
 from .zipwriter import ZipWriter
 
 
@@ -91,7 +91,7 @@ class _LazyCrcs:
     while the kernel copies, so the copy and the checksum run on two cores."""
 
     def __init__(self, order: list[tuple[str, StorageRef]], fds: dict[str, int]):
-        self.order = [ref for _, ref in order if ref.crc is None]
+        self.order = [ref for _, ref in order if ref.crc is None and not isinstance(ref, CastRef)]
         self.fds = fds
         self.workers: dict[int, Any] = {}
 
@@ -198,6 +198,9 @@ def write_structure(
             z.add_bytes(f"{archive}/data.pkl", buf.getvalue())
             z.add_bytes(f"{archive}/byteorder", b"little")
             for key, ref in order:
+                if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
+                    z.add_bytes(f"{archive}/data/{key}", storage_bytes(ref.materialize()))
+                    continue
                 if ref.path not in fds:
                     fds[ref.path] = os.open(ref.path, os.O_RDONLY)
                 crc = ref.crc if ref.crc is not None else crcs.get(fds[ref.path], ref.offset, ref.nbytes)

@@ -92,6 +92,8 @@ def commands(files: dict[str, Path], out: Path) -> dict[str, list[str]]:
         "ckptfix convert pth->pth": [*CKPTFIX, "convert", big, str(out / "c.pth"), "--force", "--quiet"],
         "ckptfix convert pth->safetensors": [*CKPTFIX, "convert", big, str(out / "c.safetensors"), "--force", "--quiet"],
         "ckptfix convert safetensors->pth": [*CKPTFIX, "convert", st, str(out / "s.pth"), "--force", "--quiet"],
+        "ckptfix convert pth->safetensors --dtype bf16": [*CKPTFIX, "convert", big, str(out / "bf16.safetensors"),
+                                                         "--dtype", "bf16", "--force", "--quiet"],
         "ckptfix inspect": [*CKPTFIX, "inspect", big],
         "20k small: user torch.load+replace+torch.save": [PY, "-c", USER_PTH, many, str(out / "many_user.pth")],
         "20k small: ckptfix convert pth->pth": [*CKPTFIX, "convert", many, str(out / "many.pth"), "--force", "--quiet"],

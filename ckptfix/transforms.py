@@ -17,7 +17,6 @@ from .wrappers import rename_state_dict
 
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
           "bf16": "bfloat16", "bfloat16": "bfloat16"}
-_FP16_MAX = 65504.0
 
 
 @dataclass
@@ -35,19 +34,31 @@ class CastReport:
     allow_overflow: bool = False
 
     def check_values(self, key: str, before: Any, after: Any) -> None:
-        """Count the infs a cast produced; refuse float16 overflow unless allowed."""
+        """Count the infs a cast produced; refuse an overflow to inf unless allowed.
+
+        Cheap in the common case (one boolean pass over ``after``), as it runs on every tensor.
+        """
         import torch
 
-        if not before.numel():
+        if not after.numel() or not after.is_floating_point():
             return
-        if after.dtype == torch.float16 and bool(((before.abs() > _FP16_MAX) & torch.isfinite(before)).any()):
-            self.overflow_keys.append(key)
-            if not self.allow_overflow:
-                raise ConversionError(
-                    f"casting to float16 would overflow to inf in {key!r}: values beyond ±65504; "
-                    "use bf16, or pass --allow-overflow (library: allow_overflow=True)"
-                )
-        self.infs_produced += int((torch.isinf(after) & ~torch.isinf(before)).sum())
+        inf_after = torch.isinf(after)
+        if not bool(inf_after.any()):
+            return
+        new = inf_after & torch.isfinite(before)
+        del inf_after
+        produced = int(new.sum())
+        if not produced:
+            return
+        self.overflow_keys.append(key)
+        if not self.allow_overflow:
+            limit = "±65504 (float16)" if after.dtype == torch.float16 else f"{after.dtype}'s range"
+            raise ConversionError(
+                f"casting to {self.dtype} would overflow to inf in {key!r}: values beyond {limit}; "
+                + ("use bf16, or " if after.dtype == torch.float16 else "")
+                + "pass --allow-overflow (library: allow_overflow=True)"
+            )
+        self.infs_produced += produced
 
 
 def parse_dtype(name: str) -> Any:
@@ -87,20 +98,12 @@ def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: boo
         new = t.to(target)
         if t.device.type == "meta":
             report.deferred.append((key, t, new))
-        elif target == torch.float16 and t.numel():
-            if bool(((t.abs() > _FP16_MAX) & torch.isfinite(t)).any()):
-                report.overflow_keys.append(key)
-            report.infs_produced += int((torch.isinf(new) & ~torch.isinf(t)).sum())
+        else:
+            report.check_values(key, t, new)
         cast_cache[view] = new
         out[key] = new
         label = f"{str(t.dtype).replace('torch.', '')}->{report.dtype}"
         report.cast[label] = report.cast.get(label, 0) + 1
-    if report.overflow_keys and not allow_overflow:
-        keys = ", ".join(report.overflow_keys[:5]) + (" …" if len(report.overflow_keys) > 5 else "")
-        raise ConversionError(
-            f"casting to float16 would overflow to inf in {len(report.overflow_keys)} tensor(s) ({keys}): "
-            "values beyond ±65504; use bf16, or pass --allow-overflow (library: allow_overflow=True)"
-        )
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:
         out._metadata = meta  # type: ignore[attr-defined]

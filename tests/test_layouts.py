@@ -343,13 +343,15 @@ def test_mmengine_loads_without_trust_and_without_mmengine(fixtures_dir: Path, t
     scan = ckptfix.scan(path)
     classes = {g.name: g.category for g in scan.globals}
     assert scan.ok and {classes[n] for n in (HISTORY_BUFFER, "builtins.getattr", "numpy.ndarray",
-                                             "numpy._core.multiarray._reconstruct", "numpy.dtype")} == {"allowed"}
+                                             "numpy._core.multiarray._reconstruct", "numpy.dtype",
+                                             "numpy._core.multiarray.scalar")} == {"allowed"}
     with adversarial.audit_events() as events:
         ckpt = ckptfix.read(path)
     assert events == [] and not any(m.startswith("mmengine") for m in sys.modules)
     raw = _load_raw(train, path, "mmengine")  # through the generator's throwaway mmengine module
     hub, want = ckpt.extra["message_hub"], raw["message_hub"]
-    assert list(hub["log_scalars"]) == ["train/lr", "train/loss"]
+    assert list(hub["log_scalars"]) == ["train/lr", "train/data_time", "train/loss", "train/time"]
+    assert isinstance(hub["runtime_info"]["eta"], np.float64)  # LoggerHook's eta: a numpy scalar
     for key, buffer in hub["log_scalars"].items():
         log, count = buffer.data
         assert np.array_equal(log, want["log_scalars"][key]._log_history) and log.dtype == np.float64

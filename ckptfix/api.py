@@ -166,26 +166,7 @@ def convert(
     start = time.perf_counter()
     src, dst = _fspath(src), _fspath(dst)
     fmt_in = formats.sniff(src)
-    shard_size = None
-    if max_shard_size is not None:
-        from .formats.sharded import parse_size
-
-        shard_size = parse_size(max_shard_size)
-    fmt_out = formats.format_for_destination(dst, format, sharded=shard_size is not None)
-    to_dir = shard_size is not None or fmt_out == formats.DCP
-    if to_dir:
-        from .atomic import check_destination_dir
-
-        if hash:
-            raise ConversionError("--hash names one output file; it does not apply to a sharded or DCP directory")
-        check_destination_dir(src, dst, force)
-    else:
-        check_destination(src, dst, force or hash)  # with hash the name is known only once written
-    if keep_extra and fmt_out not in (formats.TORCH_ZIP, formats.DCP) or (keep_extra and shard_size is not None):
-        raise ConversionError(
-            f"{dst}: --keep-extra keeps optimizer state and other Python objects, which only a single .pth "
-            "file or a DCP directory can hold; write .pth, or drop --keep-extra to write the weights alone"
-        )
+    shard_size, fmt_out = _plan_output(src, dst, format, max_shard_size, keep_extra, hash, force)
     plan = DevicePlan(map_location, source=src)
     if plan.is_meta:
         raise ConversionError("map_location='meta' reads no tensor data; convert needs real tensors")
@@ -207,18 +188,11 @@ def convert(
         from .transforms import cast_floating
 
         sd, cast = cast_floating(sd, dtype, allow_overflow)
-        if streamed:  # cast tensor by tensor while writing: memory stays bounded by the largest tensor
-            from .devices import storage_id
-
-            refs_with_casts = dict(ckpt.refs)
-            for key, before, after in cast.deferred:
-                refs_with_casts[storage_id(after)] = formats.CastRef(ckpt.refs[storage_id(before)], key, before, after,
-                                                                     cast.check_values)
         notes.append(f"cast to {cast.dtype}: " + (", ".join(f"{k} ×{v}" for k, v in cast.cast.items()) or "nothing to cast")
                      + ("; kept " + ", ".join(f"{k} ×{v}" for k, v in cast.kept.items()) if cast.kept else ""))
     keep = keep_extra and ckpt.state_dict_key not in (None, "<nn.Module>")
     out_obj = layout.put_back(ckpt.raw, ckpt.state_dict_key, sd) if keep else sd
-    refs = (refs_with_casts if cast is not None else ckpt.refs) if streamed else None
+    refs = _with_casts(ckpt.refs, cast) if streamed else None
     final = {"dst": dst, "sha256": None}
 
     def finalize(tmp: str) -> str:
@@ -230,25 +204,7 @@ def convert(
         return final["dst"]
 
     with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=progress):
-        if shard_size is not None:
-            from .formats import sharded
-
-            notes += sharded.write(out_obj, dst, fmt_out, shard_size, force=force, refs=refs)
-        elif fmt_out == formats.DCP:
-            from .formats import dcp
-            from .standins import contains_stand_ins
-
-            if contains_stand_ins(out_obj):
-                raise ConversionError(
-                    f"{src}: holds mmengine objects (message_hub) that a DCP directory can't store under "
-                    "their own names; write .pth with --keep-extra, or drop --keep-extra for DCP"
-                )
-
-            notes += dcp.write(out_obj, dst, force=force)
-        else:
-            with atomic_path(dst, finalize=finalize) as tmp:
-                archive = os.path.splitext(os.path.basename(dst))[0]
-                notes += formats.write(out_obj, tmp, fmt_out, refs=refs, archive=archive)
+        notes += _write_output(out_obj, src, dst, fmt_out, shard_size, refs, force, finalize)
     dst = final["dst"]
     if cast is not None and cast.infs_produced:
         notes.append(f"overflow: {cast.infs_produced} value(s) became inf in {', '.join(cast.overflow_keys)}")
@@ -282,6 +238,65 @@ def convert(
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,
     )
+
+
+def _plan_output(src: str, dst: str, format: str | None, max_shard_size: int | str | None, keep_extra: bool,
+                 hash: bool, force: bool) -> tuple[int | None, str]:
+    """Check the destination before anything is read; returns (shard size or None, output format)."""
+    shard_size = None
+    if max_shard_size is not None:
+        from .formats.sharded import parse_size
+
+        shard_size = parse_size(max_shard_size)
+    fmt_out = formats.format_for_destination(dst, format, sharded=shard_size is not None)
+    if shard_size is not None or fmt_out == formats.DCP:
+        from .atomic import check_destination_dir
+
+        if hash:
+            raise ConversionError("--hash names one output file; it does not apply to a sharded or DCP directory")
+        check_destination_dir(src, dst, force)
+    else:
+        check_destination(src, dst, force or hash)  # with hash the name is known only once written
+    if keep_extra and (fmt_out not in (formats.TORCH_ZIP, formats.DCP) or shard_size is not None):
+        raise ConversionError(
+            f"{dst}: --keep-extra keeps optimizer state and other Python objects, which only a single .pth "
+            "file or a DCP directory can hold; write .pth, or drop --keep-extra to write the weights alone"
+        )
+    return shard_size, fmt_out
+
+
+def _with_casts(refs: dict, cast: Any) -> dict:
+    """Source refs plus a CastRef for every tensor cast on meta: the writers compute each cast
+    tensor as they reach it, so memory stays bounded by the largest tensor."""
+    if cast is None or not cast.deferred:
+        return refs
+    from .devices import storage_id
+
+    out = dict(refs)
+    for key, before, after in cast.deferred:
+        out[storage_id(after)] = formats.CastRef(refs[storage_id(before)], key, before, after, cast.check_values)
+    return out
+
+
+def _write_output(obj: Any, src: str, dst: str, fmt: str, shard_size: int | None, refs: dict | None, force: bool,
+                  finalize: Any) -> list[str]:
+    """Write one file atomically (``finalize`` may rename it), or a sharded / DCP directory."""
+    if shard_size is not None:
+        from .formats import sharded
+
+        return sharded.write(obj, dst, fmt, shard_size, force=force, refs=refs)
+    if fmt == formats.DCP:
+        from .formats import dcp
+        from .standins import contains_stand_ins
+
+        if contains_stand_ins(obj):
+            raise ConversionError(
+                f"{src}: holds mmengine objects (message_hub) that a DCP directory can't store under "
+                "their own names; write .pth with --keep-extra, or drop --keep-extra for DCP"
+            )
+        return dcp.write(obj, dst, force=force)
+    with atomic_path(dst, finalize=finalize) as tmp:
+        return formats.write(obj, tmp, fmt, refs=refs, archive=os.path.splitext(os.path.basename(dst))[0])
 
 
 def _size_on_disk(path: str) -> int:

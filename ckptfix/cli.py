@@ -103,10 +103,12 @@ def _stack(stack: list[str]) -> str:
     return ".".join(stack) + "." if stack else "none"
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="Exit codes: 0 ok, 1 error (one 'Error:' line; CKPTFIX_DEBUG=1 shows the traceback), "
+                    "2 usage, 3 a finding (verify failed, diff differs, scan found unsafe content).")
 @click.version_option(__version__, prog_name="ckptfix")
 def cli() -> None:
-    """Load, fix and convert PyTorch checkpoints: wrapper prefixes, devices, formats."""
+    """Load, fix, convert, verify and scan PyTorch checkpoints: wrapper prefixes, devices, formats, safety."""
 
 
 @cli.command()

@@ -82,7 +82,7 @@ class ScanReport:
         }
 
 
-def scan(path: Any, fmt: str | None = None, check_crc: bool = True) -> ScanReport:
+def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by_caller: str | None = None) -> ScanReport:
     """Statically analyse ``path``: every pickle's globals and, for zips, the archive's structure.
 
     Raises FormatError when the file is unreadable (and nothing unsafe was seen before the
@@ -104,7 +104,7 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True) -> ScanRepor
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         size = len(buf)
         if fmt in (TORCH_ZIP, TORCHSCRIPT):
-            _scan_zip(c, buf, size, fmt == TORCHSCRIPT, check_crc)
+            _scan_zip(c, buf, size, fmt == TORCHSCRIPT, check_crc, unpickled_by_caller)
         elif fmt == TORCH_LEGACY and buf[257:262] == b"ustar":
             _scan_tar(c)
         elif fmt == TORCH_LEGACY:
@@ -130,16 +130,23 @@ def _scan_sharded(path: str, fmt: str, check_crc: bool) -> ScanReport:
     return report
 
 
-def ensure_safe(path: str, fmt: str, structure_only: bool = False) -> None:
+def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_caller: str | None = None) -> None:
     """Raise UnsafeCheckpointError naming every unsafe global (sorted) and structural problem.
 
     Called before every untrusted torch load. ``structure_only`` checks just the zip structure,
     for readers that execute nothing themselves (the TorchScript inspector).
+    ``unpickled_by_caller`` (``"data.pkl"``) skips walking that one member: the caller unpickles it
+    with torch's weights_only unpickler, which refuses any global outside the allow-list before
+    building it, checks that nothing follows its STOP, and calls ``ensure_safe`` again without the
+    skip when anything fails, so the refusal still names every global. This halves the pure-Python
+    pickle work of a streaming conversion of a checkpoint with many tensors.
     """
-    report = scan(path, fmt, check_crc=False)
+    report = scan(path, fmt, check_crc=False, unpickled_by_caller=unpickled_by_caller)
     findings = [f for f in report.findings if not (structure_only and f.kind in _CODE_KINDS)]
     if not findings:
         return
+    if unpickled_by_caller:  # refused anyway: scan everything so the message names every global
+        return ensure_safe(path, fmt, structure_only)
     parts = []
     if report.unsafe_globals and not structure_only:
         parts.append("it references globals outside the safe allow-list: " + ", ".join(report.unsafe_globals))
@@ -216,7 +223,8 @@ class _Collector:
         return ScanReport(self.path, self.fmt, list(self.globals.values()), findings, self.pickles)
 
 
-def _scan_zip(c: _Collector, buf: Any, size: int, torchscript: bool, check_crc: bool) -> None:
+def _scan_zip(c: _Collector, buf: Any, size: int, torchscript: bool, check_crc: bool,
+              unpickled_by_caller: str | None = None) -> None:
     layout = zip_check.check_zip(c.path, buf, size, torchscript=torchscript, check_crc=check_crc)
     for kind, where, message in layout.findings:
         c.find(kind, where, message)
@@ -230,6 +238,8 @@ def _scan_zip(c: _Collector, buf: Any, size: int, torchscript: bool, check_crc: 
     for i, m in enumerate(layout.members):
         if not m.name.endswith(".pkl") or m.flags & 1 or m.compress_type not in (0, 8):
             continue  # encrypted / unknown compression: already a finding
+        if unpickled_by_caller and m.name == f"{layout.root}/{unpickled_by_caller}" and names.count(m.name) == 1:
+            continue  # the caller unpickles it with torch's weights_only unpickler and checks its end
         where = m.name if names.count(m.name) == 1 else f"{m.name} (entry {i + 1})"
         try:
             data = zip_check.read_member(m, buf)

@@ -287,7 +287,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
 
         from ..safety import ensure_safe
 
-        ensure_safe(path, fmt)
+        ensure_safe(path, fmt, unpickled_by_caller="data.pkl")  # read_structure checks data.pkl itself
         try:
             return torchzip.read_structure(path)
         except torchzip.Unsupported:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CkptfixError, FormatError
+from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
 from . import TORCH_ZIP, CastRef, RawRead, StorageRef, storage_bytes, zip_infos
 from .zipwriter import ZipWriter
 
@@ -69,19 +69,25 @@ def read_structure(path: str) -> RawRead:
             tags[sid] = location
         return torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
 
-    unpickler = Unpickler(io.BytesIO(data), encoding="utf-8")
+    stream = io.BytesIO(data)
+    unpickler = Unpickler(stream, encoding="utf-8")
     unpickler.persistent_load = persistent_load
     try:
         with safety.safe_unpickling() as finish, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             obj = finish(unpickler.load())
+        if stream.tell() != len(data):  # bytes after STOP: torch ignores them, a second pickle can hide there
+            safety.ensure_safe(path, TORCH_ZIP)
+            raise UnsafeCheckpointError(f"{path}: refused: {len(data) - stream.tell()} bytes follow the pickle in data.pkl")
     except CkptfixError:
         raise
     except pickle.UnpicklingError as e:  # torch's weights_only unpickler refused something
         from .torchfile import _unpickling_error
 
+        safety.ensure_safe(path, TORCH_ZIP)  # the full static scan names every offending global
         raise _unpickling_error(path, e, weights_only=True) from None
     except Exception as e:  # noqa: BLE001 - every failure of a hostile or broken pickle becomes a FormatError
+        safety.ensure_safe(path, TORCH_ZIP)
         raise translate_load_error(path, TORCH_ZIP, e) from None
     return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)
 

@@ -111,3 +111,20 @@ def test_debug_env_shows_traceback(tmp_path: Path) -> None:
     env_out = subprocess.run([sys.executable, "-m", "ckptfix", "inspect", str(tmp_path / "nope.pth")],
                              capture_output=True, text=True, env={**os.environ, "CKPTFIX_DEBUG": "1", "PYTHONPATH": str(ROOT)})
     assert env_out.returncode == 1 and "Traceback" in env_out.stderr
+
+
+def test_every_json_field_is_documented_in_readme(fixtures_dir: Path, tmp_path: Path) -> None:
+    """The README lists each `--json` field; a field added to a report without docs fails here."""
+    import ckptfix
+
+    readme = (ROOT / "README.md").read_text()
+    objects = {
+        "inspect": ckptfix.inspect(fixtures_dir / "mlp_ddp.pth").to_dict(),
+        "convert": ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.pth", checksums=True).to_dict(),
+        "verify": ckptfix.verify(fixtures_dir / "mlp_ddp.pth", str(fixtures_dir / "train.py") + ":mlp").to_dict(),
+        "diff": ckptfix.diff(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.pth").to_dict(),
+        "scan": ckptfix.scan(fixtures_dir / "mlp_ddp.pth").to_dict(),
+    }
+    for command, obj in objects.items():
+        undocumented = [k for k in obj if f"`{k}`" not in readme]
+        assert not undocumented, f"{command} --json fields missing from README: {undocumented}"

@@ -7,6 +7,7 @@ import mmap
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 _CHUNK = 64 * 2**20
@@ -21,42 +22,39 @@ class _Sink(Protocol):
 progress: _Sink | None = None
 
 
-def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, size: int) -> None:
-    """Copy ``size`` bytes from ``src_fd@src_offset`` to ``dst_fd@dst_offset``, in the kernel if it can."""
+def _move(size: int, step: Callable[[int, int], int], what: str) -> None:
+    """Call ``step(done, n)`` (returns bytes moved) until ``size`` bytes are moved; report progress."""
     done = 0
-    use_cfr = hasattr(os, "copy_file_range")
     while done < size:
-        n = min(_CHUNK, size - done)
-        copied = 0
-        if use_cfr:
-            try:
-                copied = os.copy_file_range(src_fd, dst_fd, n, src_offset + done, dst_offset + done)
-            except OSError:
-                use_cfr = False
-        if not use_cfr:
-            data = os.pread(src_fd, n, src_offset + done)
-            copied = os.pwrite(dst_fd, data, dst_offset + done) if data else 0
-        if copied <= 0:
-            raise OSError(5, f"short copy: source ended after {done} of {size} bytes")
-        done += copied
+        moved = step(done, min(_CHUNK, size - done))
+        if moved <= 0:
+            raise OSError(5, f"{what}: stopped after {done} of {size} bytes")
+        done += moved
         if progress is not None:
-            progress.advance(copied)
+            progress.advance(moved)
     if progress is not None:
         progress.tensor_done()
+
+
+def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, size: int) -> None:
+    """Copy ``size`` bytes from ``src_fd@src_offset`` to ``dst_fd@dst_offset``, in the kernel if it can."""
+    kernel = [hasattr(os, "copy_file_range")]
+
+    def step(done: int, n: int) -> int:
+        if kernel[0]:
+            try:
+                return os.copy_file_range(src_fd, dst_fd, n, src_offset + done, dst_offset + done)
+            except OSError:  # another filesystem, an old kernel: copy through a bounded buffer
+                kernel[0] = False
+        data = os.pread(src_fd, n, src_offset + done)
+        return os.pwrite(dst_fd, data, dst_offset + done) if data else 0
+
+    _move(size, step, "short copy (the source ended early?)")
 
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:
     """``pwrite`` all of ``data`` at ``offset`` (one call writes at most ~2 GiB on Linux)."""
-    done = 0
-    while done < len(data):
-        n = os.pwrite(fd, data[done : done + _CHUNK], offset + done)
-        if n <= 0:
-            raise OSError(5, "write made no progress")
-        done += n
-        if progress is not None:
-            progress.advance(n)
-    if progress is not None:
-        progress.tensor_done()
+    _move(len(data), lambda done, n: os.pwrite(fd, data[done : done + n], offset + done), "write made no progress")
 
 
 def crc32_range(fd: int, offset: int, size: int) -> int:

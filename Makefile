@@ -35,6 +35,8 @@ demo: $(VENV)/.installed
 	@echo "== the pre-deploy gate: keys, shapes, dtypes and the forward output against the original"
 	$(VENV)/bin/ckptfix verify $(DEMO_DIR)/mlp.safetensors --model fixtures/train.py:mlp --reference $(DEMO_DIR)/mlp_ddp.pth
 	@echo "== load it into a fresh model and check it reproduces the trained model's output"
+# Bit-exact (==) is right here: this demo run wrote that manifest, on this machine. An output recorded
+# elsewhere (fixtures/manifest.json) needs the recorded-value tolerance (README: Verify and diff, Tolerance).
 	$(PY) -c "import sys, json, torch, ckptfix; sys.path.insert(0, 'fixtures'); from train import mlp, fixed_input; \
 	  m = mlp(); print(ckptfix.load_into(m, '$(DEMO_DIR)/mlp.safetensors')); m.eval(); \
 	  want = json.load(open('$(DEMO_DIR)/manifest.json'))['fixtures']['mlp_ddp.pth']['output']; \

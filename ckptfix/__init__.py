@@ -37,6 +37,7 @@ _LAZY = {
     "devices": None,
     "formats": None,
     "safety": None,
+    "limits": None,
     "scan": "safety",
     "ScanReport": "safety",
 }

@@ -1,31 +1,43 @@
-"""The allow-list: harmless globals real training checkpoints carry, beyond torch's own defaults.
+"""The allow-list and what each allowed global may do: the policy of ckptfix's unpickler and scanner.
 
-torch's ``weights_only`` unpickler builds only tensors, storages, dtypes, ``OrderedDict``,
-``Counter``, ``set``, ``complex`` and friends. Training checkpoints also hold hyper-parameters
-(``argparse.Namespace``), numpy scalars, paths, timestamps and torch's version string. Each entry
-below constructs plain data and runs no code taken from the file; ``classify`` names a global
-``safe`` (torch's own), ``allowed`` (this list) or ``unsafe`` (anything else).
+torch's ``weights_only`` defaults name tensors, storages, dtypes, ``OrderedDict``, ``Counter``,
+``set``, ``complex`` and friends; training checkpoints also hold hyper-parameters
+(``argparse.Namespace``), numpy scalars and arrays, paths, timestamps and torch's version string.
+Every global here constructs plain data and runs no code taken from the file; ``classify`` names a
+global ``safe`` (torch's own), ``allowed`` (ckptfix's additions) or ``unsafe`` (anything else).
+
+Being named is not enough to be called: :func:`torch_policy` gives each callable a guard that checks
+its arguments (``torch.ByteTensor(n)`` is never called: uninitialised memory; a tensor view must lie
+inside its storage; ``bytearray(n)`` stays within the limits), and BUILD only reaches instances of
+the types listed. :func:`refused_call` and :func:`refused_build` are the same rules for the static
+scanner, which sees arguments only as far as they are constants.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import datetime
 import functools
 import os
 import pathlib
-import pickle
-import threading
-from collections.abc import Callable, Iterator
+import re
 from typing import Any
 
-from . import standins
+from . import limits as _limits
+from . import numpy_safe, standins
+from .pickle_ops import Refused, type_name
+from .standins import short_args
 
 SAFE, ALLOWED, UNSAFE = "safe", "allowed", "unsafe"
 
-_pending = threading.local()  # stand-ins made during the current load, to restore afterwards
+#: torch's weights_only defaults that ckptfix does not call at all: tensors without bounds checks
+#: (nested offsets), storage-less wrapper subclasses, tensors from numpy arrays.
+REFUSED_REBUILDS = frozenset({"torch._utils._rebuild_nested_tensor", "torch._utils._rebuild_wrapper_subclass",
+                              "torch._utils._rebuild_device_tensor_from_numpy"})
+_VIEW_REBUILDS = frozenset({"torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2",
+                            "torch._utils._rebuild_tensor_v3", "torch._utils._rebuild_qtensor"})
+_CODEC_NAMES = frozenset({"latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"})
 
 
 class _FactoryType:
@@ -38,63 +50,37 @@ class _FactoryType:
         self.type = type_
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise pickle.UnpicklingError(f"{self.type.__name__} is allowed only as a defaultdict's default factory")
+        raise Refused(f"{self.type.__name__} is allowed only as a defaultdict's default factory")
 
 
 _FACTORY_TYPES = (list, dict, set, int, float, str, tuple, bool, collections.OrderedDict, collections.Counter)
 
 
 def _defaultdict(default_factory: Any = None, *rest: Any) -> dict:
-    """Stands in for ``collections.defaultdict`` while torch's unpickler fills it (it fills only
-    exact dicts); the plain dict becomes a real defaultdict once loading ends."""
+    """Stands in for ``collections.defaultdict`` while the unpickler fills it (it fills only exact
+    dicts); the plain dict becomes a real defaultdict once loading ends."""
     factory = default_factory.type if isinstance(default_factory, _FactoryType) else default_factory
     if rest or not (factory is None or factory in _FACTORY_TYPES):
-        raise pickle.UnpicklingError(f"defaultdict with default factory {default_factory!r} is not allowed")
+        raise Refused(f"defaultdict with default factory {type_name(factory)} is not allowed (only builtin containers and numbers)")
     d: dict = {}
-    _remember(d, factory)
+    standins.remember(d, factory)
     return d
 
 
 class _Deque(list):
-    """Stands in for ``collections.deque`` while torch's unpickler appends to it (it appends only
-    to lists); it becomes a real deque once loading ends."""
+    """Stands in for ``collections.deque`` while the unpickler appends to it; a real deque afterwards."""
 
     def __init__(self, iterable: Any = (), maxlen: int | None = None):
         super().__init__(iterable)
         self.maxlen = maxlen
-        _remember(self, None)
+        standins.remember(self, None)
 
 
-class _ClassToken:
-    """A class named in a pickle only to be handed to one constructor that checks for it (numpy's
-    ``_reconstruct``); the token itself can't be called or instantiated."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise pickle.UnpicklingError(f"{self.name} is allowed only as the subtype numpy's _reconstruct is given")
-
-
-_NDARRAY = _ClassToken("numpy.ndarray")
-
-
-def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> Any:
-    """numpy's ``_reconstruct`` only as ``ndarray.__reduce__`` calls it: an empty plain ndarray, which
-    the pickle's BUILD (``ndarray.__setstate__``: shape, dtype, raw bytes, all checked by numpy) fills."""
-    import numpy as np
-    from numpy._core import multiarray
-
-    if subtype is not _NDARRAY or shape != (0,) or dtype_code != b"b":
-        raise pickle.UnpicklingError("numpy _reconstruct is allowed only as numpy pickles an array: "
-                                     "_reconstruct(numpy.ndarray, (0,), b'b'); subclasses such as memmap are refused")
-    return multiarray._reconstruct(np.ndarray, (0,), b"b")
-
-
-def _remember(stand_in: Any, factory: Any) -> None:
-    if getattr(_pending, "items", None) is None:
-        _pending.items = []
-    _pending.items.append((stand_in, factory))
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()`` — how protocol 2 pickles ``b""`` (other bytes go through ``_codecs.encode``)."""
+    if args:
+        raise Refused("builtins.bytes is allowed only as bytes(), how pickle writes b''")
+    return b""
 
 
 def _path_classes() -> list[tuple[str, Any]]:
@@ -110,103 +96,43 @@ def _path_classes() -> list[tuple[str, Any]]:
     return out
 
 
-def _numpy_entries() -> list[tuple[str, Any]]:
-    try:
-        import numpy as np
-        from numpy._core import multiarray
-    except ImportError:  # pragma: no cover - numpy is optional
-        return []
-    # scalar(dtype, raw_bytes) rebuilds a numpy scalar from its bytes; numpy 1.x pickles it
-    # under numpy.core, 2.x under numpy._core (no numpy.core import is ever needed).
-    out: list[tuple[str, Any]] = [
-        ("numpy.core.multiarray.scalar", multiarray.scalar),
-        ("numpy._core.multiarray.scalar", multiarray.scalar),
-        ("numpy.dtype", np.dtype),  # dtype(spec) plus __setstate__ of byte order/fields: data only
-    ]
-    # Arrays (mmengine's HistoryBuffer histories): _reconstruct(ndarray, (0,), b'b') + BUILD. The name
-    # numpy.ndarray is a token only _reconstruct accepts; the class itself is listed under a name no
-    # pickle can spell (GLOBAL names end at a newline) because torch's BUILD needs it among the values.
-    out += [("numpy.core.multiarray._reconstruct", _reconstruct), ("numpy._core.multiarray._reconstruct", _reconstruct),
-            ("numpy.ndarray", _NDARRAY), ("numpy.ndarray\n(BUILD target of _reconstruct only)", np.ndarray)]
-    dtypes = getattr(np, "dtypes", None)  # the DType classes (numpy >= 1.25): dtype constructors
-    for name in dir(dtypes) if dtypes is not None else []:
-        if name.endswith("DType") and isinstance(getattr(dtypes, name), type):
-            out.append((f"numpy.dtypes.{name}", getattr(dtypes, name)))
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def allowed_table() -> dict[str, Any]:
-    """Name as pickled (``module.qualname``) → the object torch's unpickler may use for it."""
+    """ckptfix's additions to torch's defaults: name as pickled (``module.qualname``) → object."""
     from torch.torch_version import TorchVersion
 
     table: dict[str, Any] = {
-        # Hyper-parameters from argparse: NEWOBJ + BUILD of a plain attribute dict.
-        "argparse.Namespace": argparse.Namespace,
-        # Containers of already-unpickled values (torch allows OrderedDict and Counter itself).
+        "argparse.Namespace": argparse.Namespace,  # hyper-parameters: NEWOBJ + BUILD of an attribute dict
         "collections.defaultdict": _defaultdict,
         "collections.deque": _Deque,
-        # Timestamps: constructed from bytes, numbers and a fixed-offset timezone.
-        "datetime.datetime": datetime.datetime,
+        "datetime.datetime": datetime.datetime,  # timestamps: built from bytes, numbers, fixed offsets
         "datetime.date": datetime.date,
         "datetime.time": datetime.time,
         "datetime.timedelta": datetime.timedelta,
         "datetime.timezone": datetime.timezone,
-        # torch.__version__ as saved by Lightning and others: a str subclass.
-        "torch.torch_version.TorchVersion": TorchVersion,
+        "torch.torch_version.TorchVersion": TorchVersion,  # torch.__version__: a str subclass
     }
-    # A defaultdict's default_factory (defaultdict(list) pickles builtins.list): tokens only.
-    for t in (list, dict, int, float, str, tuple, bool):
+    for t in (list, dict, int, float, str, tuple, bool):  # a defaultdict's default_factory: tokens only
         table[f"builtins.{t.__name__}"] = _FactoryType(t)
+    table["builtins.bytes"] = _empty_bytes  # protocol 2 pickles b"" as bytes()
     table.update(_path_classes())
-    table.update(_numpy_entries())
-    # mmengine's message_hub: HistoryBuffer loads as an inert stand-in (attributes only; mmengine's
-    # __setstate__ never runs, mmengine is never imported) and getattr only as the getattr(HistoryBuffer,
-    # 'min'|'max'|'current'|'mean') a protocol-2 pickle writes for its statistics_methods: an inert token.
+    table.update(numpy_safe.numpy_entries())
+    # mmengine's message_hub: HistoryBuffer as an inert stand-in, getattr only as getattr(HistoryBuffer,
+    # 'min'|'max'|'current'|'mean') (a protocol-2 pickle of its statistics_methods): an inert token.
     table[standins.HISTORY_BUFFER] = standins.HistoryBuffer
     table["builtins.getattr"] = standins.getattr_method
     return table
-
-
-def refused_call(name: str, args: Any) -> str | None:
-    """Why calling the allowed global ``name`` with ``args`` (as walked statically: globals are
-    objects with ``.full``) would be refused by the loader, or None. For the scanner."""
-
-    def global_name(x: Any) -> str | None:
-        return getattr(x, "full", None)
-
-    if name == "builtins.getattr":
-        ok = (isinstance(args, tuple) and len(args) == 2 and global_name(args[0]) == standins.HISTORY_BUFFER
-              and args[1] in standins.STATISTICS_METHODS)
-        return None if ok else f"getattr{_short(args)} reaches an attribute; only getattr({standins.HISTORY_BUFFER}, " \
-                               "'min'|'max'|'current'|'mean') is allowed"
-    if name.endswith("multiarray._reconstruct") and not (isinstance(args, tuple) and len(args) == 3
-                                                         and global_name(args[0]) == "numpy.ndarray" and args[1] == (0,)):
-        return f"numpy _reconstruct{_short(args)} is not how numpy pickles an array: _reconstruct(numpy.ndarray, (0,), b'b')"
-    if name == "numpy.ndarray":
-        return "numpy.ndarray is called; it is allowed only as the subtype numpy's _reconstruct is given"
-    return None
-
-
-def _short(args: Any) -> str:
-    text = repr(tuple(getattr(a, "full", a) for a in args)) if isinstance(args, tuple) else f"({args!r})"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def allowed_globals() -> list[Any]:
-    """The allow-list in the form ``torch.serialization.safe_globals`` takes: ``(object, name)``."""
-    return [(obj, name) for name, obj in allowed_table().items()]
 
 
 @functools.lru_cache(maxsize=1)
 def _torch_safe_names() -> frozenset[str]:
     from torch._weights_only_unpickler import _get_allowed_globals
 
-    return frozenset(_get_allowed_globals())
+    return frozenset(_get_allowed_globals()) - REFUSED_REBUILDS
 
 
 def classify(module: str, name: str) -> str:
-    """``safe`` (torch's weights_only defaults), ``allowed`` (this list) or ``unsafe``.
+    """``safe`` (torch's weights_only defaults), ``allowed`` (ckptfix's additions) or ``unsafe``.
 
     Only exact names count, and a dotted attribute path never does: ``pathlib PosixPath.touch``
     reaches a method through an allowed class, and ``torch _utils.x`` is not how torch pickles.
@@ -221,65 +147,90 @@ def classify(module: str, name: str) -> str:
     return UNSAFE
 
 
-@contextlib.contextmanager
-def safe_unpickling() -> Iterator[Callable[[Any], Any]]:
-    """torch's weights_only unpickler with the allow-list; yields ``finish(obj)``, which turns the
-    defaultdict/deque stand-ins of a finished load into the real thing.
-
-    >>> with safe_unpickling() as finish:                    # doctest: +SKIP
-    ...     obj = finish(torch.load(path, weights_only=True))
-    """
-    import torch
-
-    _pending.items = []
-    with torch.serialization.safe_globals(allowed_globals()):
-        yield _finish
+def allowed_globals() -> list[Any]:
+    """The allow-list in the form ``torch.serialization.safe_globals`` takes: ``(object, name)``."""
+    return [(obj, name) for name, obj in allowed_table().items()]
 
 
-def _finish(obj: Any) -> Any:
-    items, _pending.items = getattr(_pending, "items", []), []
-    if not items:
-        return obj
-    factories = {id(o): f for o, f in items}
-    return _Restorer(factories).fix(obj)
+# -- the same rules for the static scanner ------------------------------------------------------------
+
+_STORAGE_ITEMSIZE = {"Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
+                     "Char": 1, "Byte": 1, "Bool": 1, "ComplexDouble": 16, "ComplexFloat": 8, "QInt8": 1,
+                     "QUInt8": 1, "QInt32": 4, "QUInt4x2": 1, "QUInt2x4": 1, "Untyped": 1}
+_VALUE_ONLY = re.compile(r"^torch\.(cuda\.)?(sparse\.)?\w*Tensor$|^torch\.(cuda\.)?\w*Storage$|"
+                         r"^torch\.storage\.(Typed|Untyped)Storage$")
 
 
-class _Restorer:
-    """Replace stand-ins everywhere they sit (dict values, list items, tuples, attributes)."""
+def refused_call(name: str, args: Any, op: str = "REDUCE") -> str | None:
+    """Why calling the safe/allowed global ``name`` with ``args`` (as walked statically: globals are
+    objects with ``.full``, persistent ids ``.pid``) would be refused by the loader, or None."""
+    if _VALUE_ONLY.match(name):
+        return (f"{op} calls {name}, which would create uninitialised memory (ckptfix allows it only as a "
+                "value, as torch.save writes it)")
+    if name == "builtins.bytes":
+        return None if args == () else "builtins.bytes is allowed only as bytes(), how pickle writes b''"
+    if name.startswith("builtins.") and name not in ("builtins.bytearray", "builtins.set", "builtins.complex",
+                                                     "builtins.getattr"):
+        return f"{name} is allowed only as a defaultdict's default factory, not called"
+    if name == "builtins.getattr":
+        ok = (isinstance(args, tuple) and len(args) == 2 and getattr(args[0], "full", None) == standins.HISTORY_BUFFER
+              and args[1] in standins.STATISTICS_METHODS)
+        return None if ok else f"getattr{short_args(args)} reaches an attribute; only getattr({standins.HISTORY_BUFFER}, " \
+                               "'min'|'max'|'current'|'mean') is allowed"
+    if name == "collections.defaultdict" and isinstance(args, tuple) and args and args[0] is not None and getattr(
+            args[0], "full", None) not in {f"builtins.{t.__name__}" for t in _FACTORY_TYPES} | {
+            "collections.OrderedDict", "collections.Counter"}:
+        return f"defaultdict{short_args(args)}: only builtin containers and numbers may be its default factory"
+    if name == "builtins.bytearray" and isinstance(args, tuple) and args and type(args[0]) is int:
+        limit = _limits.current().max_alloc_bytes
+        if args[0] > limit:
+            return f"bytearray({args[0]}) asks for more than the limit max_alloc_bytes = {limit:,}"
+    if name == "_codecs.encode" and isinstance(args, tuple) and len(args) == 2 and str(args[1]).lower() not in _CODEC_NAMES:
+        return f"_codecs.encode with encoding {args[1]!r}: only latin1/utf-8 (as pickle writes bytes) is allowed"
+    if name in _VIEW_REBUILDS and isinstance(args, tuple) and len(args) >= 4:
+        return _static_view(args)
+    if op in ("NEWOBJ", "NEWOBJ_EX") and name not in ("argparse.Namespace", "torch.torch_version.TorchVersion",
+                                                      standins.HISTORY_BUFFER, "torch.nn.parameter.Parameter"):
+        return f"{op} creates a {name}, which ckptfix never creates that way"
+    return numpy_safe.refused_numpy_call(name, args)
 
-    def __init__(self, factories: dict[int, Any]):
-        self.factories = factories
-        self.done: dict[int, Any] = {}
 
-    def fix(self, x: Any) -> Any:
-        import torch
+def storage_itemsize(name: str) -> int | None:
+    """Bytes per element of a legacy storage type named ``FloatStorage`` etc., None if unknown."""
+    return _STORAGE_ITEMSIZE.get(name[: -len("Storage")] if name.endswith("Storage") else "")
 
-        if isinstance(x, (str, bytes, int, float, complex, torch.Tensor)) or x is None:
-            return x
-        if id(x) in self.done:
-            return self.done[id(x)]
-        if isinstance(x, _Deque):
-            out: Any = collections.deque(maxlen=x.maxlen)
-            self.done[id(x)] = out
-            out.extend(self.fix(v) for v in x)
-        elif isinstance(x, dict) and id(x) in self.factories:
-            out = collections.defaultdict(self.factories[id(x)])
-            self.done[id(x)] = out
-            out.update((k, self.fix(v)) for k, v in x.items())
-        elif isinstance(x, dict):
-            self.done[id(x)] = out = x
-            for k, v in list(x.items()):
-                x[k] = self.fix(v)
-        elif isinstance(x, list):
-            self.done[id(x)] = out = x
-            x[:] = [self.fix(v) for v in x]
-        elif isinstance(x, tuple):
-            items = tuple(self.fix(v) for v in x)
-            out = x if all(a is b for a, b in zip(items, x)) else items
-            self.done[id(x)] = out
-        else:
-            self.done[id(x)] = out = x
-            if isinstance(getattr(x, "__dict__", None), dict):
-                for k, v in list(vars(x).items()):
-                    vars(x)[k] = self.fix(v)
-        return out
+
+def _static_view(args: tuple) -> str | None:
+    """The view bounds check on constants: storage size from its persistent id."""
+    pid = getattr(args[0], "pid", None)
+    offset, size, stride = args[1], args[2], args[3]
+    if not (isinstance(pid, tuple) and len(pid) >= 5 and isinstance(size, tuple) and isinstance(stride, tuple)
+            and all(type(i) is int for i in (offset, *size, *stride, pid[4]))):
+        return None  # not constants: the loader checks when it runs
+    itemsize = storage_itemsize(getattr(pid[1], "name", ""))
+    if offset < 0 or any(n < 0 for n in (*size, *stride)) or len(size) != len(stride):
+        return "a tensor view has a negative offset, size or stride"
+    if itemsize is None or 0 in size:
+        return None
+    reach = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
+    if reach > pid[4]:
+        return f"a tensor view reaches element {reach} of a storage of {pid[4]} elements (out of bounds)"
+    return None
+
+
+#: names whose results BUILD may give state to (the scanner's view of the policy's ``build`` table)
+BUILDABLE = frozenset({"collections.OrderedDict", "collections.Counter", "argparse.Namespace",
+                       "torch.torch_version.TorchVersion", standins.HISTORY_BUFFER, "torch.nn.parameter.Parameter",
+                       *(n for n in _VIEW_REBUILDS if n != "torch._utils._rebuild_qtensor")})
+
+
+def refused_build(name: str, state: Any) -> str | None:
+    """Why BUILD on the result of calling ``name`` with ``state`` would be refused, or None."""
+    reason = numpy_safe.refused_numpy_build(name, state)
+    if reason is not None or name in numpy_safe.NUMPY_BUILDABLE:
+        return reason
+    if name not in BUILDABLE:
+        return f"BUILD gives state to the result of {name}, which ckptfix never does"
+    return None
+
+

@@ -25,10 +25,15 @@ def _fspath(path: Any) -> str:
 def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str = "auto") -> Checkpoint:
     """The whole checkpoint: state dict (as saved, wrappers and all), the rest, and its summary.
 
+    A DeepSpeed ZeRO file whose ``module`` isn't the weights raises DeepSpeedZeroError (``inspect`` describes it).
+
     >>> ckpt = ckptfix.read("ddp.pth")   # doctest: +SKIP
     >>> ckpt.wrappers, ckpt.devices      # (['module'], {'cuda:0': 62})
     """
-    path = _fspath(path)
+    return _read(_fspath(path), map_location, trust, select, refuse=True)
+
+
+def _read(path: str, map_location: Any, trust: bool, select: str, refuse: bool) -> Checkpoint:
     fmt = formats.sniff(path)
     plan = DevicePlan(map_location, source=path)
     raw = formats.read(path, fmt, plan, trust)
@@ -36,7 +41,7 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
     sd = sel.state_dict
     keys = list(sd.keys())
     default_tag = "cpu" if fmt in (formats.SAFETENSORS, formats.SHARDED_SAFETENSORS, formats.DCP) else None
-    notes = list(raw.notes)
+    notes = list(raw.notes) + layout.check_deepspeed(raw.obj, select, path, refuse=refuse)
     if sel.ema_keys:
         notes.append(f"EMA weights also present at {', '.join(sel.ema_keys)} (take them with select=KEY)")
     return Checkpoint(
@@ -57,7 +62,7 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
 
 def inspect(path: Any, trust: bool = False, select: str = "auto") -> Checkpoint:
     """Summary of a checkpoint without reading tensor data (tensors come back on ``meta``)."""
-    return read(path, map_location="meta", trust=trust, select=select)
+    return _read(_fspath(path), "meta", trust, select, refuse=False)
 
 
 def _normalise(
@@ -161,7 +166,8 @@ def convert(
     SHA-256 to its name (torch.hub's convention); ``checksums`` reports both files' SHA-256.
 
     ``max_shard_size`` (bytes, or ``"5GB"``) writes a Hugging Face sharded directory at ``dst``;
-    ``format="dcp"`` a torch.distributed.checkpoint directory.
+    ``format="dcp"`` a torch.distributed.checkpoint directory. Into an existing directory (``force``)
+    only the output's own files are replaced; the report's notes list what was kept and removed.
     """
     start = time.perf_counter()
     src, dst = _fspath(src), _fspath(dst)
@@ -254,7 +260,13 @@ def _plan_output(src: str, dst: str, format: str | None, max_shard_size: int | s
 
         if hash:
             raise ConversionError("--hash names one output file; it does not apply to a sharded or DCP directory")
-        check_destination_dir(src, dst, force)
+        if shard_size is not None:
+            from .formats.sharded import dir_output
+
+            output = dir_output(fmt_out)
+        else:
+            from .formats.dcp import DIR_OUTPUT as output
+        check_destination_dir(src, dst, force, output)  # before reading: a refusal costs nothing
     else:
         check_destination(src, dst, force or hash)  # with hash the name is known only once written
     if keep_extra and (fmt_out not in (formats.TORCH_ZIP, formats.DCP) or shard_size is not None):
@@ -295,8 +307,9 @@ def _write_output(obj: Any, src: str, dst: str, fmt: str, shard_size: int | None
                 "their own names; write .pth with --keep-extra, or drop --keep-extra for DCP"
             )
         return dcp.write(obj, dst, force=force)
-    with atomic_path(dst, finalize=finalize) as tmp:
-        return formats.write(obj, tmp, fmt, refs=refs, archive=os.path.splitext(os.path.basename(dst))[0])
+    notes: list[str] = []
+    with atomic_path(dst, finalize=finalize, notes=notes) as tmp:
+        return notes + formats.write(obj, tmp, fmt, refs=refs, archive=os.path.splitext(os.path.basename(dst))[0])
 
 
 def _size_on_disk(path: str) -> int:

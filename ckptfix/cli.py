@@ -1,6 +1,7 @@
 """The ``ckptfix`` command: parse → one library call → render (text, or one JSON object with --json).
 
-Exit codes: 0 ok, 1 error (one ``Error: …`` line on stderr), 2 usage, 3 a finding.
+Exit codes: 0 ok, 1 error (one ``Error: …`` line on stderr), 2 usage, 3 a finding; 130, 143, 129 after
+SIGINT, SIGTERM, SIGHUP (temp output removed, one ``Error:`` line).
 ``CKPTFIX_DEBUG=1`` shows tracebacks. This module imports no torch at import time.
 """
 
@@ -25,13 +26,17 @@ class Group(click.Group):
     """Maps CkptfixError (and anything unexpected) to one ``Error:`` line and exit 1."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        from .interrupts import signals_as_interrupts
+
         try:
-            return super().invoke(ctx)
+            with signals_as_interrupts():  # SIGTERM, SIGHUP: the cleanup, one line and 128+N, like Ctrl-C
+                return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
-        except KeyboardInterrupt:
-            click.echo("Error: interrupted; nothing was written", err=True)
-            ctx.exit(130)
+        except KeyboardInterrupt as e:
+            describe = getattr(e, "describe", None)
+            click.echo(f"Error: {describe() if describe else 'interrupted; nothing was written'}", err=True)
+            ctx.exit(getattr(e, "exit_code", 130))
         except BrokenPipeError:  # the reader (e.g. `| head`) closed the pipe: stop quietly, like cat
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -105,7 +110,8 @@ def _stack(stack: list[str]) -> str:
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]},
              epilog="Exit codes: 0 ok, 1 error (one 'Error:' line; CKPTFIX_DEBUG=1 shows the traceback), "
-                    "2 usage, 3 a finding (verify failed, diff differs, scan found unsafe content).")
+                    "2 usage, 3 a finding (verify failed, diff differs, scan found unsafe content); "
+                    "130, 143, 129 interrupted by SIGINT, SIGTERM, SIGHUP (temp output removed).")
 @click.version_option(__version__, prog_name="ckptfix")
 def cli() -> None:
     """Load, fix, convert, verify and scan PyTorch checkpoints: wrapper prefixes, devices, formats, safety."""
@@ -133,7 +139,8 @@ def cli() -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), help="Cast floating-point tensors (never integer or bool buffers).")
 @click.option("--allow-overflow", is_flag=True, help="With --dtype fp16: allow values beyond ±65504 to become inf.")
 @click.option("--hash", "add_hash", is_flag=True, help="Append the first 8 hex digits of DST's SHA-256 to its name.")
-@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--force", is_flag=True,
+              help="Replace DST if it exists (a directory DST: only the files the output consists of; the rest is kept).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @trust_option
 @json_option
@@ -211,12 +218,20 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
         click.echo(f"note: {note}")
 
 
-def tolerance_options(f: Callable) -> Callable:
-    """``--atol``/``--rtol`` for output and tensor comparisons (default 0: exact)."""
-    for name in ("--rtol", "--atol"):
-        f = click.option(name, type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="X",
-                         help=f"{'Absolute' if name == '--atol' else 'Relative'} tolerance (0: bit-exact).")(f)
-    return f
+def tolerance_options(forward: bool = False) -> Callable:
+    """``--atol``/``--rtol``: for ``diff`` (default 0: bit-exact), for ``verify``'s forward check
+    (default: bit-exact against --reference, the recorded-value default against a manifest)."""
+    default = ("bit-exact against --reference; against a fixtures manifest, the recorded-value default for the "
+               "output dtype (float32: atol 1e-6, rtol 1e-5)") if forward else "0: bit-exact"
+
+    def deco(f: Callable) -> Callable:
+        for name in ("--rtol", "--atol"):
+            f = click.option(name, type=click.FloatRange(min=0), default=None if forward else 0.0, metavar="X",
+                             show_default=not forward,
+                             help=f"{'Absolute' if name == '--atol' else 'Relative'} tolerance ({default}).")(f)
+        return f
+
+    return deco
 
 
 def _render_finding(ctx: click.Context, report: Any, as_json: bool, ok: bool) -> None:
@@ -240,7 +255,7 @@ def _render_finding(ctx: click.Context, report: Any, as_json: bool, ok: bool) ->
 @click.option("--reference", metavar="REF", type=click.Path(dir_okay=True),
               help="Compare forward outputs with this checkpoint's (e.g. the original before a conversion).")
 @click.option("--input-shape", metavar="SHAPE", help="Forward input, e.g. 1,3,224,224 (default: inferred).")
-@tolerance_options
+@tolerance_options(forward=True)
 @click.option("--no-forward", is_flag=True, help="Keys, shapes and dtypes only: reads on meta, no tensor data.")
 @map_location_option("cpu")
 @select_option
@@ -248,7 +263,7 @@ def _render_finding(ctx: click.Context, report: Any, as_json: bool, ok: bool) ->
 @json_option
 @click.pass_context
 def verify(ctx: click.Context, path: str, model_spec: str, args: tuple[str, ...], exact: bool, reference: str | None,
-           input_shape: str | None, atol: float, rtol: float, no_forward: bool, map_location: tuple[str, ...],
+           input_shape: str | None, atol: float | None, rtol: float | None, no_forward: bool, map_location: tuple[str, ...],
            select: str, trust: bool, as_json: bool) -> None:
     """Check PATH against a model: keys, shapes, dtypes, NaN/Inf, tied weights, forward outputs (exit 3: failed)."""
     from .models import parse_model_args, parse_shape
@@ -258,7 +273,7 @@ def verify(ctx: click.Context, path: str, model_spec: str, args: tuple[str, ...]
                        forward=not no_forward, atol=atol, rtol=rtol,
                        input_shape=parse_shape(input_shape) if input_shape else None,
                        map_location=_map_location(map_location, "cpu"), select=select, trust=trust,
-                       checksum=as_json)  # text + --no-forward: no tensor byte read, not even to hash
+                       checksum=as_json)  # text + --no-forward: no tensor loaded, no hash (CRC-32s still checked)
     _render_finding(ctx, report, as_json, report.ok)
 
 
@@ -266,7 +281,7 @@ def verify(ctx: click.Context, path: str, model_spec: str, args: tuple[str, ...]
 @click.argument("a", type=click.Path(dir_okay=True))
 @click.argument("b", type=click.Path(dir_okay=True))
 @click.option("--raw", is_flag=True, help="Compare keys as saved (wrapper segments kept).")
-@tolerance_options
+@tolerance_options()
 @map_location_option("cpu")
 @select_option
 @trust_option

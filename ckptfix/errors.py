@@ -53,3 +53,38 @@ class ModelSpecError(CkptfixError):
 
 class LoadError(CkptfixError):
     """A checkpoint does not load into the given model; the message is the short report."""
+
+
+class LimitError(CkptfixError):
+    """Reading the file would pass a resource limit (memory, nesting); the message names the limit."""
+
+    def __init__(self, message: str, limit: str | None = None):
+        super().__init__(message)
+        self.limit = limit
+
+
+class DeepSpeedZeroError(CkptfixError):
+    """A DeepSpeed ZeRO file whose ``module`` is not the fp32 weights (ZeRO-3 placeholders, a ZeRO-1/2 half copy)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived while ckptfix was working; its temp output has been removed.
+
+    A KeyboardInterrupt, so whatever stops on Ctrl-C stops on it too. ``signum`` is the signal and
+    ``exit_code`` the shell's 128 + signum (130 SIGINT, 143 SIGTERM, 129 SIGHUP); ``written`` is
+    True when the signal came while the finished output was being renamed into place (it is kept).
+    """
+
+    def __init__(self, signum: int, written: bool = False):
+        import signal
+
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+        self.written = written
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        """``interrupted; nothing was written`` / ``terminated (SIGTERM); nothing was written``."""
+        what = "interrupted" if self.signal_name == "SIGINT" else f"terminated ({self.signal_name})"
+        return what + ("; the output was already complete and is in place" if self.written else "; nothing was written")

@@ -7,11 +7,13 @@ tutorial), ``model``, ``net``, ``network`` or ``module`` (DeepSpeed), often besi
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import SelectError
+from .errors import DeepSpeedZeroError, SelectError
 
 KNOWN_KEYS = ("state_dict", "model_state_dict", "model", "net", "network", "module", "params")
 EMA_KEYS = ("state_dict_ema", "model_ema", "ema", "ema_state_dict", "model_ema_state_dict", "ema_model")
@@ -121,6 +123,8 @@ def detect_framework(obj: Any) -> str | None:
     if not isinstance(obj, Mapping):
         return None
     keys = set(obj)
+    if deepspeed_info(obj) is not None:
+        return "deepspeed"
     if "pytorch-lightning_version" in keys or "lightning_version" in keys:
         return "lightning"
     if {"meta", "state_dict", "message_hub"} <= keys or ({"meta", "state_dict"} <= keys and isinstance(obj.get("meta"), Mapping)
@@ -131,6 +135,89 @@ def detect_framework(obj: Any) -> str | None:
     if "model_state_dict" in keys and "optimizer_state_dict" in keys:
         return "pytorch-tutorial"
     return None
+
+
+@dataclass
+class DeepSpeedInfo:
+    """A DeepSpeed ``*model_states.pt``: ZeRO stage, training precision, and ``module`` keys that hold
+    ZeRO-3's shape-[0] placeholders instead of the parameters ``param_shapes`` records."""
+
+    stage: int | None
+    precision: str
+    version: str | None
+    placeholders: dict[str, list[int]]
+
+
+def deepspeed_info(obj: Any) -> DeepSpeedInfo | None:
+    """What a DeepSpeed engine's ``save_checkpoint`` wrote (``module`` beside ``ds_config``/``ds_version``), else None.
+
+    Matched to deepspeed 0.19.8: ``ds_config`` is the engine's config dict (``zero_optimization.stage``,
+    ``bf16``/``fp16`` ``enabled``); ``param_shapes`` a list (one per param group) of name → torch.Size.
+    """
+    if not isinstance(obj, Mapping) or not isinstance(obj.get("module"), Mapping) or not {"ds_config", "ds_version"} & set(obj):
+        return None
+    config = obj.get("ds_config") if isinstance(obj.get("ds_config"), Mapping) else {}
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, Mapping) else None
+    enabled = [name for name in ("bf16", "bfloat16", "fp16") if isinstance(config.get(name), Mapping) and config[name].get("enabled")]
+    module = obj["module"]
+    floats = {str(t.dtype) for t in module.values() if is_tensor(t) and t.is_floating_point()}
+    precision = ("bf16" if enabled[0] != "fp16" else "fp16") if enabled else \
+        {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(floats.pop() if len(floats) == 1 else "", "fp32")
+    shapes: dict[str, Any] = {}
+    for group in obj.get("param_shapes") or []:
+        if isinstance(group, Mapping):
+            shapes.update(group)
+    placeholders = {k: [int(n) for n in shapes[k]] for k, t in module.items()
+                    if is_tensor(t) and t.numel() == 0 and k in shapes and math.prod(shapes[k]) > 0}
+    version = obj.get("ds_version")
+    return DeepSpeedInfo(stage if isinstance(stage, int) else None, precision,
+                         version if isinstance(version, str) else None, placeholders)
+
+
+def check_deepspeed(obj: Any, select: str | None, source: str, refuse: bool = True) -> list[str]:
+    """Notes on a DeepSpeed file's weights, or DeepSpeedZeroError (``refuse``) when ``module`` isn't
+    the fp32 weights: ZeRO-3 placeholders (never usable), or ZeRO-1/2's half-precision training copy
+    (usable only when asked for by ``select='module'``). ``refuse=False`` (inspect) turns both into notes."""
+    info = deepspeed_info(obj)
+    if info is None:
+        return []
+    version = f"deepspeed {info.version}" if info.version else "deepspeed"
+    asked = select == "module"
+    if info.stage == 3 or info.placeholders:
+        key, shape = next(iter(info.placeholders.items()), ("", []))
+        example = f" (e.g. {key!r} is {shape} in its param_shapes)" if key else ""
+        what = f"a DeepSpeed ZeRO-3 per-rank file ({version}, {info.precision})"
+        why = (f"its 'module' holds {len(info.placeholders)} placeholder tensors of shape [0] where the weights go"
+               f"{example}; ZeRO-3 splits the weights across every rank's *_optim_states.pt. Consolidate them first "
+               f"with {_zero_to_fp32(source)}, then use what it writes (OUT_DIR/pytorch_model.bin or model.safetensors)"
+               + (" (--select module can't help: the placeholders hold no values)" if asked else ""))
+    elif info.precision != "fp32" and info.stage in (1, 2):
+        if asked:
+            return [f"DeepSpeed ZeRO-{info.stage} ({version}): took the {info.precision} training copy in 'module' as "
+                    "asked (select='module'); the fp32 master weights are in the *_optim_states.pt files"]
+        what = f"a DeepSpeed ZeRO-{info.stage} checkpoint trained in {info.precision} ({version})"
+        why = (f"its 'module' holds the {info.precision} training copy of the weights; the fp32 master weights are "
+               f"in the *_optim_states.pt files. For them run {_zero_to_fp32(source)}; to take the "
+               f"{info.precision} copy deliberately, pass --select module (library: select='module')")
+    else:
+        stage = f"ZeRO-{info.stage}" if info.stage is not None else "checkpoint"
+        return [f"DeepSpeed {stage} ({version}, {info.precision}): 'module' holds the model's full weights"]
+    if refuse:
+        raise DeepSpeedZeroError(f"{source}: is {what}: {why}")
+    return [f"{what}: {why}; convert, load and verify refuse it as it is"]
+
+
+def _zero_to_fp32(source: str) -> str:
+    """The zero_to_fp32.py command for the checkpoint ``source`` belongs to (DeepSpeed saves the
+    script in the checkpoint directory, the tag directories below it)."""
+    tag_dir = os.path.dirname(os.path.abspath(source))
+    ckpt_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
+    script = os.path.join(ckpt_dir, "zero_to_fp32.py")
+    if os.path.isfile(script):
+        return f"`python {script} {ckpt_dir} OUT_DIR -t {tag}` (add --safe_serialization for safetensors)"
+    return ("DeepSpeed's zero_to_fp32.py, saved in the checkpoint directory (the one holding `latest`): "
+            f"`python zero_to_fp32.py CHECKPOINT_DIR OUT_DIR -t {tag}`")
 
 
 def common_prefix(keys: list[str]) -> str | None:

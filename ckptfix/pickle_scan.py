@@ -12,12 +12,14 @@ persistent id (a torch storage).
 
 from __future__ import annotations
 
-import _compat_pickle
 import io
 import pickletools
 import struct
 from dataclasses import dataclass, field
 from typing import Any
+
+from . import limits as _limits
+from .pickle_ops import decode_name as resolve_name
 
 # pickletools and the simulation raise these on a malformed or truncated stream.
 _PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, EOFError, OverflowError, struct.error,
@@ -44,6 +46,8 @@ class Call:
     args: Any = ()
     state: Any = None
     items: list[Any] = field(default_factory=list)
+    op: str = "REDUCE"
+    built: bool = False  # a BUILD gave it state
 
 
 @dataclass(eq=False)
@@ -87,13 +91,6 @@ class _Malformed(Exception):
     pass
 
 
-def resolve_name(module: str, name: str) -> tuple[str, str]:
-    """The (module, name) an unpickler resolves, after Python 2 renames (``__builtin__`` → ``builtins``)."""
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        return _compat_pickle.NAME_MAPPING[(module, name)]
-    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
-
-
 def walk(buf: Any, start: int = 0, where: str = "pickle") -> Walk:
     """Walk the pickle starting at ``buf[start]`` (bytes or mmap) up to its STOP.
 
@@ -110,11 +107,23 @@ def walk(buf: Any, start: int = 0, where: str = "pickle") -> Walk:
             machine.step(opcode.name, arg, pos)
             if opcode.name == "STOP":
                 result.end = stream.tell()
+                _check_depth(result)
                 return result
         raise _Malformed("the stream ends before STOP")  # pragma: no cover - genops raises first
     except (_Malformed, *_PARSE_ERRORS) as e:
         result.error = f"at byte {pos}: {str(e) or type(e).__name__}"
     return result
+
+
+def _check_depth(result: Walk) -> None:
+    """A value nested past the limit max_depth: the loader refuses it, so the scan reports it."""
+    from .errors import LimitError
+    from .unpickler import check_depth
+
+    try:
+        check_depth(result.value, _limits.current().max_depth, result.where)
+    except LimitError as e:
+        result.problems.append(str(e))
 
 
 def walk_stack(buf: Any, start: int, end: int, where: str) -> list[Walk]:
@@ -178,7 +187,7 @@ class _Machine:
         return ref
 
     def call(self, func: Any, args: Any, op: str, pos: int) -> None:
-        call = Call(func, args)
+        call = Call(func, args, op=op)
         if isinstance(func, Ref):
             self.r.uses.append(Use(func.module, func.name, op, pos))
             self.r.calls.append(call)
@@ -229,11 +238,19 @@ class _Machine:
     def op_DICT(self, arg: Any, pos: int) -> None:
         items = self.pop_mark()
         d: dict[Any, Any] = {}
+        self._deep_keys(items[::2], "DICT", pos)
         _set_items(d, items)
         self.push(d)
 
+    def _deep_keys(self, keys: list[Any], op: str, pos: int) -> None:
+        if any(type(k) not in (str, int) and _too_deep(k) for k in keys):
+            self.r.problems.append(f"{op} at byte {pos}: a dict key or set member nests deeper than the limit "
+                                   f"max_depth = {_limits.current().max_depth:,} (hashing it would exhaust the C stack)")
+
     def op_FROZENSET(self, arg: Any, pos: int) -> None:
-        self.push(frozenset(self.pop_mark()))
+        items = self.pop_mark()
+        self._deep_keys(items, "FROZENSET", pos)
+        self.push(frozenset(i for i in items if _hashable(i)))
 
     def op_APPEND(self, arg: Any, pos: int) -> None:
         value = self.pop()
@@ -253,10 +270,12 @@ class _Machine:
 
     def op_SETITEM(self, arg: Any, pos: int) -> None:
         value, key = self.pop(), self.pop()
+        self._deep_keys([key], "SETITEM", pos)
         self._setitems(self.top(), [key, value], "SETITEM", pos)
 
     def op_SETITEMS(self, arg: Any, pos: int) -> None:
         items = self.pop_mark()
+        self._deep_keys(items[::2], "SETITEMS", pos)
         self._setitems(self.top(), items, "SETITEMS", pos)
 
     def _setitems(self, target: Any, items: list[Any], op: str, pos: int) -> None:
@@ -269,6 +288,7 @@ class _Machine:
 
     def op_ADDITEMS(self, arg: Any, pos: int) -> None:
         items = self.pop_mark()
+        self._deep_keys(items, "ADDITEMS", pos)
         target = self.top()
         if isinstance(target, set):
             target.update(i for i in items if _hashable(i))
@@ -279,9 +299,12 @@ class _Machine:
         state = self.pop()
         target = self.top()
         if isinstance(target, Call):
-            target.state = state
-        else:
+            target.state, target.built = state, True
+        elif isinstance(target, Ref):
             self.mutate(target, "BUILD", pos)
+        else:
+            self.r.problems.append(f"BUILD at byte {pos} gives state to a {type(target).__name__}, "
+                                   "which no unpickler allows")
 
     def op_POP(self, arg: Any, pos: int) -> None:
         if self.stack:
@@ -330,7 +353,9 @@ class _Machine:
         module, name = self.line_pair(pos)
         args = tuple(self.pop_mark())
         ref = self.ref(module, name, "INST", pos)
-        self.push(Call(ref, args))
+        call = Call(ref, args, op="INST")
+        self.r.calls.append(call)
+        self.push(call)
 
     def op_OBJ(self, arg: Any, pos: int) -> None:
         items = self.pop_mark()
@@ -382,11 +407,30 @@ _CONSTANTS = frozenset({
 
 
 def _hashable(value: Any) -> bool:
+    """Whether ``value`` can be hashed *safely*: hashing a tuple recurses in C without a depth check,
+    so a million nested tuples would crash the scanner; deeply nested ones count as unhashable."""
+    if type(value) in (str, int, bytes, float, bool) or value is None:
+        return True
+    if _too_deep(value):
+        return False
     try:
         hash(value)
     except TypeError:
         return False
     return True
+
+
+def _too_deep(value: Any) -> bool:
+    """A hashable container nested past the limit max_depth (counted iteratively)."""
+    limit = _limits.current().max_depth
+    stack = [(value, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (tuple, frozenset)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in x)
+    return False
 
 
 def _set_items(d: dict[Any, Any], items: list[Any]) -> None:

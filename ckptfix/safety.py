@@ -18,13 +18,14 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import limits as _limits
 from . import pickle_scan, zip_check
-from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals, classify, refused_call, safe_unpickling
-from .errors import FormatError, UnsafeCheckpointError
-from .formats import LEGACY_MAGIC, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, sniff
+from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals, classify, refused_build, refused_call
+from .errors import FormatError, LimitError, UnsafeCheckpointError
+from .allowlist import storage_itemsize
+from .formats import DCP, LEGACY_MAGIC, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff
 
-__all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe", "allowed_globals", "safe_unpickling",
-           "SAFE", "ALLOWED", "UNSAFE"]
+__all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe", "allowed_globals", "SAFE", "ALLOWED", "UNSAFE"]
 
 PICKLE = "pickle"  # a plain pickle file: not a checkpoint, but scan reads it
 _LEGACY_PICKLES = ("pickle 1 (magic number)", "pickle 2 (protocol version)", "pickle 3 (system info)",
@@ -89,28 +90,31 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
     damage). ``check_crc=False`` skips the CRC of tensor data (still checked for pickles).
     """
     path = os.fspath(path)
+    _limits.current()  # a malformed CKPTFIX_MAX_* variable is an error of its own, not a finding
     fmt = fmt or _scan_format(path)
     if fmt in SHARDED:
         return _scan_sharded(path, fmt, check_crc)
+    if fmt == DCP:
+        return _scan_dcp(path, check_crc)
     if fmt not in (SAFETENSORS, TORCH_ZIP, TORCHSCRIPT, TORCH_LEGACY, PICKLE):
-        raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors) "
-                          f"and sharded checkpoints, not {fmt} directories")
+        raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors), "
+                          f"sharded checkpoints and DCP directories, not {fmt}")
     c = _Collector(path, fmt)
     if fmt == SAFETENSORS:
-        from .formats.safetensors_file import read_header
+        from .formats.safetensors_file import check_file
 
-        read_header(path)  # no pickle inside; a malformed header raises FormatError
+        check_file(path)  # no pickle inside; a malformed header or contradicting aliases raise FormatError
         return c.finish()
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         size = len(buf)
         if fmt in (TORCH_ZIP, TORCHSCRIPT):
             _scan_zip(c, buf, size, fmt == TORCHSCRIPT, check_crc, unpickled_by_caller)
-        elif fmt == TORCH_LEGACY and buf[257:262] == b"ustar":
-            _scan_tar(c)
+        elif fmt == TORCH_LEGACY and opens_as_tar(path):  # torch.load tries tar first, as tarfile reads it
+            _scan_tar(c, legacy_too=_starts_with_magic(buf))
         elif fmt == TORCH_LEGACY:
             _scan_legacy(c, buf, size)
         else:
-            for w in pickle_scan.walk_stack(buf, 0, size, "pickle"):
+            for w in pickle_scan.walk_stack(buf, 0, min(size, _limits.current().max_pickle_bytes), "pickle"):
                 c.add_walk(w)
     return c.finish()
 
@@ -128,6 +132,33 @@ def _scan_sharded(path: str, fmt: str, check_crc: bool) -> ScanReport:
         report.findings += [Finding(f.kind, f"{shard}: {f.where}", f"{shard}: {f.message}") for f in part.findings]
         report.pickles += [f"{shard}: {w}" for w in part.pickles]
     return report
+
+
+def _scan_dcp(path: str, check_crc: bool) -> ScanReport:
+    """A DCP directory: ``.metadata`` (which torch's own DCP loader unpickles with plain pickle) walked
+    with DCP's metadata classes allowed, then every record it lists (torch.save zips inside the
+    ``.distcp`` files) checked and walked like a torch zip of its own."""
+    from .formats import dcp_metadata
+    from .formats.dcp import record_ranges
+
+    c = _Collector(path, DCP)
+    meta_path = os.path.join(path, dcp_metadata.METADATA)
+    data = dcp_metadata.read_bytes(meta_path)
+    also = dcp_metadata.metadata_names()
+    walks = pickle_scan.walk_stack(data, 0, len(data), ".metadata")
+    for w in walks:
+        c.add_walk(w, also)
+    if walks and walks[0].end is not None and walks[0].end < len(data):
+        c.find("trailing-data", ".metadata", f"{len(data) - walks[0].end} bytes follow the pickle in .metadata")
+    if c.findings or any(g.category == UNSAFE for g in c.globals.values()):
+        return c.finish()  # the records' places come from .metadata: not read unless it is clean
+    for file, ranges in record_ranges(path).items():
+        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            for what, start, length in ranges:
+                record = _Collector(f"{os.path.basename(file)} [{what}]", TORCH_ZIP)
+                _scan_zip(record, memoryview(buf)[start : start + length], length, False, check_crc)
+                c.merge(record)
+    return c.finish()
 
 
 def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_caller: str | None = None) -> None:
@@ -186,18 +217,27 @@ class _Collector:
     def find(self, kind: str, where: str, message: str) -> None:
         self.findings.append(Finding(kind, where, message))
 
-    def add_walk(self, w: pickle_scan.Walk) -> None:
+    def add_walk(self, w: pickle_scan.Walk, also: frozenset[str] = frozenset()) -> None:
+        """Record a walked pickle; ``also``: names allowed in this pickle only (created with NEWOBJ and
+        given state with BUILD), such as DCP's metadata classes in its ``.metadata``."""
         self.pickles.append(w.where)
         # Allowed globals that take only certain arguments (getattr, numpy's _reconstruct) are unsafe
         # in a pickle that calls them with others.
         misused: dict[str, str] = {}
         for call in w.calls:
-            if (reason := refused_call(call.func.full, call.args)) is not None:
-                misused.setdefault(call.func.full, reason)
+            name = call.func.full
+            if name in also:
+                continue
+            reason = refused_call(name, call.args, call.op)
+            if reason is None and call.built:
+                reason = refused_build(name, call.state)
+            if reason is not None:
+                misused.setdefault(name, reason)
         for use in w.uses:
             g = self.globals.get((use.full, w.where))
             if g is None:
-                category = UNSAFE if use.full in misused else classify(use.module, use.name)
+                category = UNSAFE if use.full in misused else ALLOWED if use.full in also else classify(
+                    use.module, use.name)
                 g = self.globals[(use.full, w.where)] = GlobalRef(use.full, category, w.where)
             if use.op not in g.ops:
                 g.ops.append(use.op)
@@ -208,6 +248,15 @@ class _Collector:
 
     def damage(self, where: str, message: str) -> None:
         self.errors.append((where, message, False))
+
+    def merge(self, other: _Collector) -> None:
+        """Take another collector's results (a part of this checkpoint), named by its path."""
+        for (name, where), g in other.globals.items():
+            label = f"{other.path}: {where}"
+            self.globals[(name, label)] = GlobalRef(g.name, g.category, label, g.ops)
+        self.findings += [Finding(f.kind, f"{other.path}: {f.where}", f"{other.path}: {f.message}") for f in other.findings]
+        self.errors += [(f"{other.path}: {w}", f"{other.path}: {m}", b) for w, m, b in other.errors]
+        self.pickles += [f"{other.path}: {p}" for p in other.pickles]
 
     def finish(self) -> ScanReport:
         unsafe = [Finding("unsafe-global", g.where, f"unsafe global {g.name} ({', '.join(g.ops)}) in {g.where}")
@@ -230,19 +279,26 @@ def _scan_zip(c: _Collector, buf: Any, size: int, torchscript: bool, check_crc: 
         c.find(kind, where, message)
     for error in layout.errors:
         c.damage("archive", error)
+    for name, data in layout.alternate:  # what another reader would unpickle: say what it would run
+        for w in pickle_scan.walk_stack(data, 0, len(data), f"{name} (as Python's zipfile reads it)"):
+            c.add_walk(w)
     for start, end in layout.unreferenced:  # hidden bytes that hold a pickle: say what it would run
         if buf[start] == 0x80:
-            for w in pickle_scan.walk_stack(buf, start, end, f"unreferenced bytes at {start}"):
+            hidden = bytes(buf[start : min(end, start + _limits.current().max_pickle_bytes)])
+            for w in pickle_scan.walk_stack(hidden, 0, len(hidden), f"unreferenced bytes at {start}"):
                 c.add_walk(w)
     names = [m.name for m in layout.members]
     for i, m in enumerate(layout.members):
-        if not m.name.endswith(".pkl") or m.flags & 1 or m.compress_type not in (0, 8):
+        if not zip_check.is_pickle(m.name) or m.flags & 1 or m.compress_type not in (0, 8):
             continue  # encrypted / unknown compression: already a finding
-        if unpickled_by_caller and m.name == f"{layout.root}/{unpickled_by_caller}" and names.count(m.name) == 1:
-            continue  # the caller unpickles it with torch's weights_only unpickler and checks its end
+        if unpickled_by_caller and m.name == f"{layout.root}/{unpickled_by_caller}" and layout.unique(m.name) is m:
+            continue  # the caller unpickles it with ckptfix's restricted unpickler and checks its end
         where = m.name if names.count(m.name) == 1 else f"{m.name} (entry {i + 1})"
         try:
             data = zip_check.read_member(m, buf)
+        except LimitError as e:
+            c.find("resource-limit", where, f"member {where}: {e}")
+            continue
         except ValueError as e:
             c.damage(where, f"member {where} {e}")
             continue
@@ -260,6 +316,11 @@ def _scan_zip(c: _Collector, buf: Any, size: int, torchscript: bool, check_crc: 
                "(`ckptfix inspect` lists its tensors without running it)")
 
 
+def _starts_with_magic(buf: Any) -> bool:
+    w = pickle_scan.walk(bytes(buf[:64]), 0, "magic")
+    return w.end is not None and w.value == LEGACY_MAGIC
+
+
 def _scan_legacy(c: _Collector, buf: Any, size: int) -> None:
     """A legacy file is five stacked pickles, every one unpickled by torch, then raw storages."""
     pos, walks = 0, []
@@ -274,7 +335,7 @@ def _scan_legacy(c: _Collector, buf: Any, size: int) -> None:
         c.damage(walks[1].where, f"is not a torch legacy file (magic {walks[0].value!r}, protocol {walks[1].value!r})")
         return
     try:
-        end = _storages_end(walks[3].persistent_ids, walks[4].value, buf, pos, size)
+        end = _storages_end(c, walks[3].persistent_ids, walks[4].value, buf, pos, size)
     except _Truncated as e:
         c.damage("storage data", f"is truncated: {e}")
         return
@@ -288,21 +349,41 @@ def _scan_legacy(c: _Collector, buf: Any, size: int) -> None:
                 c.add_walk(w)
 
 
-def _storages_end(pids: list[Any], keys: Any, buf: Any, pos: int, size: int) -> int:
-    """Skip the raw storages (int64 element count, then the bytes) in pickle 5's key order."""
-    import torch
-
-    elem: dict[str, int] = {}
+def _storages_end(c: _Collector, pids: list[Any], keys: Any, buf: Any, pos: int, size: int) -> int:
+    """Check the raw storages (int64 element count, then the bytes) in pickle 5's key order against the
+    storages pickle 4 declares, and return where they end. A declared storage that no record fills
+    would load as uninitialised memory: that is a finding, not just damage."""
+    declared: dict[str, tuple[int, int]] = {}  # root key -> (element size, elements)
     for pid in pids:
-        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage"):
-            dtype = torch.serialization.StorageType(pid[1].name).dtype
-            elem[str(pid[2])] = torch._utils._element_size(dtype)
-    keys = list(keys)
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage")):
+            raise ValueError(f"persistent id {pid!r:.60} is not a storage")
+        itemsize = storage_itemsize(getattr(pid[1], "name", ""))
+        if itemsize is None or type(pid[4]) is not int or pid[4] < 0:
+            raise ValueError(f"storage {pid[2]!r:.40} has an unknown type or size")
+        declared.setdefault(str(pid[2]), (itemsize, pid[4]))
+        view = pid[5] if len(pid) > 5 else None
+        if view is not None and not (isinstance(view, tuple) and len(view) == 3 and all(type(v) is int for v in view[1:])
+                                     and 0 <= view[1] and view[1] + view[2] <= pid[4] and view[2] >= 0):
+            c.find("out-of-bounds", "pickle 4 (the checkpoint)",
+                   f"a storage view {view!r:.60} lies outside its storage of {pid[4]} elements")
+    keys = [str(k) for k in keys]
+    unfilled = [k for k in declared if k not in keys]
+    if unfilled:
+        c.find("uninitialised", "storage data",
+               f"{len(unfilled)} storage(s) ({', '.join(unfilled[:5])}) are declared but their bytes are not in the "
+               "file: torch would hand out uninitialised memory for them")
+    if len(set(keys)) != len(keys):
+        c.find("uninitialised", "storage data", "a storage is listed twice in pickle 5: its bytes would be read twice")
     for i, key in enumerate(keys):
-        numel = struct.unpack("<q", buf[pos : pos + 8])[0] if pos + 8 <= size else -1
-        pos += 8 + numel * elem[str(key)]
-        if numel < 0 or pos > size:
+        if key not in declared:
+            raise KeyError(f"pickle 5 lists storage {key!r}, which the checkpoint does not declare")
+        itemsize, numel = declared[key]
+        stored = struct.unpack("<q", buf[pos : pos + 8])[0] if pos + 8 <= size else -1
+        pos += 8 + max(stored, 0) * itemsize
+        if stored < 0 or pos > size:
             raise _Truncated(f"storage {i + 1} of {len(keys)} runs past the end of the file")
+        if stored != numel:
+            raise ValueError(f"storage {key!r} holds {stored} elements, the pickle declares {numel}")
     return pos
 
 
@@ -310,17 +391,24 @@ class _Truncated(ValueError):
     pass
 
 
-def _scan_tar(c: _Collector) -> None:
-    """torch < 0.4 tar files: torch loads them only with full unpickling; list what they reference."""
+def _scan_tar(c: _Collector, legacy_too: bool) -> None:
+    """torch < 0.4 tar files: torch.load tries tarfile first and, without weights_only, unpickles its
+    members (and extracts them to a temporary directory): always a finding; list what they reference."""
     import tarfile
 
     try:
         with tarfile.open(c.path, mode="r:") as tar:
-            for name in ("sys_info", "pickle"):
-                f = tar.extractfile(name)
+            for member in tar.getmembers():
+                if not member.isfile() or member.size > _limits.current().max_pickle_bytes:
+                    continue
+                f = tar.extractfile(member)
                 data = f.read() if f is not None else b""
-                for w in pickle_scan.walk_stack(data, 0, len(data), f"tar member {name}"):
-                    c.add_walk(w)
+                if data[:1] == b"\x80":
+                    for w in pickle_scan.walk_stack(data, 0, len(data), f"tar member {member.name}"):
+                        c.add_walk(w)
     except (tarfile.TarError, KeyError, OSError) as e:
         c.damage("archive", f"is a corrupt legacy tar checkpoint ({e})")
     c.find("tar-format", "archive", "a torch < 0.4 tar checkpoint: torch loads these only with full unpickling")
+    if legacy_too:
+        c.find("polyglot", "archive", "the file is both a tar archive and a legacy torch pickle stream: torch.load "
+                                      "reads it as the tar, other readers as the pickles")

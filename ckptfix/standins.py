@@ -18,6 +18,7 @@ when :func:`contains_stand_ins` finds one.
 from __future__ import annotations
 
 import pickle
+import threading
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -34,7 +35,7 @@ class HistoryBuffer:
 
     def __setstate__(self, state: Any) -> None:
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-            raise pickle.UnpicklingError(f"{HISTORY_BUFFER}: state must be a dict of attributes")
+            raise _refused(f"{HISTORY_BUFFER}: state must be a dict of attributes")
         _made[0] += 1
         self.__dict__.update(state)
 
@@ -74,7 +75,7 @@ _METHODS = {name: StatisticsMethod(name) for name in sorted(STATISTICS_METHODS)}
 def getattr_method(obj: Any, name: Any, *default: Any) -> StatisticsMethod:
     """Stands in for ``builtins.getattr`` while unpickling: only ``getattr(HistoryBuffer, <statistic>)``."""
     if obj is not HistoryBuffer or default or name not in _METHODS:
-        raise pickle.UnpicklingError(
+        raise _refused(
             f"getattr is allowed only as getattr({HISTORY_BUFFER}, {'|'.join(sorted(STATISTICS_METHODS))!r}); "
             f"the pickle asks for getattr({getattr(obj, '__name__', type(obj).__name__)}, {name!r})"
         )
@@ -144,3 +145,44 @@ def pickle_module_for(obj: Any) -> Any:
 def pickler_base_for(obj: Any) -> type:
     """The pickler class to subclass for writing ``obj``: the C one unless it holds stand-ins."""
     return NamePickler if contains_stand_ins(obj) else pickle.Pickler
+
+
+# -- what one load made, to be turned into the real objects when it finishes ---------------------------
+
+_pending = threading.local()
+
+
+def start_load() -> None:
+    """Forget stand-ins of an earlier load that failed half-way (each load restores its own)."""
+    _pending.items, _pending.made = [], 0
+
+
+def remember(stand_in: Any, factory: Any) -> None:
+    """A defaultdict/deque stand-in (plain dict/list while loading) and its default factory."""
+    if getattr(_pending, "items", None) is None:
+        _pending.items = []
+    _pending.items.append((stand_in, factory))
+
+
+def note_made() -> None:
+    """A stand-in that replaces itself when the load finishes (numpy's) was made."""
+    _pending.made = getattr(_pending, "made", 0) + 1
+
+
+def take_pending() -> tuple[list[tuple[Any, Any]], int]:
+    """(defaultdict/deque stand-ins with their factories, count of other stand-ins) of this load; reset."""
+    items, made = getattr(_pending, "items", None) or [], getattr(_pending, "made", 0)
+    start_load()
+    return items, made
+
+
+def short_args(args: Any) -> str:
+    """Call arguments as walked statically (globals by name), cut to 80 characters, for messages."""
+    text = repr(tuple(getattr(a, "full", a) for a in args)) if isinstance(args, tuple) else f"({args!r})"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _refused(message: str) -> Exception:
+    from .pickle_ops import Refused
+
+    return Refused(message)

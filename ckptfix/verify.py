@@ -84,6 +84,7 @@ class VerifyReport:
         for c in (self.forward or {}).get("against", []):
             diff = "output structure differs" if c["max_abs_diff"] is None else f"max abs diff {c['max_abs_diff']:.3g}"
             lines.append(f"  forward vs {c['what']} {c['path']}: {diff} ({'ok' if c['ok'] else 'DIFFERS'}; "
+                         f"{fwd.describe_tolerance(c)}; "
                          f"input {'x'.join(map(str, c['input_shape']))}, seed {c['seed']})")
         lines += [f"  FAIL: {f}" for f in self.failures]
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -151,8 +152,8 @@ def verify(
     reference: Any = None,
     exact: bool = False,
     forward: bool = True,
-    atol: float = 0.0,
-    rtol: float = 0.0,
+    atol: float | None = None,
+    rtol: float | None = None,
     input_shape: tuple[int, ...] | None = None,
     model_args: dict[str, Any] | None = None,
     map_location: Any = "cpu",
@@ -166,8 +167,14 @@ def verify(
     ``'torchvision:resnet18'`` with ``model_args``, or a factory).
 
     ``forward=False`` reads on ``meta``: keys, shapes and dtypes only; with ``checksum=False`` too,
-    no tensor byte is read at all (``sha256`` is then None). ``manifest='auto'`` compares with the
-    outputs a fixtures ``manifest.json`` beside the file records for it (same sha256).
+    nothing is hashed (``sha256`` is then None). A torch zip's CRC-32s are checked either way.
+    ``manifest='auto'`` compares with the outputs a fixtures ``manifest.json`` beside the file
+    records for it (same sha256).
+
+    ``atol``/``rtol`` (None or 0: not given): with none given, the output is compared bit for bit with
+    ``reference``'s (both computed in this run) and within :data:`ckptfix.forward.RECORDED_TOLERANCE`
+    for its dtype with a manifest's (recorded elsewhere); given, they apply to both. Each
+    ``forward['against']`` row says the atol/rtol it used.
     """
     from .api import read
 
@@ -178,7 +185,7 @@ def verify(
     structure, is_fresh = source.structure(meta=not forward)
     target = repair.describe_target(structure)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
-    sha = sha256_file(path) if checksum or forward else None
+    sha = sha256_file(path) if (checksum or forward) and os.path.isfile(path) else None  # a directory: no one hash
     report = VerifyReport(
         ok=False, checkpoint=path, model=source.label, fix=chosen.description, missing=fit.missing,
         unexpected=fit.unexpected, shape_mismatch=fit.shape_mismatch, dtype_mismatch=fit.dtype_mismatch,
@@ -192,6 +199,7 @@ def verify(
                                                         ckpt.state_dict_key, dtype=cast)
     _check_values(report, fit, target, has_data=forward)
     _judge_structure(report, fit, exact, ckpt, target)
+    report.failures += crc_failures(path, ckpt.format)  # with or without the forward check
     if forward and fit.loads:
         net = structure if is_fresh else source.fresh()
         _forward_checks(report, fit.state_dict, net, source, reference, input_shape, atol, rtol, seed,
@@ -226,6 +234,20 @@ def _check_values(report: VerifyReport, fit: repair.Fit, target: repair.Target, 
         elif any(sd[k].shape != sd[present[0]].shape or not torch.equal(sd[k], sd[present[0]]) for k in present[1:]):
             report.shared_mismatch.append({"keys": present, "reason": "the model ties them but their values differ; "
                                                                       "only one survives loading"})
+
+
+def crc_failures(path: str, fmt: str) -> list[str]:
+    """One line per zip member whose stored CRC-32 doesn't match its bytes, in a torch zip or
+    TorchScript file or each torch-zip shard of a sharded checkpoint: the file changed after it
+    was written. Reads every byte once (safetensors, legacy and DCP files carry no checksums)."""
+    if fmt not in ("torch-zip", "torchscript", "sharded-pth"):
+        return []
+    from . import safety
+
+    report = safety.scan(path, check_crc=True)
+    return [f"integrity: {f.where}: its CRC-32 does not match its bytes: the file was damaged or altered after "
+            "it was written (a truncated copy, a bad download or disk); copy or download it again from the original"
+            for f in report.findings if f.kind == "crc-mismatch"]
 
 
 def _judge_structure(report: VerifyReport, fit: repair.Fit, exact: bool, ckpt: Any, target: repair.Target) -> None:
@@ -307,7 +329,7 @@ def _manifest_entry(path: str, manifest: Any, sha: str, selected: str | None = N
 
 
 def _forward_checks(report: VerifyReport, sd: Any, net: Any, source: _ModelSource, reference: Any,
-                    input_shape: tuple[int, ...] | None, atol: float, rtol: float, seed: int,
+                    input_shape: tuple[int, ...] | None, atol: float | None, rtol: float | None, seed: int,
                     entry: dict[str, Any] | None, map_location: Any, trust: bool) -> None:
     """Load into a fresh model (strictly, as torch does) and compare outputs with the reference/manifest."""
     try:
@@ -320,7 +342,7 @@ def _forward_checks(report: VerifyReport, sd: Any, net: Any, source: _ModelSourc
         shape, entry_seed = tuple(entry["input"]["shape"]), entry["input"].get("seed", seed)
         out = fwd.run_model(net, fwd.seeded_input(shape, entry_seed))
         checks.append(fwd.compare_outputs("manifest", entry["manifest_path"], out, fwd.as_tensor(entry["output"]),
-                                          atol, rtol, shape, entry_seed))
+                                          atol, rtol, shape, entry_seed, recorded=True))
     if reference is not None:
         shape = _input_shape(input_shape, entry, net)
         x = fwd.seeded_input(shape, seed)
@@ -331,11 +353,11 @@ def _forward_checks(report: VerifyReport, sd: Any, net: Any, source: _ModelSourc
         return
     diffs = [c["max_abs_diff"] for c in checks]
     report.forward = {"max_abs_diff": None if None in diffs else max(diffs), "ok": all(c["ok"] for c in checks),
-                      "atol": atol, "rtol": rtol, "against": checks}
+                      "atol": float(atol or 0.0), "rtol": float(rtol or 0.0), "against": checks}
     for c in checks:
         if not c["ok"]:
             how = "a different output structure" if c["max_abs_diff"] is None else f"max abs diff {c['max_abs_diff']:.3g}"
-            report.failures.append(f"forward output differs from the {c['what']} ({how}, atol={atol:g}, rtol={rtol:g})")
+            report.failures.append(f"forward output differs from the {c['what']} ({how}, {fwd.describe_tolerance(c)})")
 
 
 def _input_shape(given: tuple[int, ...] | None, entry: dict[str, Any] | None, net: Any) -> tuple[int, ...]:

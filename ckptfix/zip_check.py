@@ -1,11 +1,12 @@
 """Zip structure checks for torch archives: what torch's own reader does not verify.
 
-torch takes the archive's root folder from the first central-directory entry, reads
-``ROOT/data.pkl`` through the central directory and maps ``ROOT/data/N`` in place; it checks no
-CRC, and other readers (Python's zipfile, a scanner streaming local headers) may see different
-bytes in the same file. Wherever the file can be read two ways — duplicate names, a local header
-naming another file, members outside the root, bytes hidden before, between or after the
-members, compressed or encrypted members — it is reported here, never guessed.
+torch reads the archive through miniz (:mod:`ckptfix.zipfmt` is that reader in Python): the root
+folder from the first central-directory entry, ``ROOT/data.pkl`` looked up case-insensitively, tensor
+records mapped in place; it checks no CRC. Other readers (Python's zipfile, a scanner streaming
+local headers) may see different bytes in the same file. Wherever the file can be read two ways —
+torch's reader and Python's disagreeing on the members or their offsets, names equal but for case,
+duplicate names, a local header naming another file, members outside the root, bytes hidden before,
+between or after the members, compressed or encrypted members — it is reported here, never guessed.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-_LOCAL = b"PK\x03\x04"
+from . import limits as _limits
+from .zipfmt import Directory, Entry, RangeFile, ZipFormatError, data_start, fold, read_directory
+
 _DESCRIPTOR = b"PK\x07\x08"
-_EOCD = b"PK\x05\x06"
-_EOCD64_LOCATOR = b"PK\x06\x07"
 _CHUNK = 16 << 20
 
 
 @dataclass
 class Member:
-    """One central-directory entry and where its bytes really are."""
+    """One central-directory entry (as torch reads it) and where its bytes really are."""
 
     name: str
     offset: int  # local header
@@ -48,13 +49,16 @@ class ZipLayout:
     findings: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, where, message)
     errors: list[str] = field(default_factory=list)  # corruption: the file can't be read at all
     unreferenced: list[tuple[int, int]] = field(default_factory=list)  # byte ranges no record accounts for
+    #: pickles as Python's zipfile reads them, when it sees another archive than torch: (name, bytes)
+    alternate: list[tuple[str, bytes]] = field(default_factory=list)
 
     def find(self, kind: str, where: str, message: str) -> None:
         self.findings.append((kind, where, message))
 
     def unique(self, name: str) -> Member | None:
-        """The member called ``name`` when exactly one is."""
-        found = [m for m in self.members if m.name == name]
+        """The member called ``name`` when exactly one is (compared as torch compares: case-folded)."""
+        key = fold(name.encode("utf-8"))
+        found = [m for m in self.members if fold(m.name.encode("utf-8")) == key]
         return found[0] if len(found) == 1 else None
 
 
@@ -66,29 +70,31 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     """
     layout = ZipLayout()
     try:
-        from .formats import zip_infos
-
-        infos = zip_infos(path)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        directory = read_directory(buf, size)
+    except (ZipFormatError, struct.error) as e:
         layout.errors.append(f"is a truncated or corrupt zip archive ({e})")
+        if _python_view(layout, buf, size):
+            layout.find("reader-disagreement", "archive",
+                        f"torch's zip reader can't read the archive ({e}) but Python's zipfile reads one: "
+                        "readers disagree (a second archive appended, or a forged directory)")
         return layout
-    if not infos:
+    if not directory.entries:
         layout.errors.append("is an empty zip archive")
         return layout
-    cd_start, cd_end = _end_records(layout, buf, size)
-    first = infos[0].filename
-    layout.root = first.split("/", 1)[0] if "/" in first else ""
+    layout.root = directory.root
     if not layout.root:
-        layout.errors.append(f"first member {first!r} is not inside a folder (torch can't read it)")
-    for info in infos:
-        member = _local_header(layout, buf, size, info)
+        layout.errors.append(f"first member {directory.entries[0].name!r} is not inside a folder (torch can't read it)")
+    for entry in directory.entries:
+        member = _local_header(layout, buf, size, entry)
         if member is not None:
             layout.members.append(member)
-    _check_names(layout, infos)
+    _compare_with_zipfile(layout, buf, size, directory)
+    _check_names(layout, directory.entries)
     _check_methods(layout, torchscript)
-    _check_gaps(layout, buf, cd_start, cd_end)
+    _check_end(layout, size, directory)
+    _check_gaps(layout, buf, directory.cd_offset)
     for m in layout.members:
-        if m.crc and (check_crc or m.name.endswith(".pkl")) and m.compress_type in (0, 8) and not m.flags & 1:
+        if m.crc and (check_crc or is_pickle(m.name)) and m.compress_type in (0, 8) and not m.flags & 1:
             crc = 0
             try:
                 for chunk in iter_member(m, buf):
@@ -102,11 +108,20 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     return layout
 
 
-def iter_member(m: Member, buf: Any) -> Iterator[bytes]:
-    """The member's uncompressed bytes in chunks (stored or deflated); ValueError if it can't be read."""
+def is_pickle(name: str) -> bool:
+    """A member torch may unpickle: ``*.pkl`` in any case (torch looks names up case-insensitively)."""
+    return name.lower().endswith(".pkl")
+
+
+def iter_member(m: Member, buf: Any, limit: tuple[str, int] | None = None) -> Iterator[bytes]:
+    """The member's uncompressed bytes in chunks of at most 16 MiB (stored or deflated); ValueError if
+    it can't be read. With ``limit`` (the name of a limit and its value), a member that is (or
+    inflates to) more than that raises LimitError before more is produced."""
     end = m.data_start + m.compress_size
     if m.flags & 1:
         raise ValueError("is encrypted")
+    if limit is not None and m.compress_type == 0 and m.compress_size > limit[1]:
+        raise _limits.exceeded(limit[0], f"member {m.name}'s size", m.compress_size)
     if m.compress_type == 0:
         for pos in range(m.data_start, end, _CHUNK):
             yield bytes(buf[pos : min(pos + _CHUNK, end)])
@@ -117,85 +132,155 @@ def iter_member(m: Member, buf: Any) -> Iterator[bytes]:
     produced = 0
     try:
         for pos in range(m.data_start, end, _CHUNK):
-            out = inflater.decompress(bytes(buf[pos : min(pos + _CHUNK, end)]), m.file_size + 1 - produced)
-            produced += len(out)
-            if produced > m.file_size:
-                raise ValueError(f"inflates past its recorded size ({m.file_size} bytes)")
-            yield out
+            data = bytes(buf[pos : min(pos + _CHUNK, end)])
+            while data:  # bounded output per call: a few KB of deflate can stand for gigabytes
+                out = inflater.decompress(data, _CHUNK)
+                data = inflater.unconsumed_tail
+                produced += len(out)
+                if produced > m.file_size:
+                    raise ValueError(f"inflates past its recorded size ({m.file_size} bytes)")
+                if limit is not None and produced > limit[1]:
+                    raise _limits.exceeded(limit[0], f"compressed member {m.name} inflating", produced)
+                if out:
+                    yield out
+                if not out and not data:
+                    break
     except zlib.error as e:
         raise ValueError(f"has corrupt deflate data ({e})") from None
 
 
 def read_member(m: Member, buf: Any) -> bytes:
-    return b"".join(iter_member(m, buf))
+    """A member that torch may unpickle, whole, within the limit max_pickle_bytes (a compressed one,
+    which torch never writes, within max_alloc_bytes: it is refused anyway, and read only to name
+    what it references)."""
+    limits = _limits.current()
+    if m.compress_type == 0 or limits.max_pickle_bytes < limits.max_alloc_bytes:
+        return b"".join(iter_member(m, buf, ("max_pickle_bytes", limits.max_pickle_bytes)))
+    return b"".join(iter_member(m, buf, ("max_alloc_bytes", limits.max_alloc_bytes)))
 
 
-def _end_records(layout: ZipLayout, buf: Any, size: int) -> tuple[int, int]:
-    """Find the end-of-central-directory record as readers do (the last one); report bytes around it."""
-    tail_start = max(0, size - (22 + 65535))
-    pos = buf.rfind(_EOCD, tail_start)
-    if pos < 0 or pos + 22 > size:
-        layout.errors.append("has no end-of-central-directory record")
-        return size, size
-    _sig, _d, _dcd, _n, _total, cd_size, cd_offset, comment_len = struct.unpack("<4s4H2LH", buf[pos : pos + 22])
-    record_start = pos
-    loc = pos - 20
-    if loc >= 0 and buf[loc : loc + 4] == _EOCD64_LOCATOR:
-        (eocd64,) = struct.unpack("<Q", buf[loc + 8 : loc + 16])
-        if eocd64 + 56 <= size and buf[eocd64 : eocd64 + 4] == b"PK\x06\x06":
-            cd_size, cd_offset = struct.unpack("<2Q", buf[eocd64 + 40 : eocd64 + 56])
-            record_start = eocd64
-    after = size - (pos + 22 + comment_len)
-    if after > 0:
-        layout.find("data-after", "archive", f"{after} bytes after the end of the zip archive")
-        layout.unreferenced.append((size - after, size))
-    concat = record_start - cd_size - cd_offset
+def _check_end(layout: ZipLayout, size: int, directory: Directory) -> None:
+    """Bytes after the end record, and a directory that is not where its offsets say."""
+    end = directory.eocd_offset + 22 + directory.comment_length
+    if end < size:
+        layout.find("data-after", "archive", f"{size - end} bytes after the end of the zip archive")
+        layout.unreferenced.append((end, size))
+    elif end > size:
+        layout.find("data-after", "archive", "the end record's comment runs past the end of the file")
+    record = directory.zip64_offset if directory.zip64_offset is not None else directory.eocd_offset
+    concat = record - directory.cd_size - directory.cd_offset
     if concat:
         layout.find("data-before", "archive",
                     f"the central directory is {concat} bytes from where its offsets say "
-                    "(data prepended to the archive, or a second archive)")
-    return cd_offset + concat, record_start
+                    "(data prepended to the archive, a second archive, or hidden bytes before the end records)")
+        if concat > 0:
+            layout.unreferenced.append((directory.cd_offset + directory.cd_size, record))
+    if directory.zip64_offset is not None and directory.zip64_offset + 56 != directory.eocd_offset - 20:
+        layout.find("hidden-data", "archive",
+                    "the zip64 end record is not right before its locator: bytes there that no reader accounts "
+                    "for, or a second zip64 record")
 
 
-def _local_header(layout: ZipLayout, buf: Any, size: int, info: zipfile.ZipInfo) -> Member | None:
-    off = info.header_offset
-    head = bytes(buf[off : off + 30]) if 0 <= off < size else b""
-    if len(head) < 30 or head[:4] != _LOCAL:
-        layout.errors.append(f"member {info.filename}: no local header at byte {off}")
+def _local_header(layout: ZipLayout, buf: Any, size: int, entry: Entry) -> Member | None:
+    try:
+        start, local_name, fields = data_start(buf, size, entry)
+    except ZipFormatError as e:
+        layout.errors.append(str(e))
         return None
-    _sig, _ver, flags, method, _t, _d, crc, csize, usize, nlen, elen = struct.unpack("<4s5H3L2H", head)
-    raw = bytes(buf[off + 30 : off + 30 + nlen])
-    local_name = raw.decode("utf-8" if flags & 0x800 else "cp437", errors="replace")
-    if local_name != info.orig_filename:
-        layout.find("name-mismatch", info.filename,
-                    f"member {info.filename!r} has the name {local_name!r} in its local header")
-    if method != info.compress_type or (flags & 1) != (info.flag_bits & 1):
-        layout.find("header-mismatch", info.filename,
-                    f"member {info.filename}: local header and central directory disagree on compression")
+    if fields is None:  # torch maps the data from here anyway (it reads only the lengths)
+        layout.find("header-mismatch", entry.name,
+                    f"member {entry.name}: no local-header signature at byte {entry.header_offset}: readers "
+                    "disagree on whether and where its data is")
+        flags, method, crc, csize, usize = entry.flags, entry.method, entry.crc, entry.compress_size, entry.file_size
+    else:
+        flags, method, crc, csize, usize = fields
+    if local_name != entry.raw_name:
+        layout.find("name-mismatch", entry.name,
+                    f"member {entry.name!r} has the name {local_name.decode('utf-8', 'replace')!r} in its local header")
+    if method != entry.method or (flags & 1) != (entry.flags & 1):
+        layout.find("header-mismatch", entry.name,
+                    f"member {entry.name}: local header and central directory disagree on compression")
     elif not flags & 0x8 and 0xFFFFFFFF not in (csize, usize) and (crc, csize, usize) != (
-            info.CRC, info.compress_size, info.file_size):
-        layout.find("header-mismatch", info.filename,
-                    f"member {info.filename}: local header and central directory disagree on its size or CRC")
-    start = off + 30 + nlen + elen
-    if start + info.compress_size > size:
-        layout.errors.append(f"member {info.filename}: data runs past the end of the file (truncated)")
+            entry.crc, entry.compress_size, entry.file_size):
+        layout.find("header-mismatch", entry.name,
+                    f"member {entry.name}: local header and central directory disagree on its size or CRC")
+    if start + entry.compress_size > size:
+        layout.errors.append(f"member {entry.name}: data runs past the end of the file (truncated)")
         return None
-    return Member(info.filename, off, start, info.compress_type, info.compress_size, info.file_size,
-                  info.CRC, info.flag_bits)
+    return Member(entry.name, entry.header_offset, start, entry.method, entry.compress_size, entry.file_size,
+                  entry.crc, entry.flags)
 
 
-def _check_names(layout: ZipLayout, infos: list[zipfile.ZipInfo]) -> None:
-    for name, n in Counter(i.filename for i in infos).items():
-        if n > 1:
-            layout.find("duplicate-member", name,
-                        f"{n} members are named {name}: readers disagree on which one they read")
-    for info in infos:
-        if info.orig_filename != info.filename:
-            layout.find("odd-name", info.filename, f"member name {info.orig_filename!r} holds a NUL byte or backslash")
-        if layout.root and not info.filename.startswith(layout.root + "/"):
-            layout.find("outside-root", info.filename,
-                        f"member {info.filename} is outside the archive's root folder {layout.root}/ "
-                        "(torch never reads it)")
+_ZIPFILE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError, KeyError)
+
+
+def _python_view(layout: ZipLayout, buf: Any, size: int) -> bool:
+    """Read the pickles as Python's zipfile sees them into ``layout.alternate``; False if it can't."""
+    limit = _limits.current().max_pickle_bytes
+    try:
+        with zipfile.ZipFile(RangeFile(lambda pos, n: bytes(buf[pos : pos + n]), size)) as z:
+            for info in z.infolist():
+                if is_pickle(info.filename) and not info.flag_bits & 1 and info.compress_type in (0, 8):
+                    with z.open(info) as f:
+                        layout.alternate.append((info.filename, f.read(limit + 1)[:limit]))
+    except (*_ZIPFILE_ERRORS, RuntimeError):
+        return False
+    return True
+
+
+def _compare_with_zipfile(layout: ZipLayout, buf: Any, size: int, directory: Directory) -> None:
+    """Python's zipfile must see the same members at the same offsets as torch's reader."""
+    try:
+        with zipfile.ZipFile(RangeFile(lambda pos, n: bytes(buf[pos : pos + n]), size)) as z:
+            infos = z.infolist()
+    except _ZIPFILE_ERRORS as e:
+        layout.find("reader-disagreement", "archive",
+                    f"torch's zip reader reads the archive but Python's zipfile does not ({e}): readers disagree")
+        return
+    ours = [(e.raw_name, e.header_offset, e.compress_size, e.file_size, e.crc, e.method) for e in directory.entries]
+    theirs = [(i.orig_filename.encode("utf-8" if i.flag_bits & 0x800 else "cp437", errors="replace"), i.header_offset,
+               i.compress_size, i.file_size, i.CRC, i.compress_type) for i in infos]
+    if len(ours) != len(theirs):
+        layout.find("reader-disagreement", "archive",
+                    f"torch's zip reader sees {len(ours)} members, Python's zipfile {len(theirs)} "
+                    "(two central directories, or a count that does not match the directory's size)")
+        _python_view(layout, buf, size)
+        return
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            what = ("name", "offset", "compressed size", "size", "CRC", "compression")
+            diff = ", ".join(w for w, x, y in zip(what, a, b) if x != y)
+            layout.find("reader-disagreement", directory.entries[index].name,
+                        f"member {index + 1} ({directory.entries[index].name}) differs between torch's zip reader "
+                        f"and Python's zipfile ({diff}): readers disagree on the archive")
+            _python_view(layout, buf, size)
+            return
+
+
+def _check_names(layout: ZipLayout, entries: list[Entry]) -> None:
+    folded = Counter(fold(e.raw_name) for e in entries)
+    for key, n in folded.items():
+        if n < 2:
+            continue
+        names = sorted({e.name for e in entries if fold(e.raw_name) == key})
+        if len(names) == 1:
+            layout.find("duplicate-member", names[0],
+                        f"{n} members are named {names[0]}: readers disagree on which one they read")
+        else:
+            layout.find("duplicate-member", names[0],
+                        f"members {', '.join(names)} differ only in case: torch looks names up case-insensitively, "
+                        "so readers disagree on which one is read")
+    root = fold(layout.root.encode("utf-8") + b"/")
+    for e in entries:
+        if b"\x00" in e.raw_name or b"\\" in e.raw_name:
+            layout.find("odd-name", e.name, f"member name {e.name!r} holds a NUL byte or backslash")
+        if layout.root and not fold(e.raw_name).startswith(root):
+            layout.find("outside-root", e.name,
+                        f"member {e.name} is outside the archive's root folder {layout.root}/ (torch never reads it)")
+        elif layout.root and not e.raw_name.startswith(layout.root.encode("utf-8") + b"/"):
+            layout.find("outside-root", e.name,
+                        f"member {e.name} is in the root folder {layout.root}/ only when case is ignored "
+                        "(torch reads it, other readers don't)")
 
 
 def _check_methods(layout: ZipLayout, torchscript: bool) -> None:
@@ -209,7 +294,7 @@ def _check_methods(layout: ZipLayout, torchscript: bool) -> None:
                         "member stored")
 
 
-def _check_gaps(layout: ZipLayout, buf: Any, cd_start: int, cd_end: int) -> None:
+def _check_gaps(layout: ZipLayout, buf: Any, cd_start: int) -> None:
     """Members, then the central directory, must tile the file with nothing hidden between them."""
     ordered = sorted(layout.members, key=lambda m: m.offset)
     if ordered and ordered[0].offset > 0:

@@ -18,6 +18,7 @@ import shlex
 import struct
 import subprocess
 import sys
+import tarfile
 import time
 import warnings
 import zipfile
@@ -142,6 +143,103 @@ def _patch_cd_entry(data: bytearray, name: str, offset_in_entry: int, value: byt
             return
         pos += 46 + n + e + c
     raise KeyError(name)
+
+
+def _raw_zip_parts(members: list, start: int) -> tuple[bytes, bytes]:
+    """Stored members as local headers + data from offset ``start``, and their central-directory entries."""
+    local, central, pos = b"", b"", start
+    for name, data, *_method in members:
+        raw, crc = name.encode(), zlib.crc32(data)
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, crc, len(data), len(data), len(raw), 0)
+        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21, crc, len(data), len(data),
+                               len(raw), 0, 0, 0, 0, 0, pos) + raw
+        local += head + raw + data
+        pos += len(head) + len(raw) + len(data)
+    return local, central
+
+
+def _eocd64(entries: int, cd_size: int, cd_offset: int) -> bytes:
+    return struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, entries, entries, cd_size, cd_offset)
+
+
+def zip64_two_directories(torch_view: list, python_view: list) -> bytes:
+    """One file, two archives: the zip64 locator points at a record for ``torch_view``'s directory
+    (torch's miniz follows it); the record right before the locator, which Python's zipfile reads
+    instead, describes ``python_view``'s."""
+    local_t, cd_t = _raw_zip_parts(torch_view, 0)
+    local_p, cd_p = _raw_zip_parts(python_view, len(local_t))
+    out = local_t + local_p
+    cd_t_at = len(out)
+    out += cd_t
+    eocd64_t_at = len(out)
+    out += _eocd64(len(torch_view), len(cd_t), cd_t_at)
+    cd_p_at = len(out)
+    out += cd_p + _eocd64(len(python_view), len(cd_p), cd_p_at)
+    out += struct.pack("<IIQI", 0x07064B50, 0, eocd64_t_at, 1)
+    return out + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+
+
+def _tar_member(name: str, data: bytes) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as t:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        t.addfile(info, io.BytesIO(data))
+    return buf.getvalue()[: 512 + (len(data) + 511) // 512 * 512]  # without the end-of-archive blocks
+
+
+def _v7_header(name: bytes, size: int, block: bytearray | None = None) -> bytearray:
+    """A pre-POSIX (V7) tar header: no ``ustar`` magic, which tarfile and so torch.load still read.
+    Given ``block``, its name field (whatever bytes it holds) is kept and the other fields are set."""
+    if block is None:
+        block = bytearray(512)
+        block[: len(name)] = name
+    block[100:108] = b"0000644\0"
+    block[124:136] = f"{size:011o}\0".encode()
+    block[136:148] = b"00000000000\0"
+    block[156:157] = b"0"
+    block[148:156] = b" " * 8
+    block[148:156] = f"{sum(block):06o}\0 ".encode()
+    return block
+
+
+def legacy_tar(pickle_member: bytes) -> bytes:
+    """A torch < 0.4 tar checkpoint in the V7 format: what torch.load's tar path reads."""
+    members = [("storages", pickle.dumps(0, protocol=2) + pickle.dumps([], protocol=2)),
+               ("tensors", pickle.dumps(0, protocol=2)), ("pickle", pickle_member)]
+    out = b""
+    for name, data in members:
+        out += bytes(_v7_header(name.encode(), len(data))) + data + bytes(-len(data) % 512)
+    return out + bytes(1024)
+
+
+def legacy_tar_polyglot(pickle_member: bytes) -> bytes:
+    """A file that is a valid legacy torch pickle stream (five pickles, then one storage whose bytes
+    run to the end of the file) *and* a V7 tar whose ``pickle`` member is ``pickle_member``. A scanner
+    that reads it as the pickle stream sees a harmless tensor; torch.load tries tar first."""
+    tail = legacy_tar(pickle_member)  # the members torch's tar path reads, after a first member
+    head = pickle.dumps(LEGACY_MAGIC, protocol=2) + pickle.dumps(1001, protocol=2)
+    # pickle 3 (sys_info): a bytes literal that swallows the rest of the tar header block, then {}
+    literal_at = len(head) + 2 + 1 + 4  # PROTO 2, BINBYTES, 4-byte length
+    literal = 512 - literal_at + 16
+    sys_info = b"\x80\x02B" + struct.pack("<I", literal) + bytes(literal) + b"0}."
+    first_member_size = 1024  # the rest of the legacy pickles live in the first tar member's data
+    storage_start = 512 + first_member_size
+    numel_at = None
+    for _ in range(2):  # the storage's element count depends on the pickle's length, which depends on it
+        numel = len(tail) + storage_start - (numel_at or 0) - 8 if numel_at else 0
+        main = (b"\x80\x02}X\x01\x00\x00\x00wctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage"
+                b"ctorch\nByteStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpu" + b"\x8a\x08" + struct.pack("<q", numel)
+                + b"NtQK\x00" + b"\x8a\x08" + struct.pack("<q", numel) + b"\x85K\x01\x85\x89ccollections\nOrderedDict\n)R"
+                b"tRs.")
+        keys = b"\x80\x02]X\x01\x00\x00\x000a."
+        body = head + sys_info + main + keys
+        numel_at = len(body)
+    block = _v7_header(b"", first_member_size, bytearray(body[:512]))
+    data = bytes(block) + body[512:]
+    data += struct.pack("<q", numel)
+    data += bytes(storage_start - len(data))
+    return data + tail
 
 
 # -- the corpus --------------------------------------------------------------------------------------
@@ -313,7 +411,8 @@ def build_corpus(directory: Path) -> list[Case]:
     add(n, "raw", payload, [system], ["data-after"], container=zip_bytes(base) + payload)
     n = "zip-prepended-archive"
     payload = posix_system(n)
-    add(n, "raw", payload, [], ["data-before"], container=zip_bytes(with_data_pkl(payload)) + zip_bytes(base))
+    add(n, "raw", payload, [], ["reader-disagreement"],
+        container=zip_bytes(with_data_pkl(payload)) + zip_bytes(base))
     n = "zip-second-pickle-in-data-pkl"
     payload = posix_system(n)
     add(n, "raw", payload, [system], ["trailing-data"], container=zip_bytes(with_data_pkl(benign_pkl + payload)))
@@ -353,6 +452,22 @@ def build_corpus(directory: Path) -> list[Case]:
     add(n, "raw", module_pkl, [f"{TinyNet.__module__}.TinyNet"], live=False, container=buf.getvalue())
     n = "torch-namespace-not-a-pass"
     add(n, "zip", as_weight(call(glob("torch", "load"), u(str(directory / "x.pt")))), ["torch.load"], live=False)
+
+    # Readers that disagree: what torch's reader unpickles is not what another reader scans.
+    for variant in ("archive/data.PKL", "archive/DATA.pkl"):  # torch looks names up case-insensitively
+        n = f"zip-case-{variant.split('/')[1].replace('.', '-')}"
+        payload = posix_system(n)
+        add(n, "raw", payload, [system], ["duplicate-member"], container=zip_bytes([*base, (variant, payload)]))
+    n = "zip64-two-directories"  # miniz follows the locator; zipfile reads the record before it
+    payload = posix_system(n)
+    add(n, "raw", payload, [system], ["reader-disagreement"],
+        container=zip64_two_directories(with_data_pkl(payload), base))
+    n = "legacy-tar-v7"  # an old-style tar: no ustar magic, yet torch.load reads it (without weights_only)
+    payload = posix_system(n)
+    add(n, "raw", payload, [system], ["tar-format"], container=legacy_tar(payload))
+    n = "legacy-tar-polyglot"  # a clean legacy pickle stream that is also a tar with a payload
+    payload = posix_system(n)
+    add(n, "raw", payload, [system], ["tar-format", "polyglot"], container=legacy_tar_polyglot(payload))
     return cases
 
 

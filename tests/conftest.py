@@ -1,10 +1,12 @@
-"""Shared test helpers: the committed fixtures, the training script, GPU-tagged saves, CLI runner."""
+"""Shared test helpers: the committed fixtures, the training script, comparisons with recorded values,
+GPU-tagged saves, CLI runner."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,6 +56,49 @@ def fake_location(tag: str | Callable[[Any], str]) -> Iterator[None]:
     fn = tag if callable(tag) else (lambda _storage: tag)
     with mock.patch.object(torch.serialization, "location_tag", fn):
         yield
+
+
+def recorded_tolerance(got: Any) -> tuple[float, float]:
+    """``(atol, rtol)`` for comparing ``got`` with a value recorded elsewhere: ckptfix's own table
+    (:data:`ckptfix.forward.RECORDED_TOLERANCE`; float32: atol 1e-6, rtol 1e-5) by got's dtype.
+    Python floats and numpy arrays count as float32: a training run logs them from float32 tensors."""
+    import torch
+
+    from ckptfix.forward import recorded_tolerance as by_dtype
+
+    return by_dtype(got.dtype if isinstance(got, torch.Tensor) else torch.float32)
+
+
+def close_to_recorded(got: Any, recorded: Any) -> bool:
+    """``got`` (a tensor, numpy array or float computed in this run) equals ``recorded`` (the same value
+    recorded on another machine) within :func:`recorded_tolerance`: same dtype and shape, NaN equal to NaN."""
+    import numpy as np
+    import torch
+
+    atol, rtol = recorded_tolerance(got)
+    if isinstance(got, torch.Tensor):
+        return (isinstance(recorded, torch.Tensor) and got.dtype == recorded.dtype and got.shape == recorded.shape
+                and bool(torch.isclose(got.double(), recorded.double(), atol=atol, rtol=rtol, equal_nan=True).all()))
+    if isinstance(got, np.ndarray):
+        return (isinstance(recorded, np.ndarray) and got.dtype == recorded.dtype and got.shape == recorded.shape
+                and bool(np.allclose(got, recorded, atol=atol, rtol=rtol, equal_nan=True)))
+    return math.isclose(got, recorded, rel_tol=rtol, abs_tol=atol) or (math.isnan(got) and math.isnan(recorded))
+
+
+def assert_close_to_recorded(got: Any, recorded: Any, what: str = "output") -> None:
+    """A tensor computed in this run against one recorded on another machine (a fixtures manifest's
+    ``output``, nested lists of floats): same shape, every element within :func:`recorded_tolerance`
+    of got's dtype, never bit for bit (other CPUs round float kernels differently). Values computed
+    in this run are compared with ``torch.equal`` instead."""
+    import torch
+
+    atol, rtol = recorded_tolerance(got)
+    want = torch.as_tensor(recorded, dtype=torch.float64)
+    assert got.shape == want.shape, f"{what}: shape {list(got.shape)}, recorded {list(want.shape)}"
+    diff = float((got.double() - want).abs().max()) if want.numel() else 0.0
+    assert bool(torch.isclose(got.double(), want, atol=atol, rtol=rtol).all()), (
+        f"{what}: max abs diff {diff:.3g} from the recorded value, beyond the recorded-value tolerance for "
+        f"{str(got.dtype).removeprefix('torch.')} (atol={atol:g}, rtol={rtol:g})")
 
 
 def mapped_from(t: Any) -> str:

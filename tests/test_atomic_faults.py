@@ -1,8 +1,9 @@
-"""Write-path faults: a full disk, Ctrl-C, a read-only directory, dst == src, kill -9 mid-write.
+"""Write-path faults: a full disk, Ctrl-C, SIGTERM, SIGHUP, a read-only directory, dst == src, kill -9.
 
 Whatever happens, the old dst (if any) is intact, nothing new appears at dst, and no temp file is
 left behind — except after ``kill -9``, which no process can clean up after: then dst is still
-absent and the only leftover is the hidden ``.NAME.*.ckptfix-tmp`` file.
+absent, the only leftover is the hidden ``.NAME.*.ckptfix-tmp`` file, and the next write into that
+directory sweeps it (never a live writer's).
 """
 
 from __future__ import annotations
@@ -221,3 +222,162 @@ def test_kill_9_mid_write_leaves_nothing_at_dst(tmp_path: Path) -> None:
     assert not dst.exists()
     assert all(p.name.startswith(".big.safetensors.") and p.name.endswith(".ckptfix-tmp")
                for p in dst.parent.iterdir())
+
+
+# --- SIGTERM / SIGHUP / SIGINT mid-write, a real process; the next run sweeps what SIGKILL left ---
+
+# ckptfix's CLI in a child whose first file write (ckptfix's writers, or torch.save inside DCP)
+# completes, touches $READY and then waits: a signal then lands mid-output, temp data on disk.
+SLOW_CHILD = """
+import os, sys, time
+import torch
+import ckptfix.formats as formats
+
+def slow(real):
+    def first_write_then_wait(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if not os.path.exists(os.environ["READY"]):
+            open(os.environ["READY"], "w").close()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        return out
+    return first_write_then_wait
+
+formats.write = slow(formats.write)
+torch.save = slow(torch.save)
+from ckptfix.cli import main
+sys.argv[0] = "ckptfix"
+main()
+"""
+
+# output → (destination name, extra convert options)
+SIGNAL_OUTPUTS = {"file": ("out.safetensors", []), "sharded": ("shards", ["--max-shard-size", "1KB"]),
+                  "dcp": ("dcp_out", ["--format", "dcp"])}
+
+
+def _start_slow(src: Path, dst: Path, extra: list[str], ready: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CHILD, "convert", str(src), str(dst), "-q", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "READY": str(ready)})
+    deadline = time.monotonic() + 120
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ready.exists(), f"the child never started writing: {proc.communicate(timeout=60)}"
+    return proc
+
+
+def _error_line(stderr: str) -> str:
+    """The one ``Error:`` line, checked to be the end of stderr and not after a traceback (a warning
+    Python prints before it is not ckptfix's to silence)."""
+    assert "Traceback" not in stderr and stderr.count("Error:") == 1 and stderr.endswith("\n"), stderr
+    return stderr.splitlines()[-1]
+
+
+def _temps(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".ckptfix-tmp" in p.name)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+@pytest.mark.parametrize("output", SIGNAL_OUTPUTS)
+def test_signal_mid_write_removes_the_temp(output: str, sig: signal.Signals, tmp_path: Path, fixtures_dir: Path) -> None:
+    name, extra = SIGNAL_OUTPUTS[output]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = _start_slow(fixtures_dir / "mlp_ddp.pth", out_dir / name, extra, tmp_path / "ready")
+    assert _temps(out_dir)  # the temp output is there, part-written
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    word = "interrupted" if sig == signal.SIGINT else f"terminated ({sig.name})"
+    assert proc.returncode == 128 + sig and _error_line(stderr) == f"Error: {word}; nothing was written" and stdout == ""
+    assert list(out_dir.iterdir()) == []
+
+
+def test_library_callers_get_a_keyboard_interrupt_and_their_handlers_back(tmp_path: Path, fixtures_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM mid-write in a library call: temp removed, ckptfix.errors.Interrupted (a KeyboardInterrupt)
+    raised, the default handlers restored; an application's own handler is never replaced."""
+    import ckptfix.formats as formats
+    from ckptfix.errors import Interrupted
+
+    real = formats.write
+
+    def write_then_sigterm(*args: Any, **kwargs: Any) -> Any:
+        notes = real(*args, **kwargs)
+        signal.raise_signal(signal.SIGTERM)
+        return notes
+
+    monkeypatch.setattr(formats, "write", write_then_sigterm)
+    with pytest.raises(KeyboardInterrupt) as info:
+        ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.safetensors")
+    assert isinstance(info.value, Interrupted) and info.value.exit_code == 143 and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.safetensors")  # the application's handler runs
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert got == [signal.SIGTERM] and (tmp_path / "o.safetensors").exists()
+
+
+def test_signal_during_the_final_rename_lets_it_finish() -> None:
+    from ckptfix import interrupts
+    from ckptfix.errors import Interrupted
+
+    done = []
+    with pytest.raises(Interrupted) as info, interrupts.signals_as_interrupts():
+        with interrupts.held(written=True):
+            signal.raise_signal(signal.SIGHUP)
+            done.append("renamed")
+    assert done == ["renamed"] and info.value.written and info.value.exit_code == 129
+    assert "the output was already complete" in info.value.describe()
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+
+
+def test_next_run_sweeps_a_killed_writers_temps_but_not_a_live_writers(tmp_path: Path, fixtures_dir: Path,
+                                                                       cli_runner) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    src = fixtures_dir / "mlp_ddp.pth"
+    live = _start_slow(src, out / "live.safetensors", [], tmp_path / "ready-live")
+    live_temp = _temps(out)
+    # two writers at once (each one's sweep finds the other's temp locked), then both SIGKILLed
+    procs = [_start_slow(src, out / f"killed-{name}", extra, tmp_path / f"ready{i}")
+             for i, (name, extra) in enumerate([SIGNAL_OUTPUTS["file"], SIGNAL_OUTPUTS["sharded"]])]
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    killed = [t for t in _temps(out) if t not in live_temp]
+    assert len(live_temp) == 1 and len(killed) == 2 and {t.endswith(".ckptfix-tmp") for t in killed} == {True, False}
+    os.symlink(src, out / ".decoy.abcdefgh.ckptfix-tmp")  # ckptfix's naming, but a symlink: not ckptfix's
+    (out / ".notes.ckptfix-tmp.txt").write_text("a user's file")
+    try:
+        res = cli_runner.invoke(cli, ["convert", str(src), str(out / "next.safetensors"), "-q"])
+        assert res.exit_code == 0, res.output
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            [*live_temp, "next.safetensors", ".decoy.abcdefgh.ckptfix-tmp", ".notes.ckptfix-tmp.txt"])
+        swept = next(line for line in res.output.splitlines() if "temp file(s) a killed ckptfix run left" in line)
+        assert all(t in swept for t in killed) and live_temp[0] not in swept
+    finally:
+        live.send_signal(signal.SIGTERM)
+        _stdout, stderr = live.communicate(timeout=60)
+    assert live.returncode == 143 and "terminated (SIGTERM)" in stderr
+    assert not (out / live_temp[0]).exists() and not (out / "live.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_mid_write_of_a_large_file(tmp_path: Path) -> None:
+    """No monkeypatching: a 256 MiB conversion gets SIGTERM while its temp file is being written."""
+    src, dst = tmp_path / "big.pth", tmp_path / "out" / "big.safetensors"
+    dst.parent.mkdir()
+    torch.save({"w": torch.zeros(64 * 2**20)}, src, _use_new_zipfile_serialization=False)  # 256 MiB, loaded, not streamed
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfix", "convert", str(src), str(dst), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size for p in dst.parent.glob(".big.safetensors.*.ckptfix-tmp")) \
+            and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    proc.send_signal(signal.SIGTERM)
+    _stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, f"the write finished before the signal: {stderr}"
+    assert _error_line(stderr) == "Error: terminated (SIGTERM); nothing was written" and list(dst.parent.iterdir()) == []

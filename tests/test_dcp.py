@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import mapped_from
+from conftest import assert_close_to_recorded, mapped_from
 import torch.distributed.checkpoint as tdcp
 
 from ckptfix import layout
@@ -56,7 +56,7 @@ def test_fsdp2_consolidates_to_the_gathered_full_state_dict(fixtures_dir: Path, 
     model.load_state_dict(sel.state_dict)
     model.eval()
     with torch.no_grad():
-        assert model(train.fixed_input("mlp")).tolist() == manifest["mlp_fsdp2"]["output"]
+        assert_close_to_recorded(model(train.fixed_input("mlp")), manifest["mlp_fsdp2"]["output"])
     optim = sel.extra["optim"]  # nested again from DCP's planner data, dotted FQN keys intact
     assert list(optim["state"]) == list(full) and optim["state"]["0.weight"]["exp_avg"].shape == (16, 13)
     assert optim["param_groups"][0]["params"] == list(full) and optim["param_groups"][0]["lr"] == 1e-2
@@ -205,3 +205,56 @@ def test_fresh_fsdp2_run_consolidates_bit_exactly(train: Any, tmp_path: Path) ->
     assert_same(raw.obj["model"], torch.load(tmp_path / "mlp_fsdp2_full.pth", weights_only=True))
     entry = manifest["fixtures"]["mlp_fsdp2"]
     assert entry["format"] == "dcp" and entry["state_dict_key"] == "model" and entry["num_tensors"] == 6
+
+
+# --- Ctrl-C and write failures inside torch.distributed.checkpoint.save: one line, not its traceback ---
+
+@pytest.mark.parametrize("error, code, line", [
+    (KeyboardInterrupt(), 130, "Error: interrupted; nothing was written"),
+    (OSError(28, "No space left on device"), 1, r"Error: .*dcp_out: write failed: No space left on device; nothing was written"),
+    (RuntimeError("a bug\nand its detail"), 1, r"Error: torch.distributed.checkpoint.save failed: RuntimeError: a bug"),
+], ids=["ctrl-c", "disk-full", "other"])
+def test_failures_inside_dcp_save_are_one_line(error: BaseException, code: int, line: str, tmp_path: Path,
+                                               fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch, cli_runner) -> None:
+    """DCP catches BaseException on every rank and raises a CheckpointException (a BaseException whose
+    message is the rank's traceback); ckptfix gives back what failed inside it."""
+    import re
+
+    from ckptfix.cli import cli
+
+    real_save = torch.save
+
+    def first_record_then_fail(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        real_save(obj, f, *args, **kwargs)  # a record is on disk in the temp directory
+        raise error
+
+    monkeypatch.setattr(torch, "save", first_record_then_fail)  # filesystem.py's _write_item calls torch.save
+    res = cli_runner.invoke(cli, ["convert", str(fixtures_dir / "mlp_ddp.pth"), str(tmp_path / "dcp_out"), "--format", "dcp"])
+    assert res.exit_code == code and res.stdout == ""
+    assert len(res.stderr.splitlines()) == 1 and re.fullmatch(line, res.stderr.strip()), res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_real_dcp_write(tmp_path: Path) -> None:
+    """No monkeypatching: SIGINT while DCP writes a 256 MiB state dict. The interrupt lands inside
+    torch.save, whose zip writer turns it into a RuntimeError on its way out, which DCP wraps."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src, out = tmp_path / "big.pth", tmp_path / "out"
+    out.mkdir()
+    torch.save({f"w{i}": torch.zeros(2**22) for i in range(16)}, src)  # 16 × 16 MiB
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfix", "convert", str(src), str(out / "dcp"), "--format", "dcp", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline and not any(
+            p.stat().st_size > 2**24 for p in out.glob(".dcp.ckptfix-tmp-*/__0_0.distcp")):
+        time.sleep(0.0005)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, f"the write finished before the signal: {stderr[-2000:]}"
+    assert "Traceback" not in stderr and stderr.splitlines()[-1] == "Error: interrupted; nothing was written"
+    assert stderr.count("\n") <= 3 and stdout == "" and list(out.iterdir()) == []  # (a Python warning may come first)

@@ -15,6 +15,7 @@ import collections
 import datetime
 import fractions
 import io
+import os
 import pathlib
 import sys
 import zipfile
@@ -127,29 +128,36 @@ def test_paths_from_other_pythons_and_systems(old: bytes, new: bytes, expected: 
 
 
 def test_allow_list_holds_no_function_that_runs_code() -> None:
-    """Every entry is a data class or one of ckptfix's own stand-ins; builtin types are inert tokens."""
-    from ckptfix import allowlist
+    """Every entry is a data class or one of ckptfix's own guarded stand-ins; builtin types are inert tokens."""
+    from ckptfix import allowlist, numpy_safe, standins
 
+    own = {allowlist._defaultdict, allowlist._empty_bytes, standins.getattr_method, numpy_safe._dtype,
+           numpy_safe._reconstruct, numpy_safe._scalar}
     for name, obj in allowed_table().items():
         assert classify(*name.rsplit(".", 1)) == "allowed"
         if name == "builtins.getattr":  # only getattr(HistoryBuffer, <statistic>), giving an inert name
             with pytest.raises(Exception, match="getattr is allowed only as"):
                 obj(pathlib.PosixPath, "touch")
+        elif name == "builtins.bytes":  # b"" only
+            assert obj() == b""
+            with pytest.raises(Exception, match="allowed only as bytes()"):
+                obj(10**9)
         elif name.startswith("builtins."):
             with pytest.raises(Exception, match="default factory"):
                 obj("x")
-        elif name.endswith("multiarray.scalar"):
-            assert obj is np._core.multiarray.scalar
-        elif name.endswith("multiarray._reconstruct"):  # an empty plain ndarray, nothing else
+        elif name.endswith("multiarray._reconstruct"):  # an empty stand-in array, nothing else
             with pytest.raises(Exception, match="allowed only as numpy pickles an array"):
                 obj(np.memmap, (0,), b"b")
         elif name == "numpy.ndarray":  # a token only _reconstruct accepts
             with pytest.raises(Exception, match="allowed only as the subtype"):
                 obj((2,))
+        elif callable(obj) and not isinstance(obj, type):
+            assert obj in own, name
         else:
-            assert isinstance(obj, type) or obj is allowlist._defaultdict, name
+            assert isinstance(obj, type), name
     for unsafe in ("builtins.eval", "posix.system", "pathlib.Path", "collections.ChainMap", "torch.load",
-                   "numpy.load", "numpy.memmap", "numpy._core.numeric._frombuffer", "builtins.setattr"):
+                   "numpy.load", "numpy.memmap", "numpy._core.numeric._frombuffer", "builtins.setattr",
+                   "torch._utils._rebuild_nested_tensor", "torch._utils._rebuild_wrapper_subclass"):
         assert classify(*unsafe.rsplit(".", 1)) == "unsafe"
     assert classify("pathlib", "PosixPath.touch") == "unsafe"
 
@@ -174,16 +182,16 @@ def malicious(tmp_path: Path) -> adversarial.Case:
     return next(c for c in adversarial.build_corpus(tmp_path) if c.name == "os-system-protocol-2")
 
 
-@pytest.mark.parametrize("scanned", [True, False], ids=["with-scan", "torch-unpickler-alone"])
-def test_env_var_never_makes_ckptfix_unsafe(scanned: bool, malicious: adversarial.Case,
+@pytest.mark.parametrize("variable", ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD"])
+@pytest.mark.parametrize("scanned", [True, False], ids=["with-scan", "unpickler-alone"])
+def test_env_vars_never_make_ckptfix_unsafe(variable: str, scanned: bool, malicious: adversarial.Case,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 flips torch.load's *default*; ckptfix always passes True.
-
-    Without the static scan (patched out), torch's weights_only unpickler still refuses: two lines.
-    """
+    """torch's variables flip torch.load's *defaults*; ckptfix always hands torch its own restricted
+    unpickler. Without the static scan (patched out), that unpickler still refuses: two lines."""
     from ckptfix import safety
+    from ckptfix.unpickler import SafePickle
 
-    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    monkeypatch.setenv(variable, "1")
     if not scanned:
         monkeypatch.setattr(safety, "ensure_safe", lambda path, fmt, **kwargs: None)
     calls: list[dict] = []
@@ -199,14 +207,19 @@ def test_env_var_never_makes_ckptfix_unsafe(scanned: bool, malicious: adversaria
             with pytest.raises(UnsafeCheckpointError, match="posix.system"):
                 fn(malicious.path)
     assert events == [] and not malicious.canary.exists()
-    assert all(c.get("weights_only") is True for c in calls)  # never a retry without weights_only
+    assert all(isinstance(c.get("pickle_module"), SafePickle) for c in calls)  # never plain pickle
     assert (len(calls) == 0) if scanned else (len(calls) >= 1)
+    assert os.environ[variable] == "1"  # lifted only for the call
 
 
-def test_env_var_allowed_checkpoint_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+@pytest.mark.parametrize("variable", ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD"])
+def test_env_var_allowed_checkpoint_still_loads(variable: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(variable, "1")
     torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(a=1)}, tmp_path / "c.pth")
-    assert vars(ckptfix.read(tmp_path / "c.pth").extra["args"]) == {"a": 1}
+    torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(a=1)}, tmp_path / "l.pth",
+               _use_new_zipfile_serialization=False)
+    for name in ("c.pth", "l.pth"):
+        assert vars(ckptfix.read(tmp_path / name).extra["args"]) == {"a": 1}
 
 
 def test_trust_is_the_only_way_in(tmp_path: Path, cli_runner) -> None:
@@ -222,13 +235,18 @@ def test_trust_is_the_only_way_in(tmp_path: Path, cli_runner) -> None:
     assert res.exit_code == 0 and "ratio: Fraction" in res.stdout
 
 
-def test_pickle_protocol_4_needs_trust(tmp_path: Path, cli_runner) -> None:
-    path = tmp_path / "p4.pth"
-    torch.save({"w": torch.arange(3.0)}, path, pickle_protocol=4)
-    assert ckptfix.scan(path).ok  # every global is torch's own...
-    res = cli_runner.invoke(cli, ["inspect", str(path)])  # ...but torch's safe loader can't read STACK_GLOBAL
-    assert res.exit_code == 1 and "pickle opcode" in res.stderr and res.stderr.count("\n") == 1
-    assert torch.equal(ckptfix.load(path, trust=True)["w"], torch.arange(3.0))
+@pytest.mark.parametrize("protocol", [3, 4, 5])
+def test_newer_pickle_protocols_load_safely(protocol: int, tmp_path: Path, cli_runner) -> None:
+    """torch's weights_only unpickler can't read STACK_GLOBAL/MEMOIZE/FRAME; ckptfix's reads every opcode."""
+    path = tmp_path / "p.pth"
+    extras = training_extras()
+    torch.save({"model": {"w": torch.arange(3.0)}, **extras}, path, pickle_protocol=protocol)
+    assert ckptfix.scan(path).ok
+    ckpt = ckptfix.read(path)
+    assert torch.equal(ckpt.state_dict["w"], torch.arange(3.0))
+    for key, value in extras.items():
+        assert_same(ckpt.extra[key], value)
+    assert cli_runner.invoke(cli, ["inspect", str(path)]).exit_code == 0
 
 
 # -- TorchScript ---------------------------------------------------------------------------------

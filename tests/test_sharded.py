@@ -13,8 +13,10 @@ The layout is checked against what the Hugging Face code does (transformers is n
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
@@ -94,15 +96,15 @@ def test_write_splits_like_huggingface(sd: OrderedDict, tmp_path: Path, fmt: str
     runs = [[k for k, v in index["weight_map"].items() if v == name] for name in names]
     assert [k for run in runs for k in run] == list(sd)
     sizes = [sum(nbytes(sd[k]) for k in run) for run in runs]
-    for run, size in zip(runs, sizes):
+    for run, size in zip(runs, sizes, strict=True):
         assert size <= max_size or len(run) == 1
-    for size, nxt in zip(sizes, runs[1:]):
+    for size, nxt in zip(sizes[:-1], runs[1:], strict=True):
         assert size + nbytes(sd[nxt[0]]) > max_size
     assert_same(OrderedDict((k, hf_load(out, FMTS[fmt])[k]) for k in sd), sd)
     if fmt == "safetensors":
         from safetensors import safe_open
 
-        for name, run in zip(names, runs):
+        for name, run in zip(names, runs, strict=True):
             with safe_open(out / name, "pt") as f:
                 assert sorted(f.keys()) == sorted(run) and f.metadata()["format"] == "pt"
 
@@ -288,7 +290,7 @@ def test_existing_dst_dir_needs_force(sd: OrderedDict, tmp_path: Path, writer: s
         WRITERS[writer](sd, dst)
     assert [p.name for p in dst.iterdir()] == ["precious.txt"]
     WRITERS[writer](sd, dst, force=True)
-    assert "precious.txt" not in {p.name for p in dst.iterdir()}
+    assert (dst / "precious.txt").read_text() == "keep me"  # --force replaces the output's own files only
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp or set-aside directory left
     (tmp_path / "empty").mkdir()
     WRITERS[writer](sd, tmp_path / "empty")  # an empty directory is simply filled
@@ -330,3 +332,121 @@ def test_destination_dir_may_not_hold_the_source(tmp_path: Path) -> None:
         with pytest.raises(DestinationError, match="holds the source"):
             check_destination_dir(str(src), str(dst), force=True)
     check_destination_dir(str(src), str(tmp_path / "elsewhere"), force=False)
+
+
+# --- --force into a directory the user keeps other files in: only the output's own files change ---
+
+# (convert options, the old output already in the directory: files of the same names, more of them)
+OUTPUTS = {
+    "sharded-safetensors": ({"max_shard_size": 3000}, {"max_shard_size": 1, "format": "safetensors"}),
+    "sharded-pth": ({"max_shard_size": 3000, "format": "pth"}, {"max_shard_size": 1, "format": "pth"}),
+    "dcp": ({"format": "dcp"}, None),  # None: the FSDP2 fixture, whose __1_0.distcp a 1-rank save doesn't write
+}
+# 6 shards and an index replaced by model.safetensors alone: the old index must go (readers would take it)
+FORCE_CASES = {**OUTPUTS, "sharded-to-one": ({"max_shard_size": "1GB"}, {"max_shard_size": 1, "format": "safetensors"})}
+
+
+def _user_files(dst: Path) -> dict[str, Any]:
+    """Everything a user might keep beside the weights, and what it is."""
+    dst.mkdir(exist_ok=True)
+    before = set(os.listdir(dst))
+    (dst / "config.json").write_text('{"hidden_size": 16}')
+    (dst / "notes.md").write_text("trained on the 2024 split")
+    (dst / ".gitattributes").write_text("*.safetensors filter=lfs")
+    (dst / "model.safetensors.bak").write_text("an old copy, not a name ckptfix writes")
+    (dst / "runs").mkdir()
+    (dst / "runs" / "model-00001-of-00001.safetensors").write_text("in a subdirectory: never touched")
+    os.symlink("config.json", dst / "latest-config")
+    return {k: v for k, v in _listing(dst).items() if k not in before}
+
+
+def _previous_output(dst: Path, old: dict | None, fixtures_dir: Path) -> Path:
+    """An earlier output in ``dst``: the fsdp2 DCP fixture (``old`` None) or mlp_single converted with ``old``."""
+    import ckptfix
+
+    if old is None:
+        shutil.copytree(fixtures_dir / "mlp_fsdp2", dst)
+    else:
+        ckptfix.convert(fixtures_dir / "mlp_single.pth", dst, **old)
+    return dst
+
+
+def _listing(dst: Path) -> dict[str, Any]:
+    return {p.name: (p.readlink() if p.is_symlink() else sorted(os.listdir(p)) if p.is_dir() else p.read_bytes())
+            for p in dst.iterdir()}
+
+
+@pytest.mark.parametrize("output", FORCE_CASES)
+def test_force_replaces_only_the_outputs_own_files(output: str, tmp_path: Path, fixtures_dir: Path) -> None:
+    import ckptfix
+
+    new, old = FORCE_CASES[output]
+    dst = _previous_output(tmp_path / "out", old, fixtures_dir)
+    old_names = {p.name for p in dst.iterdir()}
+    user = _user_files(dst)
+    report = ckptfix.convert(fixtures_dir / "mlp_ddp.pth", dst, force=True, **new)
+    after = _listing(dst)
+    assert {k: v for k, v in after.items() if k in user} == user  # every user entry as it was
+    new_names = set(after) - set(user)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp directory left beside it
+    stale = old_names - new_names
+    assert stale  # the old output had files the new one doesn't: they are gone, not left beside the new index
+    written = dst / "model.safetensors" if output == "sharded-to-one" else dst  # one shard: no index
+    assert_same(ckptfix.load(written), ckptfix.load(fixtures_dir / "mlp_ddp.pth"))
+    kept = next(n for n in report.notes if n.startswith("kept 6 entries"))
+    assert all(name in kept for name in ("config.json", "notes.md", ".gitattributes", "runs/", "latest-config"))
+    removed = next(n for n in report.notes if n.startswith(f"removed {len(stale)} file(s) of the previous"))
+    assert all(name in removed for name in stale)
+
+
+@pytest.mark.parametrize("output", OUTPUTS)
+def test_force_refuses_a_symlink_or_directory_of_an_output_name(output: str, tmp_path: Path, fixtures_dir: Path) -> None:
+    import ckptfix
+
+    new, _old = OUTPUTS[output]
+    name = {"sharded-safetensors": "model-00001-of-00002.safetensors", "sharded-pth": "pytorch_model.bin.index.json",
+            "dcp": ".metadata"}[output]
+    for kind in ("symlink", "directory"):
+        dst = tmp_path / kind
+        user = _user_files(dst)
+        if kind == "symlink":
+            os.symlink("config.json", dst / name)
+        else:
+            (dst / name).mkdir()
+        before = _listing(dst)
+        with pytest.raises(DestinationError, match=f"{name}: is a {kind}.*replaces only regular files"):
+            ckptfix.convert(fixtures_dir / "mlp_ddp.pth", dst, force=True, **new)
+        assert _listing(dst) == before and set(before) == set(user) | {name}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["directory", "symlink"]
+
+
+@pytest.mark.parametrize("output", OUTPUTS)
+def test_force_failing_mid_replace_leaves_no_index_over_a_mix(output: str, tmp_path: Path, fixtures_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old manifest (index / .metadata) goes first and the new one comes last: a failure between
+    leaves no manifest naming a mix of old and new files, and the user's files as they were."""
+    import ckptfix
+
+    new, old = OUTPUTS[output]
+    dst = _previous_output(tmp_path / "out", old, fixtures_dir)
+    manifest = {"sharded-safetensors": "model.safetensors.index.json", "sharded-pth": "pytorch_model.bin.index.json",
+                "dcp": ".metadata"}[output]
+    assert (dst / manifest).exists()
+    user = _user_files(dst)
+    real_replace, moved = os.replace, []
+
+    def replace_once(a: Any, b: Any) -> None:
+        if moved:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        moved.append(b)
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", replace_once)
+    with pytest.raises(DestinationError, match="moving the new files in failed.*holds no complete.*run the conversion again"):
+        ckptfix.convert(fixtures_dir / "mlp_ddp.pth", dst, force=True, **new)
+    monkeypatch.undo()
+    assert moved and not (dst / manifest).exists()
+    assert {k: v for k, v in _listing(dst).items() if k in user} == user
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    ckptfix.convert(fixtures_dir / "mlp_ddp.pth", dst, force=True, **new)  # running it again mends it
+    assert_same(ckptfix.load(dst), ckptfix.load(fixtures_dir / "mlp_ddp.pth"))

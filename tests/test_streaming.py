@@ -44,11 +44,16 @@ def test_generic_and_streamed_paths_agree(tmp_path: Path, fixtures_dir: Path) ->
     b = ckptfix.convert(src, tmp_path / "b.pth", keep_extra=True, map_location=lambda s, loc: s)  # forces a real load
     assert a.streamed and not b.streamed
     oa, ob = (torch.load(tmp_path / n, weights_only=True) for n in ("a.pth", "b.pth"))
+    assert list(oa) == list(ob) and oa["epoch"] == ob["epoch"] and oa["loss"] == ob["loss"]
+    assert list(oa["model_state_dict"]) == list(ob["model_state_dict"])
     assert oa["model_state_dict"]._metadata == ob["model_state_dict"]._metadata
-    for k in ob["model_state_dict"]:
-        assert torch.equal(oa["model_state_dict"][k], ob["model_state_dict"][k])
-    for sa, sb in zip(oa["optimizer_state_dict"]["state"].values(), ob["optimizer_state_dict"]["state"].values()):
-        assert all(torch.equal(sa[k], sb[k]) for k in sb)
+    for k, v in ob["model_state_dict"].items():
+        assert oa["model_state_dict"][k].dtype == v.dtype and torch.equal(oa["model_state_dict"][k], v), k
+    sa, sb = oa["optimizer_state_dict"], ob["optimizer_state_dict"]
+    assert sa["param_groups"] == sb["param_groups"] and list(sa["state"]) == list(sb["state"])
+    for p, state in sb["state"].items():
+        assert list(sa["state"][p]) == list(state), p
+        assert all(torch.equal(sa["state"][p][k], v) for k, v in state.items()), p
 
 
 def test_views_shared_storage_and_odd_dtypes_stream_bit_exactly(tmp_path: Path) -> None:

@@ -90,6 +90,34 @@ def mapped(path: str) -> Any:
     return _MAPPED[path]
 
 
+def check_expansion(tensors: Any, refs: dict | None, where: str) -> None:
+    """Refuse to write views that cover more elements than their storage holds (stride 0, overlapping
+    windows) when, written out contiguously, they would exceed the limit max_expand_bytes: a 4-byte
+    storage seen as a 10**9-element view must not become gigabytes of output.
+
+    ``tensors``: (key, tensor) pairs about to be materialised; ``refs``: storage id → StorageRef/CastRef.
+    """
+    from .. import limits
+    from ..devices import storage_id
+
+    expanded, worst = 0, None
+    for key, t in tensors:
+        ref = (refs or {}).get(storage_id(t))
+        view = ref.before if isinstance(ref, CastRef) else t
+        if isinstance(ref, CastRef):
+            nbytes = ref.source.nbytes
+        elif ref is not None:
+            nbytes = ref.nbytes
+        else:
+            nbytes = t.untyped_storage().nbytes()
+        if view.numel() * view.element_size() > nbytes:
+            expanded += t.numel() * t.element_size()
+            worst = worst or key
+    if expanded > limits.current().max_expand_bytes:
+        raise limits.exceeded("max_expand_bytes", f"views larger than their storage (e.g. {worst!r}, a stride-0 "
+                              "expansion) would be written out as", expanded, where)
+
+
 def storage_bytes(t: Any) -> memoryview:
     """The bytes of a CPU tensor's whole storage, without a copy."""
     import torch
@@ -155,8 +183,8 @@ def sniff(path: str) -> str:
         return SAFETENSORS
     if head[:1] == b"\x80" and _first_pickle_is_magic(head):
         return TORCH_LEGACY
-    if len(head) > 262 and head[257:262] == b"ustar":
-        return TORCH_LEGACY  # torch < 0.4 tar layout; torch.load's legacy path reads it
+    if opens_as_tar(path):
+        return TORCH_LEGACY  # torch < 0.4 tar layout (torch.load tries tarfile before the pickle stream)
     low = head.removeprefix(b"\xef\xbb\xbf").lstrip()[:64].lower()  # (a UTF-8 byte order mark first)
     if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<!--")):
         raise FormatError(
@@ -174,6 +202,22 @@ def sniff(path: str) -> str:
         f"{path}: unknown format (starts with {head[:8]!r}): not a torch zip, torch legacy "
         "or safetensors file"
     )
+
+
+def opens_as_tar(path: str) -> bool:
+    """Whether ``tarfile.open(mode="r:")`` takes the file, exactly as torch.load's legacy path tries it
+    first (an old-style tar needs no ``ustar`` magic: a header block with a valid checksum is enough)."""
+    import tarfile
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(512).count(0) == 512:
+                return False  # all zeros: an empty tar to tarfile, but torch then fails (no 'storages')
+            f.seek(0)
+            with tarfile.open(fileobj=f, mode="r:"):
+                return True
+    except (tarfile.TarError, OSError, ValueError, EOFError):
+        return False
 
 
 def _sniff_dir(path: str) -> str:
@@ -208,35 +252,44 @@ def _first_pickle_is_magic(head: bytes) -> bool:
     return False
 
 
-_ZIP_CACHE: dict[tuple, list] = {}
+_ZIP_CACHE: dict[tuple, Any] = {}
 
 
-def zip_infos(path: str) -> list:
-    """The zip's central directory (``zipfile.ZipInfo`` list), parsed once per file version:
-    sniffing, the safety checks and the structure reader all need it, and for a checkpoint of
-    20,000 tensors parsing it costs a noticeable fraction of a second."""
-    import zipfile
+def zip_directory(path: str) -> Any:
+    """The zip's central directory as torch reads it (:class:`ckptfix.zipfmt.Directory`), parsed once
+    per file version: sniffing, the safety checks and the structure reader all need it, and for a
+    checkpoint of 20,000 tensors parsing it costs a noticeable fraction of a second.
+    Raises ``zipfmt.ZipFormatError`` (a ValueError) where torch's reader would fail."""
+    import mmap
+
+    from ..zipfmt import read_directory
 
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
     if key not in _ZIP_CACHE:
-        with zipfile.ZipFile(path) as z:
-            infos = z.infolist()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            directory = read_directory(buf, len(buf))
         _ZIP_CACHE.clear()  # keep only the latest file: conversions read one source at a time
-        _ZIP_CACHE[key] = infos
+        _ZIP_CACHE[key] = directory
     return _ZIP_CACHE[key]
 
 
 def _zip_kind(path: str) -> str:
-    import zipfile
+    import struct
 
     try:
-        names = [i.filename for i in zip_infos(path)]
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise FormatError(f"{path}: is a truncated or corrupt zip archive ({e})") from None
+        names = [e.name for e in zip_directory(path).entries]
+    except (ValueError, OSError, struct.error) as e:
+        import zipfile
+
+        try:  # torch can't read it; if Python's zipfile can, the safety check reports the disagreement
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError):
+            raise FormatError(f"{path}: is a truncated or corrupt zip archive ({e})") from None
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         return TORCHSCRIPT
-    if any(n.endswith("data.pkl") for n in names):
+    if any(n.lower().endswith("data.pkl") for n in names):
         return TORCH_ZIP
     raise FormatError(f"{path}: is a zip archive but not a torch checkpoint (no data.pkl inside)")
 

@@ -14,17 +14,22 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 import tempfile
 import warnings
 from collections import OrderedDict
 from typing import Any
 
+from ..atomic import DirOutput
 from ..errors import CkptfixError, ConversionError, FormatError
 from . import RawRead
 from .dcp_metadata import METADATA, load_metadata
+from ..zipfmt import RangeFile
 from .sharded import member_path
 
 DCP = "dcp"
+# what a DCP output consists of (FileSystemWriter, single_file_per_rank): all that --force replaces
+DIR_OUTPUT = DirOutput("DCP", re.compile(r"\.metadata|__\d+_\d+\.distcp"), METADATA)
 
 
 def is_dcp_dir(path: str) -> bool:
@@ -51,6 +56,27 @@ def read(path: str, plan: Any, trust: bool) -> RawRead:
     files = {info.relative_path for info in meta.storage_data.values()}
     notes = [f"consolidated {len(flat)} DCP entries ({sharded} tensors sharded in chunks) from {len(files)} file(s)"]
     return RawRead(obj=_unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes)
+
+
+def record_ranges(path: str) -> dict[str, list[tuple[str, int, int]]]:
+    """Every record the DCP directory's ``.metadata`` lists: file → [(entry, offset, length)], each
+    inside its file (for the scanner; ``.metadata`` is read with the restricted unpickler)."""
+    meta = load_metadata(path, trust=False)
+    chunks = _Chunks(path, meta)
+    out: dict[str, list[tuple[str, int, int]]] = {}
+    try:
+        for index, info in meta.storage_data.items():
+            file = chunks.files[info.relative_path]
+            size = os.path.getsize(file)
+            if not (isinstance(info.offset, int) and isinstance(info.length, int) and 0 <= info.offset
+                    and 0 <= info.length and info.offset + info.length <= size):
+                raise FormatError(f"{file}: a record of {getattr(index, 'fqn', '?')!r} lies outside the file")
+            offsets = getattr(index, "offset", None)
+            what = f"{getattr(index, 'fqn', '?')}" + (f" @ {list(offsets)}" if offsets is not None else "")
+            out.setdefault(file, []).append((what, info.offset, info.length))
+    finally:
+        chunks.close()
+    return out
 
 
 def _consolidate(meta: Any, source: _Chunks, plan: Any, trust: bool) -> tuple[dict[str, Any], dict[int, str], int]:
@@ -198,7 +224,7 @@ class _Chunks:
                 full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))].copy_(self._chunk(fqn, c, dtype))
         return full
 
-    def _blob(self, fqn: str, info: Any) -> _Slice:
+    def _blob(self, fqn: str, info: Any) -> RangeFile:
         file = self.files[info.relative_path]
         if file not in self.handles:
             self.handles[file] = open(file, "rb")  # noqa: SIM115 - closed in close()
@@ -209,7 +235,7 @@ class _Chunks:
                 f"{file}: {fqn!r} is recorded at bytes {info.offset}..{info.offset + info.length} "
                 f"but the file has {size}: truncated or from another save"
             )
-        return _Slice(f, info.offset, info.length)
+        return RangeFile(lambda pos, n: os.pread(f.fileno(), n, info.offset + pos), info.length)
 
     def _chunk(self, fqn: str, chunk: Any, dtype: Any) -> Any:
         """One chunk (a torch.save record) mapped from its file without a copy; loaded if it can't be."""
@@ -220,9 +246,11 @@ class _Chunks:
         blob = self._blob(fqn, info)
         if blob.read(4) != b"PK\x03\x04":
             raise FormatError(f"{file}: {fqn!r} is not a torch.save record (another DCP serialization format?)")
+        from .torchfile import torch_load, translate_load_error
+
         try:
             blob.seek(0)
-            shell = torch.load(blob, map_location="meta", weights_only=True)  # structure only, no data
+            shell = torch_load(blob, "meta", trust=False)  # structure only, no data
             if not isinstance(shell, torch.Tensor) or list(shell.shape) != list(chunk.sizes) or shell.dtype != dtype:
                 got = f"{type(shell).__name__} {list(getattr(shell, 'shape', []))} {getattr(shell, 'dtype', '')}"
                 raise FormatError(f"{file}: {fqn!r} chunk holds {got}, the metadata says {list(chunk.sizes)} {dtype}")
@@ -231,12 +259,11 @@ class _Chunks:
             offset = getattr(shell.untyped_storage(), "_checkpoint_offset", None)
             if offset is None or not 0 <= offset <= info.length - nbytes:
                 blob.seek(0)
-                return torch.load(blob, map_location="cpu", weights_only=True)
+                return torch_load(blob, "cpu", trust=False)
         except CkptfixError:
             raise
         except Exception as e:  # noqa: BLE001 - torch raises many types for a bad record
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise FormatError(f"{file}: {fqn!r} chunk can't be read: {first}") from None
+            raise translate_load_error(f"{file}: {fqn!r} chunk", DCP, e) from None
         if nbytes == 0:
             return torch.empty(shell.shape, dtype=dtype)
         if file not in self.maps:
@@ -248,17 +275,15 @@ class _Chunks:
 
     def value(self, fqn: str, plan: Any, trust: bool, tags: dict[int, str]) -> Any:
         """A non-tensor entry (torch.save bytes) under the same safe policy as a torch file."""
-        import torch
+        from .. import limits
+        from .torchfile import torch_load, translate_load_error
 
-        from .. import safety
-        from .torchfile import translate_load_error
-
-        blob = io.BytesIO(self._blob(fqn, self.record(fqn)).read())
+        info = self.record(fqn)
+        if info.length > limits.current().max_pickle_bytes:
+            raise limits.exceeded("max_pickle_bytes", f"entry {fqn!r}'s size", info.length, self.path)
+        blob = io.BytesIO(self._blob(fqn, info).read())
         try:
-            if trust:
-                return torch.load(blob, map_location=plan.torch_map_location(tags), weights_only=False)
-            with safety.safe_unpickling() as finish:
-                return finish(torch.load(blob, map_location=plan.torch_map_location(tags), weights_only=True))
+            return torch_load(blob, plan.torch_map_location(tags), trust=trust)
         except CkptfixError:
             raise
         except Exception as e:  # noqa: BLE001 - all become FormatError / UnsafeCheckpointError
@@ -267,35 +292,6 @@ class _Chunks:
     def close(self) -> None:
         for f in self.handles.values():
             f.close()
-
-
-class _Slice(io.RawIOBase):
-    """Bytes ``offset .. offset+length`` of an open file as a seekable file of their own."""
-
-    def __init__(self, f: Any, offset: int, length: int):
-        super().__init__()
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = min(max(base + pos, 0), self.length)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buf: Any) -> int:
-        n = min(len(buf), self.length - self.pos)
-        self.f.seek(self.offset + self.pos)
-        got = self.f.readinto(memoryview(buf)[:n]) if n > 0 else 0
-        self.pos += got
-        return got
 
 
 def _unflatten(flat: dict[str, Any], planner_data: Any, source: str) -> OrderedDict:
@@ -349,6 +345,7 @@ def write(state_dict: Any, dst_dir: str, force: bool = False, key: str | None = 
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from ..atomic import atomic_dir
 
@@ -357,13 +354,40 @@ def write(state_dict: Any, dst_dir: str, force: bool = False, key: str | None = 
     notes = []
     if getattr(state_dict, "_metadata", None) is not None:
         notes.append("_metadata (module versions) is not kept: DCP has no place for it")
-    with atomic_dir(dst_dir, force) as tmp, warnings.catch_warnings():
+    with atomic_dir(dst_dir, force, DIR_OUTPUT, notes) as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
-        dcp.save({key: state_dict} if key else state_dict, storage_writer=writer, no_dist=True)
+        try:
+            dcp.save({key: state_dict} if key else state_dict, storage_writer=writer, no_dist=True)
+        except CheckpointException as e:
+            raise _unwrap(e) from None
     notes.append(f"written under {key!r}: load with torch.distributed.checkpoint.load({{{key!r}: sd}}, …)" if key
                  else "written with the state dict's keys at the top level")
     return notes
+
+
+def _unwrap(e: Any) -> BaseException:
+    """What failed inside ``dcp.save``, out of the CheckpointException it wraps every rank's error in.
+
+    DCP catches BaseException, so a Ctrl-C arrives as a CheckpointException (itself a BaseException,
+    its message the rank's whole traceback), often with the KeyboardInterrupt only in the context
+    of the RuntimeError torch's zip writer raised on its way out. The interrupt comes back as
+    itself, an OSError (a full disk) as itself for the atomic writer to report, anything else as
+    a one-line ConversionError.
+    """
+    from .. import interrupts
+
+    failures = [exc for exc, _trace in getattr(e, "failures", {}).values()]
+    for exc in failures:
+        interrupt = interrupts.cause(exc)
+        if interrupt is not None:
+            return interrupt
+    for exc in failures:
+        if isinstance(exc, OSError):
+            return exc
+    first = failures[0] if failures else e
+    text = (str(first).strip().splitlines() or [type(first).__name__])[0 if failures else -1]
+    return ConversionError(f"torch.distributed.checkpoint.save failed: {type(first).__name__}: {text}")
 
 
 def _leaves(obj: Any) -> Any:

@@ -1,62 +1,63 @@
 """A DCP checkpoint's ``.metadata`` pickle, loaded without running code.
 
-``FileSystemWriter`` pickles ``Metadata`` with protocol 4, which torch's weights_only unpickler
-can't parse (FRAME, STACK_GLOBAL, MEMOIZE). So it is read by pickle's documented way to restrict
-globals — ``Unpickler.find_class`` answering only from an allow-list: DCP's metadata dataclasses,
-``torch.Size``, dtypes and layouts, path objects, and ckptfix's own allow-list. Anything else
-(``os.system``…) is refused by name before it is built.
+``FileSystemWriter`` pickles ``Metadata`` with protocol 4 (FRAME, STACK_GLOBAL, MEMOIZE). It is read
+by ckptfix's restricted unpickler (:mod:`ckptfix.unpickler`) with the torch policy plus DCP's
+metadata dataclasses: they may be created (NEWOBJ) and given state (BUILD) — instances only, never
+the classes themselves — and anything else (``os.system``…) is refused by name before it is built.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import pickle
 from typing import Any
 
-from ..errors import FormatError, UnsafeCheckpointError
+from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
 
 METADATA = ".metadata"
 
 
-class _Refused(Exception):
-    def __init__(self, name: str):
-        super().__init__(name)
-        self.name = name
-
-
-def allowed_globals() -> dict[str, Any]:
-    """``module.name`` → object for everything ``FileSystemWriter.finish`` pickles into ``.metadata``."""
-    import pathlib
-
-    import torch
+@functools.lru_cache(maxsize=1)
+def metadata_policy() -> Any:
+    """The torch policy plus what ``FileSystemWriter.finish`` pickles into ``.metadata``."""
     from torch.distributed.checkpoint import filesystem as fs
     from torch.distributed.checkpoint import metadata as md
 
-    from .. import safety
+    from ..guards import torch_policy
+    from ..unpickler import Policy, build_attributes, build_setstate
 
-    allowed: dict[str, Any] = {}
-    for obj in (md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
-                md.TensorProperties, md.MetadataIndex, md.StorageMeta, md._MEM_FORMAT_ENCODING,
-                fs._StorageInfo, fs._StoragePrefix, torch.Size, torch.serialization._get_layout,
-                pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath, pathlib.WindowsPath,
-                *safety.allowed_globals()):
-        obj, name = obj if isinstance(obj, tuple) else (obj, f"{obj.__module__}.{obj.__qualname__}")
-        allowed[name] = obj
-    allowed.update((str(v), v) for v in vars(torch).values() if isinstance(v, torch.dtype))
-    return allowed
+    base = torch_policy()
+    table, calls, newobj, build = dict(base.globals), dict(base.calls), set(base.newobj), dict(base.build)
+    for cls in (md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
+                md.TensorProperties, md.MetadataIndex, md.StorageMeta, fs._StorageInfo, fs._StoragePrefix):
+        table[f"{cls.__module__}.{cls.__qualname__}"] = cls
+        newobj.add(id(cls))
+        build[cls] = build_setstate if "__setstate__" in vars(cls) else build_attributes
+    enum = md._MEM_FORMAT_ENCODING
+    table[f"{enum.__module__}.{enum.__qualname__}"] = enum
+    calls[id(enum)] = lambda u, f, args, kwargs: f(*args, **kwargs)
+    return Policy(table, calls, newobj, build, base.append, base.setitem, persistent=False, finish=base.finish)
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    allowed: dict[str, Any] = {}
+def metadata_names() -> frozenset[str]:
+    """The names DCP's ``.metadata`` may use beyond the torch policy (its dataclasses), for the scanner."""
+    from ..guards import torch_policy
 
-    def find_class(self, module: str, name: str) -> Any:
-        full = f"{module}.{name}"
-        if full not in self.allowed:
-            raise _Refused(full)
-        return self.allowed[full]
+    return frozenset(metadata_policy().globals) - frozenset(torch_policy().globals)
 
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
+
+def read_bytes(meta_path: str) -> bytes:
+    """``.metadata``'s bytes, within the limit max_pickle_bytes."""
+    from .. import limits
+
+    try:
+        size = os.path.getsize(meta_path)
+        if size > limits.current().max_pickle_bytes:
+            raise limits.exceeded("max_pickle_bytes", "the DCP metadata's size", size, meta_path)
+        with open(meta_path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise FormatError(f"{meta_path}: can't be read: {e.strerror or e}") from None
 
 
 def load_metadata(path: str, trust: bool) -> Any:
@@ -64,24 +65,29 @@ def load_metadata(path: str, trust: bool) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     meta_path = os.path.join(path, METADATA)
+    data = read_bytes(meta_path)
     try:
-        with open(meta_path, "rb") as f:
-            if trust:
-                meta = pickle.load(f)  # noqa: S301 - the caller trusts this file
-            else:
-                unpickler = _RestrictedUnpickler(f)
-                unpickler.allowed = allowed_globals()
-                meta = unpickler.load()
-    except _Refused as e:
-        raise UnsafeCheckpointError(
-            f"{meta_path}: refused: the DCP metadata needs {e.name}, which is outside the safe allow-list "
-            "(loading it could run code). If you trust this checkpoint and its author, pass --trust "
-            "(library: trust=True).",
-            [e.name],
-        ) from None
-    except OSError as e:
-        raise FormatError(f"{meta_path}: can't be read: {e.strerror or e}") from None
+        if trust:
+            import pickle
+
+            meta = pickle.loads(data)  # noqa: S301 - the caller trusts this file
+        else:
+            from ..guards import start_load
+            from ..unpickler import loads
+
+            start_load()
+            meta = loads(data, metadata_policy(), where=meta_path)
+    except CkptfixError:
+        raise
     except Exception as e:  # noqa: BLE001 - a hostile or broken pickle fails in many ways
+        from ..unpickler import Refused
+
+        if isinstance(e, Refused):
+            raise UnsafeCheckpointError(
+                f"{meta_path}: refused: {e}. If you trust this checkpoint and its author, pass --trust "
+                "(library: trust=True).",
+                [e.name] if e.name else [],
+            ) from None
         raise FormatError(f"{meta_path}: is corrupt or truncated (the pickle can't be read: {e})") from None
     if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
         raise FormatError(f"{meta_path}: holds a {type(meta).__name__}, not torch.distributed.checkpoint Metadata")

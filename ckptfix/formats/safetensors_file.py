@@ -14,7 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ..errors import ConversionError, FormatError
-from . import SAFETENSORS, CastRef, RawRead, mapped, no_duplicate_keys
+from . import SAFETENSORS, CastRef, RawRead, check_expansion, mapped, no_duplicate_keys
 
 META_KEY = "ckptfix"
 
@@ -79,6 +79,14 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
     return 8 + n, header, meta
 
 
+def check_file(path: str) -> None:
+    """Validate the header and ckptfix's own metadata (aliases) without reading tensor data; every
+    problem is a FormatError. For ``scan``: a file ckptfix would read differently from other readers
+    is not passed as clean."""
+    _start, header, meta = read_header(path)
+    _aliases(path, _ckptfix_meta(path, meta), header)
+
+
 def _itemsize(dtype_name: str) -> int:
     import torch
 
@@ -115,18 +123,43 @@ def read(path: str, plan: Any) -> RawRead:
             if dev != "cpu":
                 t = t.to(dev)
         tensors[key] = t
-    order = [k for k in extra.get("order", []) if k in tensors or k in extra.get("aliases", {})]
+    aliases = _aliases(path, extra, header)
+    order = [k for k in extra.get("order", []) if isinstance(k, str) and (k in tensors or k in aliases)]
+    order = list(dict.fromkeys(order))
     order += [k for k in header if k not in order]
+    order += [k for k in aliases if k not in order]
     sd: OrderedDict = OrderedDict()
     for k in order:
-        canonical = extra.get("aliases", {}).get(k, k)
-        if canonical not in tensors:
-            raise FormatError(f"{path}: alias {k!r} points to missing tensor {canonical!r}")
-        sd[k] = tensors[canonical]
+        sd[k] = tensors[aliases.get(k, k)]
     if isinstance(extra.get("module_metadata"), dict):
         sd._metadata = OrderedDict(extra["module_metadata"])  # type: ignore[attr-defined]
     tags = {storage_id(t): "cpu" for t in sd.values()}
     return RawRead(obj=sd, format=SAFETENSORS, tags=tags, refs=refs)
+
+
+def _aliases(path: str, extra: dict, header: dict[str, dict]) -> dict[str, str]:
+    """ckptfix's tied-weight aliases (alias → stored tensor), each checked: an alias never replaces a
+    tensor the file really stores (other readers would see that one), it names a stored tensor, and
+    the shape and dtype it records (ckptfix ≥ 0.2 writes them) are that tensor's."""
+    raw = extra.get("aliases", {})
+    if not isinstance(raw, dict):
+        raise FormatError(f"{path}: the {META_KEY!r} metadata's aliases are not a mapping")
+    out: dict[str, str] = {}
+    for alias, target in raw.items():
+        spec = target if isinstance(target, dict) else {"of": target}
+        canonical = spec.get("of")
+        if alias in header:
+            raise FormatError(f"{path}: the {META_KEY!r} metadata makes {alias!r} an alias of {canonical!r}, but the "
+                              f"file stores {alias!r} itself: refused (readers would disagree on its value)")
+        if not isinstance(canonical, str) or canonical not in header:
+            raise FormatError(f"{path}: alias {alias!r} points to missing tensor {canonical!r}")
+        entry = header[canonical]
+        for field, want in (("dtype", entry["dtype"]), ("shape", entry["shape"])):
+            if field in spec and spec[field] != want:
+                raise FormatError(f"{path}: alias {alias!r} records {field} {spec[field]!r}, but {canonical!r} "
+                                  f"is {want!r}: refused")
+        out[alias] = canonical
+    return out
 
 
 def _ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
@@ -135,7 +168,7 @@ def _ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
         return {}
     try:
         extra = json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         raise FormatError(f"{path}: the {META_KEY!r} metadata entry is not valid JSON") from None
     return extra if isinstance(extra, dict) else {}
 
@@ -157,7 +190,7 @@ def write(state_dict: Any, path: str, refs: dict | None = None) -> list[str]:
     refs = refs or {}
     notes: list[str] = []
     canonical: dict[tuple, str] = {}
-    aliases: dict[str, str] = {}
+    aliases: dict[str, dict] = {}
     tensors: list[tuple[str, Any]] = []
     for key, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
@@ -175,13 +208,14 @@ def write(state_dict: Any, path: str, refs: dict | None = None) -> list[str]:
             raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
         view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if view in canonical and t.numel() > 0:
-            aliases[key] = canonical[view]
+            aliases[key] = {"of": canonical[view], "dtype": _ST_NAMES[name], "shape": list(t.shape)}
             continue
         canonical[view] = key
         if not t.is_contiguous():
             notes.append(f"{key!r} was not contiguous; written contiguous")
         tensors.append((key, t))
 
+    check_expansion(tensors, refs, "")
     # Larger element sizes first keeps every tensor aligned to its element size (as safetensors does).
     tensors.sort(key=lambda kv: -kv[1].element_size())
     header: dict[str, Any] = {}
@@ -194,7 +228,7 @@ def write(state_dict: Any, path: str, refs: dict | None = None) -> list[str]:
     extra: dict[str, Any] = {"version": 1, "order": list(state_dict.keys())}
     if aliases:
         extra["aliases"] = aliases
-        notes.append(f"{len(aliases)} tied tensor(s) written once: " + ", ".join(f"{a} -> {c}" for a, c in aliases.items()))
+        notes.append(f"{len(aliases)} tied tensor(s) written once: " + ", ".join(f"{a} -> {c['of']}" for a, c in aliases.items()))
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:
         try:

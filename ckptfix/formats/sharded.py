@@ -20,6 +20,7 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+from ..atomic import DirOutput
 from ..errors import ConversionError, FormatError
 from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead, no_duplicate_keys
 
@@ -94,7 +95,7 @@ def load_index(index_path: str) -> dict[str, str]:
             index = json.load(f, object_pairs_hook=no_duplicate_keys(index_path))
     except OSError as e:
         raise FormatError(f"{index_path}: can't be read: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FormatError(f"{index_path}: is not valid JSON ({e})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -251,10 +252,22 @@ def shard_names(fmt: str, count: int) -> list[str]:
     return [pattern.format(suffix=f"-{i + 1:05d}-of-{count:05d}") for i in range(count)]
 
 
+def dir_output(fmt: str) -> DirOutput:
+    """The files a sharded ``fmt`` output consists of: the single shard, numbered shards and the
+    index (all that ``force`` replaces or removes in an existing directory)."""
+    if fmt not in SHARD_PATTERNS:
+        raise ConversionError(f"sharded output is safetensors or pth, not {fmt}")
+    stem, _, ext = SHARD_PATTERNS[fmt].partition("{suffix}")
+    names = re.compile(rf"{re.escape(stem)}(-\d{{5,}}-of-\d{{5,}})?{re.escape(ext)}|{re.escape(INDEX_NAMES[fmt])}")
+    label = "sharded " + ("safetensors" if fmt == SAFETENSORS else "pth")
+    return DirOutput(label, names, INDEX_NAMES[fmt])
+
+
 def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: bool = False,
           refs: dict | None = None) -> list[str]:
     """Write ``state_dict`` as shards of at most ``max_shard_size`` bytes plus the index into the
-    directory ``dst_dir``, atomically; ``fmt`` is ``"safetensors"`` or ``"torch-zip"``.
+    directory ``dst_dir``, atomically; ``fmt`` is ``"safetensors"`` or ``"torch-zip"``. With
+    ``force`` an existing directory keeps every file that is not part of such an output.
 
     Each shard goes through the single-file writer (tied tensors written once, ``refs`` copied
     from their source file), one shard at a time. The state dict's ``_metadata`` rides in the
@@ -273,7 +286,7 @@ def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: b
     notes: list[str] = []
     shard_of: dict[str, str] = {}
     meta = getattr(state_dict, "_metadata", None)
-    with atomic_dir(dst_dir, force) as tmp:
+    with atomic_dir(dst_dir, force, dir_output(fmt), notes) as tmp:
         for i, (name, keys) in enumerate(zip(names, shards)):
             part: OrderedDict = OrderedDict((k, state_dict[k]) for k in keys)
             if i == 0 and meta is not None:

@@ -1,29 +1,24 @@
 """torch.save files: the zip format (torch >= 1.6) and the legacy pickle stream, plus TorchScript.
 
-Reading goes through torch's ``weights_only`` unpickler with ckptfix's allow-list (unless the
-caller trusts the file), ``mmap=True`` for zip files, and a map_location callable that records the
-saved device tag of every storage. torch's own exceptions become FormatError/UnsafeCheckpointError.
+Reading goes through ``torch.load`` with ckptfix's restricted unpickler (unless the caller trusts
+the file), ``mmap=True`` for zip files, and a map_location callable that records the saved device
+tag of every storage. torch's own exceptions become FormatError/UnsafeCheckpointError.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
-import re
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
 from . import TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, RawRead
 
-# "Unsupported global: GLOBAL a.b was not…" and "Trying to load unsupported GLOBAL posix.system whose…"
-_UNSUPPORTED_GLOBAL = re.compile(r"\bGLOBAL ([\w.]+)")
-_UNSUPPORTED_OPERAND = re.compile(r"Unsupported operand \d+")
-_WEIGHTS_ONLY_DETAIL = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")
-
 
 def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
-    import torch
-
     from .. import safety
 
     if fmt == TORCHSCRIPT:
@@ -31,32 +26,96 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     if not trust:
         safety.ensure_safe(path, fmt)
     tags: dict[int, str] = {}
-    kwargs: dict[str, Any] = {"map_location": plan.torch_map_location(tags), "weights_only": not trust}
     # torch.load routes any path ending in .safetensors to safetensors: hand it a file object then.
     by_name = not path.endswith(".safetensors")
-    if fmt == TORCH_ZIP and by_name:
-        kwargs["mmap"] = True
     try:
         with open(path, "rb") as f:
-            source: Any = path if by_name else f
-            if trust:
-                obj = torch.load(source, **kwargs)
-            else:
-                with safety.safe_unpickling() as finish, warnings.catch_warnings():
-                    # torch warns about any pickle protocol but 2 on stderr; the outcome is reported anyway
-                    warnings.filterwarnings("ignore", message="Detected pickle protocol")
-                    if fmt == TORCH_LEGACY and plan.is_meta:
-                        # Structure only: skip reading the legacy file's tensor bytes altogether.
-                        with torch.serialization.skip_data():
-                            obj = torch.load(source, **kwargs)
-                    else:
-                        obj = torch.load(source, **kwargs)
-                obj = finish(obj)
+            obj = torch_load(path if by_name else f, plan.torch_map_location(tags), trust=trust,
+                             mmap=fmt == TORCH_ZIP and by_name, skip_data=fmt == TORCH_LEGACY and plan.is_meta)
     except CkptfixError:
         raise
     except Exception as e:  # noqa: BLE001 - torch raises many types for bad files; all become FormatError
         raise translate_load_error(path, fmt, e) from None
     return RawRead(obj=obj, format=fmt, tags=tags)
+
+
+def torch_load(source: Any, map_location: Any, trust: bool, mmap: bool = False, skip_data: bool = False) -> Any:
+    """``torch.load`` of a torch zip or legacy file (a path or file object), untrusted unless ``trust``.
+
+    Untrusted, every pickle torch reads goes through ckptfix's restricted unpickler
+    (:mod:`ckptfix.unpickler` with :func:`ckptfix.guards.torch_policy`); the stand-ins it makes
+    are turned into the real objects before returning. ``skip_data`` reads a legacy file's structure
+    without its tensor bytes. Errors are torch's or the unpickler's; callers translate them.
+    """
+    import torch
+
+    from .. import guards
+    from ..unpickler import SafePickle
+
+    kwargs: dict[str, Any] = {"map_location": map_location}
+    if mmap:
+        kwargs["mmap"] = True
+    if trust:
+        with _skipping_data(skip_data):
+            return torch.load(source, weights_only=False, **kwargs)
+    _refuse_torchscript(source)
+    policy = guards.torch_policy()
+    guards.start_load()
+    with _skipping_data(skip_data), _no_forced_weights_only(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        where = str(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "name", "pickle")
+        obj = torch.load(source, weights_only=False, pickle_module=SafePickle(policy, str(where)), **kwargs)
+    return policy.finish(obj)
+
+
+@contextlib.contextmanager
+def _skipping_data(skip: bool) -> Iterator[None]:
+    import torch
+
+    if not skip:
+        yield
+        return
+    with torch.serialization.skip_data():
+        yield
+
+
+@contextlib.contextmanager
+def _no_forced_weights_only() -> Iterator[None]:
+    """torch.load refuses any pickle_module when TORCH_FORCE_WEIGHTS_ONLY_LOAD is set; ckptfix's is the
+    stricter one, so the variable is lifted for the call (and restored)."""
+    saved = os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = saved
+
+
+def _refuse_torchscript(source: Any) -> None:
+    """torch.load without weights_only hands a TorchScript archive to torch.jit.load, which runs its
+    code: ask torch's own reader, exactly as torch.load will, and refuse such an archive first."""
+    import torch
+
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            return _refuse_torchscript(f)
+    start = source.tell()
+    is_zip = source.read(4) == b"PK\x03\x04"
+    source.seek(start)
+    if not is_zip:
+        return
+    try:
+        reader = torch._C.PyTorchFileReader(source)
+        scripted = torch.serialization._is_torchscript_zip(reader)
+    except RuntimeError:
+        return  # torch.load will fail on it too
+    finally:
+        source.seek(start)
+    if scripted:
+        raise UnsafeCheckpointError(
+            f"{getattr(source, 'name', 'the file')}: is a TorchScript archive (it has constants.pkl); loading it "
+            "runs the code inside it. If you trust this file and its author, pass --trust (library: trust=True)."
+        )
 
 
 def translate_load_error(path: str, fmt: str, e: BaseException) -> CkptfixError:
@@ -73,30 +132,16 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def _unpickling_error(path: str, e: Exception, weights_only: bool = False) -> CkptfixError:
-    """``weights_only``: the error came from torch's weights_only unpickler itself (a refusal)."""
-    text = str(e)
-    operand = _UNSUPPORTED_OPERAND.search(text)
-    if operand:
+def _unpickling_error(path: str, e: Exception) -> CkptfixError:
+    """A pickle the restricted unpickler refused (UnsafeCheckpointError), or a broken one (FormatError)."""
+    from ..unpickler import Refused
+
+    if isinstance(e, Refused):
+        names = [e.name] if e.name else []
         return UnsafeCheckpointError(
-            f"{path}: refused: it uses a pickle opcode torch's safe loader does not read ({operand.group(0)}; "
-            "saved with pickle_protocol > 2?). If you trust this file and its author, pass --trust "
-            "(library: trust=True)."
-        )
-    names = sorted(set(_UNSUPPORTED_GLOBAL.findall(text)))
-    if names:
-        return UnsafeCheckpointError(
-            f"{path}: refused: loading it would need globals outside the safe allow-list ({', '.join(names)}). "
-            "If you trust this file and its author, pass --trust (library: trust=True); "
-            "`ckptfix scan` lists everything it references.",
+            f"{path}: refused: {_first_line(e)}. If you trust this file and its author, pass --trust "
+            "(library: trust=True); `ckptfix scan` lists everything it references.",
             names,
-        )
-    if weights_only or "Weights only load failed" in text:
-        detail = _WEIGHTS_ONLY_DETAIL.search(text)
-        return UnsafeCheckpointError(
-            f"{path}: refused: torch's safe loader would not build it "
-            f"({detail.group(1).strip() if detail else _first_line(e)}). "
-            "If you trust this file and its author, pass --trust (library: trust=True)."
         )
     return FormatError(f"{path}: is corrupt or truncated (the pickle can't be read: {_first_line(e)})")
 

@@ -1,7 +1,6 @@
 """torch zip files at the byte level: read the structure without tensor data, write by copying records.
 
-``read_structure`` unpickles ``data.pkl`` with torch's weights_only unpickler (plus ckptfix's
-allow-list) into tensors on ``meta`` and a ``StorageRef`` per storage: where its bytes sit in the
+``read_structure`` unpickles ``data.pkl`` with ckptfix's restricted unpickler into tensors on ``meta`` and a ``StorageRef`` per storage: where its bytes sit in the
 file, their size, CRC and saved device. ``write_structure`` pickles a (renamed) object of such
 tensors and copies each referenced record into a new archive in the kernel — a prefix fix of a
 multi-GB file costs about what ``cp`` does.
@@ -12,14 +11,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import warnings
-import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
-from . import TORCH_ZIP, CastRef, RawRead, StorageRef, storage_bytes, zip_infos
+from . import TORCH_ZIP, CastRef, RawRead, StorageRef, storage_bytes, zip_directory
 from .zipwriter import ZipWriter
 
 
@@ -30,10 +27,10 @@ class Unsupported(Exception):
 def read_structure(path: str) -> RawRead:
     """Tensors on meta plus ``refs`` (storage id → StorageRef); reads only the pickle and zip directory."""
     import torch
-    from torch._weights_only_unpickler import Unpickler
 
-    from .. import safety
+    from .. import guards, safety
     from ..devices import storage_id
+    from ..unpickler import SafePickle
     from .torchfile import translate_load_error
 
     try:
@@ -41,8 +38,8 @@ def read_structure(path: str) -> RawRead:
         if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
             raise Unsupported("big-endian data")
         data = reader.get_record("data.pkl")
-        crcs = {info.filename.split("/", 1)[-1]: info.CRC for info in zip_infos(path)}
-    except (RuntimeError, zipfile.BadZipFile, OSError) as e:
+        crcs = {e.name.split("/", 1)[-1]: e.crc for e in zip_directory(path).entries}
+    except (RuntimeError, ValueError, OSError) as e:
         raise FormatError(f"{path}: is a truncated or corrupt torch zip archive ({str(e).splitlines()[0]})") from None
 
     storages: dict[str, Any] = {}
@@ -53,6 +50,8 @@ def read_structure(path: str) -> RawRead:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] not in ("storage", b"storage"):
             raise pickle.UnpicklingError(f"unexpected persistent id {saved_id!r:.80}")
         _, storage_type, key, location, numel = saved_id
+        if type(key) is not str or type(numel) is not int or numel < 0:
+            raise pickle.UnpicklingError(f"malformed storage id {saved_id!r:.80}")
         location = location.decode("ascii") if isinstance(location, bytes) else str(location)
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         nbytes = int(numel) * torch._utils._element_size(dtype)
@@ -69,23 +68,24 @@ def read_structure(path: str) -> RawRead:
             tags[sid] = location
         return torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
 
+    policy = guards.torch_policy()
     stream = io.BytesIO(data)
-    unpickler = Unpickler(stream, encoding="utf-8")
+    unpickler = SafePickle(policy).Unpickler(stream, encoding="utf-8")
+    unpickler.where = f"{path}: data.pkl"
     unpickler.persistent_load = persistent_load
+    guards.start_load()
     try:
-        with safety.safe_unpickling() as finish, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            obj = finish(unpickler.load())
+        obj = policy.finish(unpickler.load())
         if stream.tell() != len(data):  # bytes after STOP: torch ignores them, a second pickle can hide there
             safety.ensure_safe(path, TORCH_ZIP)
             raise UnsafeCheckpointError(f"{path}: refused: {len(data) - stream.tell()} bytes follow the pickle in data.pkl")
     except CkptfixError:
         raise
-    except pickle.UnpicklingError as e:  # torch's weights_only unpickler refused something
+    except pickle.UnpicklingError as e:  # the restricted unpickler refused something
         from .torchfile import _unpickling_error
 
         safety.ensure_safe(path, TORCH_ZIP)  # the full static scan names every offending global
-        raise _unpickling_error(path, e, weights_only=True) from None
+        raise _unpickling_error(path, e) from None
     except Exception as e:  # noqa: BLE001 - every failure of a hostile or broken pickle becomes a FormatError
         safety.ensure_safe(path, TORCH_ZIP)
         raise translate_load_error(path, TORCH_ZIP, e) from None

@@ -394,12 +394,37 @@ class _Truncated(ValueError):
 def _scan_tar(c: _Collector, legacy_too: bool) -> None:
     """torch < 0.4 tar files: torch.load tries tarfile first and, without weights_only, unpickles its
     members (and extracts them to a temporary directory): always a finding; list what they reference."""
+    import io
     import tarfile
 
+    limit = _limits.current().max_pickle_bytes
+
+    class Bounded(io.RawIOBase):  # tarfile reads header extensions whole: never more than the limit
+        def __init__(self, f: Any):
+            super().__init__()
+            self.f = f
+
+        def readable(self) -> bool:
+            return True
+
+        def seekable(self) -> bool:
+            return True
+
+        def seek(self, pos: int, whence: int = 0) -> int:
+            return self.f.seek(pos, whence)
+
+        def tell(self) -> int:
+            return self.f.tell()
+
+        def readinto(self, out: Any) -> int:
+            if len(out) > limit:
+                raise OSError(f"a tar record of {len(out)} bytes is beyond the limit max_pickle_bytes")
+            return self.f.readinto(out)
+
     try:
-        with tarfile.open(c.path, mode="r:") as tar:
-            for member in tar.getmembers():
-                if not member.isfile() or member.size > _limits.current().max_pickle_bytes:
+        with open(c.path, "rb") as raw, tarfile.open(fileobj=io.BufferedReader(Bounded(raw)), mode="r:") as tar:
+            for member in tar:
+                if not member.isfile() or member.size > limit:
                     continue
                 f = tar.extractfile(member)
                 data = f.read() if f is not None else b""

@@ -214,15 +214,22 @@ def _local_header(layout: ZipLayout, buf: Any, size: int, entry: Entry) -> Membe
 _ZIPFILE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError, KeyError)
 
 
+def _as_file(buf: Any, size: int) -> RangeFile:
+    """The buffer (an mmap, a memoryview of one record) as a read-only file for zipfile."""
+    return RangeFile(lambda pos, n: bytes(buf[pos : pos + n]), size)
+
+
 def _python_view(layout: ZipLayout, buf: Any, size: int) -> bool:
     """Read the pickles as Python's zipfile sees them into ``layout.alternate``; False if it can't."""
-    limit = _limits.current().max_pickle_bytes
+    limits = _limits.current()
     try:
-        with zipfile.ZipFile(RangeFile(lambda pos, n: bytes(buf[pos : pos + n]), size)) as z:
+        with zipfile.ZipFile(_as_file(buf, size)) as z:
             for info in z.infolist():
                 if is_pickle(info.filename) and not info.flag_bits & 1 and info.compress_type in (0, 8):
+                    limit = limits.max_pickle_bytes if info.compress_type == 0 else min(
+                        limits.max_pickle_bytes, limits.max_alloc_bytes)
                     with z.open(info) as f:
-                        layout.alternate.append((info.filename, f.read(limit + 1)[:limit]))
+                        layout.alternate.append((info.filename, f.read(limit)))
     except (*_ZIPFILE_ERRORS, RuntimeError):
         return False
     return True
@@ -231,7 +238,7 @@ def _python_view(layout: ZipLayout, buf: Any, size: int) -> bool:
 def _compare_with_zipfile(layout: ZipLayout, buf: Any, size: int, directory: Directory) -> None:
     """Python's zipfile must see the same members at the same offsets as torch's reader."""
     try:
-        with zipfile.ZipFile(RangeFile(lambda pos, n: bytes(buf[pos : pos + n]), size)) as z:
+        with zipfile.ZipFile(_as_file(buf, size)) as z:
             infos = z.infolist()
     except _ZIPFILE_ERRORS as e:
         layout.find("reader-disagreement", "archive",

@@ -381,3 +381,23 @@ def test_torchscript_archive_never_reaches_torch_jit_load(tmp_path: Path, monkey
     monkeypatch.setattr(torch.jit, "load", lambda *a, **k: pytest.fail("torch.jit.load ran"))
     with pytest.raises(UnsafeCheckpointError, match="TorchScript archive"):
         torch_load(str(path), "cpu", trust=False)
+
+
+def test_tar_header_extension_is_never_read_past_the_limit(tmp_path: Path) -> None:
+    """A first tar header announcing a 256 MiB GNU long name: tarfile (and torch.load's tar attempt)
+    would read it whole; ckptfix calls the file a tar without reading it, and scans within the limit."""
+    import tarfile
+
+    info = tarfile.TarInfo("././@LongLink")
+    info.type, info.size = tarfile.GNUTYPE_LONGNAME, 256 << 20
+    path = tmp_path / "longname.pt"
+    with open(path, "wb") as f:
+        f.write(info.tobuf(format=tarfile.GNU_FORMAT)[:512])
+        f.truncate(512 + (256 << 20) + 1024)  # sparse: no disk used
+    with ckptfix.limits.override(max_pickle_bytes=1 << 20):
+        assert ckptfix.formats.opens_as_tar(str(path))
+        report = ckptfix.scan(path)
+        assert not report.ok and {"tar-format", "malformed"} <= {f.kind for f in report.findings}
+        assert any("beyond the limit max_pickle_bytes" in f.message for f in report.findings)
+        with pytest.raises(UnsafeCheckpointError, match="tar checkpoint"):
+            ckptfix.load(path)

@@ -209,15 +209,27 @@ def opens_as_tar(path: str) -> bool:
     first (an old-style tar needs no ``ustar`` magic: a header block with a valid checksum is enough)."""
     import tarfile
 
+    from .. import limits
+
     try:
         with open(path, "rb") as f:
-            if f.read(512).count(0) == 512:
+            block = f.read(512)
+            if block.count(0) == 512:
                 return False  # all zeros: an empty tar to tarfile, but torch then fails (no 'storages')
+            try:
+                first = tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
+            except tarfile.HeaderError:
+                return False  # tarfile refuses the first block: torch goes on to the pickle stream
+            if first.type in _TAR_EXTENDED and first.size > limits.current().max_pickle_bytes:
+                return True  # a header extension tarfile would read whole: a tar, refused unread
             f.seek(0)
             with tarfile.open(fileobj=f, mode="r:"):
                 return True
     except (tarfile.TarError, OSError, ValueError, EOFError):
         return False
+
+
+_TAR_EXTENDED = (b"L", b"K", b"x", b"g", b"X")  # GNU long names/links, pax headers: data read into memory
 
 
 def _sniff_dir(path: str) -> str:

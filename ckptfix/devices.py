@@ -163,10 +163,13 @@ def auto_device(tag: str) -> str:
 
 
 def storage_id(obj: Any) -> int:
-    """Identity of the storage behind a tensor or storage (``_cdata``: same for every view)."""
+    """Identity of the storage behind a tensor or storage (``_cdata``: same for every view); a sparse or
+    other non-strided tensor, which has no single storage, is its own identity."""
     import torch
 
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            return id(obj)
         obj = obj.untyped_storage()
     elif isinstance(obj, torch.storage.TypedStorage):
         obj = obj._untyped_storage

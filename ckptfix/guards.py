@@ -161,6 +161,34 @@ def _rebuild_from_type(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
     return f(lambda: built, new_type, (), state)
 
 
+def _sparse_tensor(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
+    """A sparse tensor, its indices checked against its size at once: torch validates them only under
+    ``weights_only=True`` (ckptfix's loads pass its own unpickler instead), and an index out of range
+    makes a later ``to_dense()`` read or write out of bounds. On ``meta`` (structure reads) there is
+    no data to check, or to read."""
+    import warnings
+
+    import torch
+
+    if kwargs or len(args) != 2:
+        raise Refused("_rebuild_sparse_tensor with unexpected arguments")
+    u.charge(_sizes(args[1:]), "_rebuild_sparse_tensor")
+    result = f(*args)
+    pending = torch._utils._sparse_tensors_to_validate
+    if result.device.type == "meta":
+        if any(t is result for t in pending):
+            pending[:] = [t for t in pending if t is not result]
+        return result
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch notes that validating costs a scan of the indices
+            torch._utils._validate_loaded_sparse_tensors(weights_only=True)
+    except (RuntimeError, ValueError, IndexError, NotImplementedError) as e:
+        raise Refused(f"{u.where}: a sparse tensor's indices do not fit its size ({str(e).splitlines()[0]}): refused "
+                      "(densifying it would read or write out of bounds)") from None
+    return result
+
+
 def _device_tensor(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
     import torch
 
@@ -193,7 +221,7 @@ def _torch_guards() -> dict[str, Callable]:
         "torch._utils._rebuild_qtensor": _rebuild_view(hooks_at=6, allocates=True),
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-        "torch._utils._rebuild_sparse_tensor": _plain,  # torch.load validates them after unpickling
+        "torch._utils._rebuild_sparse_tensor": _sparse_tensor,
         "torch._utils._rebuild_meta_tensor_no_storage": _plain,  # no memory: meta
         "torch._utils._rebuild_device_tensor_from_cpu_tensor": _device_tensor,
         "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,

@@ -17,6 +17,7 @@ import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -401,3 +402,106 @@ def test_tar_header_extension_is_never_read_past_the_limit(tmp_path: Path) -> No
         assert any("beyond the limit max_pickle_bytes" in f.message for f in report.findings)
         with pytest.raises(UnsafeCheckpointError, match="tar checkpoint"):
             ckptfix.load(path)
+
+
+@pytest.mark.parametrize("index, ok", [(2, True), (5, False)])
+def test_sparse_indices_are_checked_against_the_size(index: int, ok: bool, tmp_path: Path) -> None:
+    """torch validates a loaded sparse tensor only under weights_only=True; ckptfix's loader always
+    does: an index past the size would make to_dense() read and write out of bounds."""
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (3,), check_invariants=True)
+    torch.save({"w": sparse}, tmp_path / "ok.pth")
+    raw = bytearray((tmp_path / "ok.pth").read_bytes())  # the indices record holds int64 0 and 2: make it 0, index
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "ok.pth") as z:
+        records = {i.filename: i for i in z.infolist() if "/data/" in i.filename}
+        indices = next(n for n, i in records.items() if z.read(i) == struct.pack("<2q", 0, 2))
+        at = raw.find(struct.pack("<2q", 0, 2), records[indices].header_offset)
+    raw[at + 8 : at + 16] = struct.pack("<q", index)
+    path = tmp_path / "sparse.pth"
+    path.write_bytes(bytes(raw))
+    if ok:
+        assert torch.equal(ckptfix.load(path)["w"].to_dense(), torch.tensor([1.0, 0.0, 2.0]))
+    else:
+        with pytest.raises(UnsafeCheckpointError, match="indices do not fit its size"):
+            ckptfix.load(path)
+    assert ckptfix.inspect(path).state_dict["w"].device.type == "meta"  # structure only: nothing to check
+    assert torch._utils._sparse_tensors_to_validate == []  # nothing left behind for a later load
+
+
+# -- random pickles --------------------------------------------------------------------------------------
+
+_FUZZ_GLOBALS = [
+    "torch._utils _rebuild_tensor_v2", "torch._utils _rebuild_tensor", "torch._utils _rebuild_tensor_v3",
+    "torch._utils _rebuild_parameter", "torch._utils _rebuild_qtensor", "torch._utils _rebuild_sparse_tensor",
+    "torch._utils _rebuild_meta_tensor_no_storage", "torch._utils _rebuild_device_tensor_from_cpu_tensor",
+    "torch._tensor _rebuild_from_type_v2", "collections OrderedDict", "collections Counter", "builtins set",
+    "builtins complex", "builtins bytearray", "torch Size", "torch device", "torch.serialization _get_layout",
+    "torch float32", "torch int64", "torch FloatStorage", "torch.nn.parameter Parameter", "argparse Namespace",
+    "numpy dtype", "numpy._core.multiarray _reconstruct", "numpy._core.multiarray scalar", "numpy ndarray",
+    "_codecs encode", "collections defaultdict", "collections deque", "datetime datetime", "pathlib PosixPath",
+    "torch per_tensor_affine", "torch qint8", "torch sparse_coo", "torch.torch_version TorchVersion",
+    "torch ByteTensor", "torch.storage UntypedStorage"]
+
+
+def _fuzz_pickle(r: Any, depth: int = 0) -> bytes:
+    """Random opcodes over the allowed globals: calls with random arguments, BUILDs, containers."""
+    kind = r.randrange(12) if depth < 4 else 0
+    if kind <= 3:
+        atom = r.choice([num(r.choice([0, 1, 2, 4, -1, 64, 255, 2**31 - 1, 2**40, r.randrange(-999, 999)])), b"N",
+                         b"\x88", b"\x89", b")", u(r.choice(["cpu", "meta", "0", "storage", "latin1", "f4", "b1", "O",
+                                                             "<", "cuda:0"])), b"G" + struct.pack(">d", r.random()),
+                         b"C\x08" + bytes(r.randrange(256) for _ in range(8))])
+        return atom
+    if kind <= 5:
+        return b"(" + b"".join(_fuzz_pickle(r, depth + 1) for _ in range(r.randrange(8))) + b"t"
+    if kind == 6:
+        return b"](" + b"".join(_fuzz_pickle(r, depth + 1) for _ in range(r.randrange(4))) + b"e"
+    if kind == 7:
+        return b"}(" + b"".join(u("k") + _fuzz_pickle(r, depth + 1) for _ in range(r.randrange(3))) + b"u"
+    if kind == 8:
+        return pid("0", r.choice([0, 1, 4, 16]))
+    module, name = r.choice(_FUZZ_GLOBALS).split()
+    out = glob(module, name) + b"(" + b"".join(_fuzz_pickle(r, depth + 1) for _ in range(r.randrange(8))) + b"t"
+    out += r.choice([b"R", b"R", b"\x81"])
+    return out + (_fuzz_pickle(r, depth + 1) + b"b" if r.random() < 0.2 else b"")
+
+
+def fuzz(seed: int, count: int) -> dict[str, int]:
+    """Unpickle ``count`` random pickles with ckptfix's torch policy (storages of 4-byte floats)."""
+    import collections
+    import io
+    import random
+
+    from ckptfix.guards import start_load, torch_policy
+    from ckptfix.unpickler import SafePickle
+
+    def persistent_load(pid: tuple) -> Any:
+        numel = pid[4] if isinstance(pid[4], int) and 0 <= pid[4] < 1 << 16 else 0
+        storage = torch.UntypedStorage(numel * 4)
+        storage.fill_(7)
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.float32, _internal=True)
+
+    policy, rng, outcomes = torch_policy(), random.Random(seed), collections.Counter()
+    for _ in range(count):
+        unpickler = SafePickle(policy).Unpickler(io.BytesIO(proto(2) + _fuzz_pickle(rng) + b"."), encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        start_load()
+        try:
+            policy.finish(unpickler.load())
+            outcomes["loaded"] += 1
+        except Exception as e:  # noqa: BLE001 - any exception is fine here; a crash is what is looked for
+            outcomes[type(e).__name__] += 1
+    return dict(outcomes)
+
+
+def test_random_pickles_never_crash_the_unpickler() -> None:
+    """2,000 random pickles over every allowed global, in a child process: a segfault (or a hang)
+    fails the test; every pickle either loads or raises."""
+    code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import test_hostile; "
+            "print(json.dumps(test_hostile.fuzz(int(sys.argv[2]), int(sys.argv[3]))))")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), "7", "2000"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    outcomes = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sum(outcomes.values()) == 2000 and outcomes["loaded"] > 200 and outcomes["Refused"] > 200, outcomes

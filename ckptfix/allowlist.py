@@ -169,8 +169,7 @@ def refused_call(name: str, args: Any, op: str = "REDUCE") -> str | None:
                 "value, as torch.save writes it)")
     if name == "builtins.bytes":
         return None if args == () else "builtins.bytes is allowed only as bytes(), how pickle writes b''"
-    if name.startswith("builtins.") and name not in ("builtins.bytearray", "builtins.set", "builtins.complex",
-                                                     "builtins.getattr"):
+    if isinstance(allowed_table().get(name), _FactoryType):
         return f"{name} is allowed only as a defaultdict's default factory, not called"
     if name == "builtins.getattr":
         ok = (isinstance(args, tuple) and len(args) == 2 and getattr(args[0], "full", None) == standins.HISTORY_BUFFER

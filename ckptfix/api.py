@@ -25,7 +25,9 @@ def _fspath(path: Any) -> str:
 def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str = "auto") -> Checkpoint:
     """The whole checkpoint: state dict (as saved, wrappers and all), the rest, and its summary.
 
-    A DeepSpeed ZeRO file whose ``module`` isn't the weights raises DeepSpeedZeroError (``inspect`` describes it).
+    A DeepSpeed ZeRO checkpoint (its directory, a tag directory, or a model_states file with its
+    optim_states beside it) gives the fp32 master weights, consolidated as zero_to_fp32.py does;
+    ``select='module'`` the training-dtype copy. A file that can't give them raises DeepSpeedZeroError.
 
     >>> ckpt = ckptfix.read("ddp.pth")   # doctest: +SKIP
     >>> ckpt.wrappers, ckpt.devices      # (['module'], {'cuda:0': 62})
@@ -36,7 +38,7 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
 def _read(path: str, map_location: Any, trust: bool, select: str, refuse: bool) -> Checkpoint:
     fmt = formats.sniff(path)
     plan = DevicePlan(map_location, source=path)
-    raw = formats.read(path, fmt, plan, trust)
+    raw = formats.read(path, fmt, plan, trust, select)
     sel = layout.find_state_dict(raw.obj, select, source=path)
     sd = sel.state_dict
     keys = list(sd.keys())
@@ -188,6 +190,8 @@ def convert(
     streamed = ckpt is not None
     if ckpt is None:
         ckpt = read(src, map_location=map_location, trust=trust, select=select)
+    if keep_extra and strip_prefix is not None:
+        layout.check_resumable(ckpt.raw, ckpt.state_dict_key, ckpt.state_dict, strip_prefix, src)
     sd, notes = _normalise(ckpt, to, strip_prefix, add_prefix, rename, by_order)
     cast = None
     if dtype is not None:
@@ -209,7 +213,8 @@ def convert(
             check_destination(src, final["dst"], force)
         return final["dst"]
 
-    with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=progress):
+    nbytes_out = tensor_stats(sd, {}).nbytes if cast is not None else ckpt.stats.nbytes  # what is written
+    with Progress(nbytes_out, ckpt.stats.num_tensors, enabled=progress):
         notes += _write_output(out_obj, src, dst, fmt_out, shard_size, refs, force, finalize)
     dst = final["dst"]
     if cast is not None and cast.infs_produced:
@@ -232,7 +237,8 @@ def convert(
         wrappers_after=wrappers.detect_wrappers(sd.keys()),
         renamed=renamed,
         num_tensors=ckpt.stats.num_tensors,
-        nbytes=ckpt.stats.nbytes,
+        nbytes=nbytes_out,
+        nbytes_in=ckpt.stats.nbytes,
         kept_extra=extra_kept,
         streamed=streamed,
         bytes_read=ckpt.stats.nbytes,
@@ -325,13 +331,19 @@ def load_into(
     strict: bool = True,
     select: str = "auto",
     trust: bool = False,
+    strict_values: bool = False,
 ) -> LoadReport:
     """Load a checkpoint into ``model`` whatever the wrapping of either (plain, DP/DDP, compiled).
 
     The keys get the repair ``verify`` would choose (wrapper segments matched to the model's,
     a framework's leading prefix such as Lightning's ``model.`` removed); a checkpoint that still
     doesn't fit raises LoadError with a short report instead of torch's wall of keys.
+
+    NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's
+    ``nonfinite``); with ``strict_values=True`` they raise LoadError and nothing is loaded.
     """
+    import warnings
+
     from . import repair
 
     ckpt = read(path, map_location=map_location, trust=trust, select=select)
@@ -339,8 +351,16 @@ def load_into(
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
     if fit.shape_mismatch or fit.non_tensor or (strict and (fit.missing or fit.unexpected)):
         raise LoadError(_short_report(ckpt.path, fit, chosen))
+    nonfinite = repair.nonfinite_keys(fit.state_dict, target.shapes)
+    values = f"{len(nonfinite)} tensor(s) hold NaN/Inf values: {_few(nonfinite)}"
+    if nonfinite and strict_values:
+        raise LoadError(f"{ckpt.path}: {values}; nothing was loaded (a diverged run, or a damaged file?); "
+                        "pass strict_values=False to load it anyway")
     model.load_state_dict(fit.state_dict, strict=strict)
     notes = list(ckpt.notes)
+    if nonfinite:
+        warnings.warn(f"{ckpt.path}: {values} (loaded; strict_values=True refuses them)", UserWarning, stacklevel=2)
+        notes.append(f"{values} (a diverged run, or a damaged file?)")
     if fit.dtype_mismatch:
         kinds = sorted({f"{r['checkpoint']} -> {r['model']}" for r in fit.dtype_mismatch})
         notes.append(f"{len(fit.dtype_mismatch)} tensors cast to the model's dtype ({', '.join(kinds)})")
@@ -355,28 +375,30 @@ def load_into(
         unexpected=fit.unexpected,
         notes=notes,
         tolerated=[t["key"] for t in fit.tolerated],
+        nonfinite=nonfinite,
     )
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f" … (+{len(keys) - 5} more)" if len(keys) > 5 else "")
 
 
 def _short_report(path: str, fit: Any, chosen: Any) -> str:
     """One paragraph: what is missing / unexpected / mismatched after the repair, and the likely cause."""
-    def few(keys: list[str]) -> str:
-        return ", ".join(keys[:5]) + (f" … (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-
     parts = [f"{path}: does not load into the model"]
     if chosen.description:
         parts.append(f"after the repair ({chosen.summary})")
     if fit.missing:
-        parts.append(f"{len(fit.missing)} missing: {few(fit.missing)}")
+        parts.append(f"{len(fit.missing)} missing: {_few(fit.missing)}")
     if fit.unexpected:
-        parts.append(f"{len(fit.unexpected)} unexpected: {few(fit.unexpected)}")
+        parts.append(f"{len(fit.unexpected)} unexpected: {_few(fit.unexpected)}")
     if fit.shape_mismatch:
         parts.append(
             f"{len(fit.shape_mismatch)} shape mismatch: "
             + ", ".join(f"{r['key']} {r['checkpoint']} vs model {r['model']}" for r in fit.shape_mismatch[:5])
         )
     if fit.non_tensor:
-        parts.append(f"{len(fit.non_tensor)} not tensors: {few(fit.non_tensor)}")
+        parts.append(f"{len(fit.non_tensor)} not tensors: {_few(fit.non_tensor)}")
     if fit.missing and fit.unexpected:
         parts.append("the names differ: a renamed layer, or a different architecture (`ckptfix verify` suggests renames)")
     elif fit.missing or fit.shape_mismatch:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from . import interrupts
-from .errors import DestinationError
+from .errors import CkptfixError, DestinationError
 
 try:
     import fcntl
@@ -117,7 +117,8 @@ def _reraise(e: BaseException, dst: str) -> NoReturn:
     interrupt = interrupts.cause(e)
     if interrupt is not None and interrupt is not e:
         raise interrupt from None
-    if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
+    io_failure = isinstance(e, OSError) and not isinstance(e, CkptfixError)  # DestinationError is an OSError too
+    if io_failure or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
         raise DestinationError(f"{dst}: write failed: {getattr(e, 'strerror', None) or e}; nothing was written") from None
     raise e
 

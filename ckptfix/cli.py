@@ -1,7 +1,8 @@
 """The ``ckptfix`` command: parse → one library call → render (text, or one JSON object with --json).
 
 Exit codes: 0 ok, 1 error (one ``Error: …`` line on stderr), 2 usage, 3 a finding; 130, 143, 129 after
-SIGINT, SIGTERM, SIGHUP (temp output removed, one ``Error:`` line).
+SIGINT, SIGTERM, SIGHUP (temp output removed, one ``Error:`` line). With ``--json`` a failure also
+prints one ``{"error", "error_type", "exit_code"}`` object on stdout, so stdout always parses.
 ``CKPTFIX_DEBUG=1`` shows tracebacks. This module imports no torch at import time.
 """
 
@@ -20,10 +21,16 @@ from . import __version__
 from .errors import CkptfixError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FINDING = 0, 1, 2, 3
+_JSON = "ckptfix.json"  # ctx.meta key: --json was on the command line
 
 
 class Group(click.Group):
-    """Maps CkptfixError (and anything unexpected) to one ``Error:`` line and exit 1."""
+    """Maps CkptfixError (and anything unexpected) to one ``Error:`` line and exit 1; with ``--json``
+    every failure (usage errors and interrupts included) also prints one JSON object on stdout."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[_JSON] = "--json" in args  # known even when the command's own parsing fails
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
         from .interrupts import signals_as_interrupts
@@ -31,12 +38,17 @@ class Group(click.Group):
         try:
             with signals_as_interrupts():  # SIGTERM, SIGHUP: the cleanup, one line and 128+N, like Ctrl-C
                 return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
+        except click.exceptions.Exit:
+            raise
+        except click.ClickException as e:  # click prints it (usage errors: exit 2)
+            _json_error(ctx, e.format_message(), e, e.exit_code)
+            raise
+        except click.Abort as e:
+            _json_error(ctx, "aborted", e, EXIT_ERROR)
             raise
         except KeyboardInterrupt as e:
             describe = getattr(e, "describe", None)
-            click.echo(f"Error: {describe() if describe else 'interrupted; nothing was written'}", err=True)
-            ctx.exit(getattr(e, "exit_code", 130))
+            _fail(ctx, describe() if describe else "interrupted; nothing was written", e, getattr(e, "exit_code", 130))
         except BrokenPipeError:  # the reader (e.g. `| head`) closed the pipe: stop quietly, like cat
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -47,11 +59,18 @@ class Group(click.Group):
             _fail(ctx, f"unexpected {type(e).__name__}: {e} (a bug in ckptfix; CKPTFIX_DEBUG=1 shows the traceback)", e)
 
 
-def _fail(ctx: click.Context, message: str, exc: BaseException) -> None:
-    if os.environ.get("CKPTFIX_DEBUG"):
+def _fail(ctx: click.Context, message: str, exc: BaseException, code: int = EXIT_ERROR) -> None:
+    """One ``Error:`` line on stderr (and the JSON object with --json), then exit ``code``."""
+    if os.environ.get("CKPTFIX_DEBUG") and not isinstance(exc, KeyboardInterrupt):
         traceback.print_exception(type(exc), exc, exc.__traceback__)
     click.echo(f"Error: {message}", err=True)
-    ctx.exit(EXIT_ERROR)
+    _json_error(ctx, message, exc, code)
+    ctx.exit(code)
+
+
+def _json_error(ctx: click.Context, message: str, exc: BaseException, code: int) -> None:
+    if ctx.meta.get(_JSON):
+        _emit_json({"error": message, "error_type": type(exc).__name__, "exit_code": code})
 
 
 def json_option(f: Callable) -> Callable:
@@ -80,6 +99,11 @@ def map_location_option(default: str) -> Callable:
         )(f)
 
     return deco
+
+
+def dtype_option(help: str) -> Callable:
+    """``--dtype fp32|fp16|bf16``: convert casts the file to it; verify runs the model in it."""
+    return click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), help=help)
 
 
 def _map_location(values: tuple[str, ...], default: str) -> Any:
@@ -136,7 +160,7 @@ def cli() -> None:
 @click.option("--by-order", is_flag=True, help="Give the tensors --model's key names by position (counts and shapes must agree).")
 @click.option("--model", "model_spec", metavar="SPEC", help="Model for --by-order: torchvision:NAME, pkg.mod:fn or file.py:fn.")
 @click.option("--arg", "model_args", multiple=True, metavar="NAME=VALUE", help="Keyword for the --model builder; repeatable.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), help="Cast floating-point tensors (never integer or bool buffers).")
+@dtype_option("Cast floating-point tensors (never integer or bool buffers).")
 @click.option("--allow-overflow", is_flag=True, help="With --dtype fp16: allow values beyond ±65504 to become inf.")
 @click.option("--hash", "add_hash", is_flag=True, help="Append the first 8 hex digits of DST's SHA-256 to its name.")
 @click.option("--force", is_flag=True,
@@ -167,7 +191,8 @@ def convert(src: str, dst: str, to: str, map_location: tuple[str, ...], select: 
         _emit_json(report.to_dict())
         return
     where = f" from {report.state_dict_key!r}" if report.state_dict_key else ""
-    click.echo(f"Wrote {report.dst} ({report.format_out}): {report.num_tensors} tensors, {_size(report.nbytes)}{where}")
+    cast = f" (cast from {_size(report.nbytes_in)})" if report.nbytes != report.nbytes_in else ""
+    click.echo(f"Wrote {report.dst} ({report.format_out}): {report.num_tensors} tensors, {_size(report.nbytes)}{cast}{where}")
     click.echo(f"  wrappers: {_stack(report.wrappers_before)} -> {_stack(report.wrappers_after)} ({report.renamed} keys renamed)")
     for note in report.notes:
         click.echo(f"  note: {note}")
@@ -186,7 +211,8 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
     if as_json:
         _emit_json(info)
         return
-    where = f"at {info['state_dict_key']!r}" if info["state_dict_key"] else "the whole file"
+    whole = "the whole checkpoint" if os.path.isdir(info["path"]) else "the whole file"
+    where = f"at {info['state_dict_key']!r}" if info["state_dict_key"] else whole
     rows = [
         ("path", info["path"]),
         ("format", info["format"]),
@@ -220,9 +246,10 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
 
 def tolerance_options(forward: bool = False) -> Callable:
     """``--atol``/``--rtol``: for ``diff`` (default 0: bit-exact), for ``verify``'s forward check
-    (default: bit-exact against --reference, the recorded-value default against a manifest)."""
-    default = ("bit-exact against --reference; against a fixtures manifest, the recorded-value default for the "
-               "output dtype (float32: atol 1e-6, rtol 1e-5)") if forward else "0: bit-exact"
+    (default: bit-exact against --reference, the recorded-value default against --golden)."""
+    default = ("bit-exact against --reference (with --dtype fp16/bf16: that dtype's default); against --golden, "
+               "the recorded-value default for the output dtype (float32: atol 1e-6, rtol 1e-5)") if forward \
+        else "0: bit-exact"
 
     def deco(f: Callable) -> Callable:
         for name in ("--rtol", "--atol"):
@@ -232,6 +259,23 @@ def tolerance_options(forward: bool = False) -> Callable:
         return f
 
     return deco
+
+
+def input_options(f: Callable) -> Callable:
+    """The forward check's input: a seeded recipe (shape, dtype, range) or a file of tensors."""
+    for option in reversed([
+        click.option("--input-shape", metavar="SHAPE", help="Forward input shape, e.g. 1,3,224,224 (default: inferred)."),
+        click.option("--input-dtype", type=click.Choice(["float", "long", "int"]),
+                     help="float (randn, in the model's dtype; default), or long/int token IDs (default: long "
+                          "when the first layer is an Embedding)."),
+        click.option("--input-range", metavar="LOW,HIGH",
+                     help="Token IDs from LOW to HIGH-1, e.g. 0,30522 (default for long: 0,the Embedding's size); "
+                          "floats: uniform in [LOW, HIGH)."),
+        click.option("--input", "input_file", metavar="FILE", type=click.Path(dir_okay=False),
+                     help="The input itself: a tensor, or a dict of tensors passed as model(**dict) (.pt or .safetensors)."),
+    ]):
+        f = option(f)
+    return f
 
 
 def _render_finding(ctx: click.Context, report: Any, as_json: bool, ok: bool) -> None:
@@ -251,10 +295,15 @@ def _render_finding(ctx: click.Context, report: Any, as_json: bool, ok: bool) ->
 @click.option("--arg", "args", multiple=True, metavar="NAME=VALUE",
               help="Keyword for the model builder (a Python literal, else a string); repeatable.")
 @click.option("--exact", is_flag=True,
-              help="Pass only if plain torch.load + load_state_dict(strict=True) takes the file as saved, dtypes included.")
+              help="Pass only if the serving loader (torch.load(weights_only=True), or safetensors.torch.load_file for "
+                   "safetensors) + load_state_dict(strict=True) takes the file as saved, dtypes included.")
 @click.option("--reference", metavar="REF", type=click.Path(dir_okay=True),
               help="Compare forward outputs with this checkpoint's (e.g. the original before a conversion).")
-@click.option("--input-shape", metavar="SHAPE", help="Forward input, e.g. 1,3,224,224 (default: inferred).")
+@input_options
+@click.option("--golden", metavar="FILE.safetensors", type=click.Path(dir_okay=False),
+              help="Compare outputs with the ones this file records; if it does not exist, record them in it.")
+@click.option("--record-golden", is_flag=True, help="Write --golden again from this run, even if it exists.")
+@dtype_option("Serving dtype: the model is built, then cast to it; the forward (and --reference) run in it.")
 @tolerance_options(forward=True)
 @click.option("--no-forward", is_flag=True, help="Keys, shapes and dtypes only: reads on meta, no tensor data.")
 @map_location_option("cpu")
@@ -263,15 +312,21 @@ def _render_finding(ctx: click.Context, report: Any, as_json: bool, ok: bool) ->
 @json_option
 @click.pass_context
 def verify(ctx: click.Context, path: str, model_spec: str, args: tuple[str, ...], exact: bool, reference: str | None,
-           input_shape: str | None, atol: float | None, rtol: float | None, no_forward: bool, map_location: tuple[str, ...],
-           select: str, trust: bool, as_json: bool) -> None:
+           input_shape: str | None, input_dtype: str | None, input_range: str | None, input_file: str | None,
+           golden: str | None, record_golden: bool, dtype: str | None, atol: float | None, rtol: float | None,
+           no_forward: bool, map_location: tuple[str, ...], select: str, trust: bool, as_json: bool) -> None:
     """Check PATH against a model: keys, shapes, dtypes, NaN/Inf, tied weights, forward outputs (exit 3: failed)."""
+    from .inputs import parse_range
     from .models import parse_model_args, parse_shape
     from .verify import verify as do_verify
 
+    if record_golden and not golden:
+        raise click.UsageError("--record-golden needs --golden FILE")
     report = do_verify(path, model_spec, model_args=parse_model_args(args), reference=reference, exact=exact,
-                       forward=not no_forward, atol=atol, rtol=rtol,
-                       input_shape=parse_shape(input_shape) if input_shape else None,
+                       forward=not no_forward, atol=atol, rtol=rtol, dtype=dtype,
+                       input_shape=parse_shape(input_shape) if input_shape else None, input_dtype=input_dtype,
+                       input_range=parse_range(input_range) if input_range else None, inputs=input_file,
+                       golden=golden, record_golden=record_golden,
                        map_location=_map_location(map_location, "cpu"), select=select, trust=trust,
                        checksum=as_json)  # text + --no-forward: no tensor loaded, no hash (CRC-32s still checked)
     _render_finding(ctx, report, as_json, report.ok)

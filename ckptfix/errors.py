@@ -1,18 +1,33 @@
 """The one error hierarchy of ckptfix: every failure a user can cause or meet is a CkptfixError.
 
-Messages name the file, the key or the device, and say what to do next. The CLI prints
-``Error: <message>`` and exits 1; ``CKPTFIX_DEBUG=1`` shows the traceback.
+Messages name the file, the key or the device, and say what to do next, on one line. The CLI
+prints ``Error: <message>`` and exits 1; ``CKPTFIX_DEBUG=1`` shows the traceback. Some are also a
+built-in type, so code that already catches those keeps working: FormatError is a ValueError,
+MissingFileError a FileNotFoundError, DestinationError an OSError.
 """
 
 from __future__ import annotations
+
+import errno
 
 
 class CkptfixError(Exception):
     """Base class: a problem with a checkpoint, a request or the machine, explained for a person."""
 
 
-class FormatError(CkptfixError):
-    """The file is not a checkpoint ckptfix can read, or it is malformed or truncated."""
+class FormatError(CkptfixError, ValueError):
+    """The file is not a checkpoint ckptfix can read, or it is malformed or truncated (also a ValueError)."""
+
+
+class MissingFileError(FormatError, FileNotFoundError):
+    """A path given to ckptfix does not exist (also a FileNotFoundError: ``errno``, ``filename`` set)."""
+
+    def __init__(self, message: str, filename: str | None = None):
+        super().__init__(message)
+        self.errno, self.strerror, self.filename = errno.ENOENT, "No such file or directory", filename
+
+    def __str__(self) -> str:  # the message alone, not OSError's "[Errno 2] …" form
+        return str(self.args[0]) if self.args else ""
 
 
 class UnsafeCheckpointError(CkptfixError):
@@ -39,8 +54,8 @@ class WrapperError(CkptfixError):
     """Keys that can't be normalised (e.g. FSDP1 flat parameters)."""
 
 
-class DestinationError(CkptfixError):
-    """The output path can't be written: exists without force, is the source, or an I/O failure."""
+class DestinationError(CkptfixError, OSError):
+    """The output path can't be written: exists without force, is the source, or an I/O failure (also an OSError)."""
 
 
 class ConversionError(CkptfixError):
@@ -64,7 +79,8 @@ class LimitError(CkptfixError):
 
 
 class DeepSpeedZeroError(CkptfixError):
-    """A DeepSpeed ZeRO file whose ``module`` is not the fp32 weights (ZeRO-3 placeholders, a ZeRO-1/2 half copy)."""
+    """A DeepSpeed ZeRO checkpoint that can't give its fp32 weights as given (a rank file missing or from another
+    save, ZeRO-3 placeholders, a half-precision copy not selected); the message says what to give."""
 
 
 class Interrupted(KeyboardInterrupt):

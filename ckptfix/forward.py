@@ -1,11 +1,13 @@
-"""Forward equivalence: a seeded input, a model run in eval mode, outputs compared within a tolerance.
+"""Forward equivalence: a model run in eval mode, its outputs by name, compared within a tolerance.
 
-The input recipe is the fixtures' own (``fixtures/train.py``): ``torch.randn(*shape)`` from a
-``torch.Generator`` seeded with ``seed``, so a fixtures manifest's recorded outputs can be reproduced.
+The default float input is the fixtures' own (``fixtures/train.py``): ``torch.randn(*shape)`` from a
+``torch.Generator`` seeded with ``seed``, so outputs recorded elsewhere can be reproduced; other
+inputs (token IDs, files) are :mod:`ckptfix.inputs`' recipes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import CkptfixError
@@ -13,7 +15,7 @@ from .errors import CkptfixError
 #: Seed of the input used for forward checks (the fixtures' own: fixtures/train.py INPUT_SEED).
 INPUT_SEED = 1234
 
-#: ``(atol, rtol)`` for an output compared with one recorded elsewhere (a fixtures ``manifest.json``),
+#: ``(atol, rtol)`` for an output compared with one recorded elsewhere (a golden file, a fixtures manifest),
 #: by the output's dtype: another CPU (AVX-512, AVX2, none) or a GPU rounds float kernels differently in
 #: the last bits, so a recorded value is never compared bit for bit. float16/bfloat16/float64: the
 #: defaults of ``torch.testing.assert_close`` for that dtype; other floating dtypes (float8 …) use
@@ -27,6 +29,28 @@ RECORDED_TOLERANCE: dict[str, tuple[float, float]] = {
 _COMPLEX_PARTS = {"complex128": "float64", "complex64": "float32", "complex32": "float16"}
 
 
+@dataclass
+class ForwardRequest:
+    """What the forward check compares with, on which input, within which tolerance (:func:`ckptfix.verify`)."""
+
+    reference: Any = None
+    golden: Any = None
+    record_golden: bool = False
+    atol: float | None = None
+    rtol: float | None = None
+    input_shape: tuple[int, ...] | None = None
+    input_dtype: str | None = None
+    input_range: tuple[float, float] | None = None
+    inputs: Any = None
+    seed: int = INPUT_SEED
+
+    @property
+    def ignored(self) -> str:
+        """``; --reference, --golden ignored`` for the notes of a run without the forward check."""
+        names = [n for n, v in (("--reference", self.reference), ("--golden", self.golden)) if v is not None]
+        return f"; {', '.join(names)} ignored" if names else ""
+
+
 def seeded_input(shape: tuple[int, ...], seed: int = INPUT_SEED) -> Any:
     """``torch.randn(*shape)`` from a generator seeded with ``seed`` (the fixtures' recipe)."""
     import torch
@@ -34,40 +58,38 @@ def seeded_input(shape: tuple[int, ...], seed: int = INPUT_SEED) -> Any:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def run_model(net: Any, x: Any) -> Any:
-    """``net(x)`` in eval mode without gradients, ``x`` moved to the model's device and float dtype."""
+def run_model(net: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, what: str = "input") -> Any:
+    """``net(*args, **kwargs)`` in eval mode without gradients; tensors moved to the model's device, and
+    floating ones to its floating dtype (integer token IDs stay integers)."""
     import torch
 
     param = next((p for p in net.parameters() if p.is_floating_point()), None)
-    if param is not None:
-        x = x.to(param.device, param.dtype)
+
+    def move(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or param is None:
+            return v
+        return v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device)
+
+    args, kwargs = tuple(move(a) for a in args), {k: move(v) for k, v in (kwargs or {}).items()}
     net.eval()
     try:
         with torch.no_grad():
-            return net(x)
+            return net(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the user's forward can raise anything
-        raise CkptfixError(f"the model's forward on a {list(x.shape)} input failed ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}); pass the right --input-shape") from None
+        raise CkptfixError(f"the model's forward on {what} failed ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); pass the right --input-shape, --input-dtype "
+                           "and --input-range, or the tensors themselves with --input FILE") from None
 
 
-def as_tensor(value: Any) -> Any:
-    """Recorded outputs (nested lists of floats, as a manifest holds them) as a float64 tensor."""
-    import torch
-
-    return torch.tensor(value, dtype=torch.float64)
-
-
-def output_tensors(out: Any) -> list[Any]:
-    """Every tensor in a model's output (a tensor, or tuples / lists / dicts of them), in order."""
+def named_outputs(out: Any, prefix: str = "output") -> dict[str, Any]:
+    """Every tensor in a model's output by its path: ``{'output': t}``, ``{'output.0': …, 'output.1': …}``,
+    ``{'output.logits': …}`` (tuples, lists and dicts, nested); the names a golden file stores."""
     import torch
 
     if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in output_tensors(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in output_tensors(v)]
-    return []
+        return {prefix: out}
+    items = out.items() if isinstance(out, dict) else enumerate(out) if isinstance(out, (list, tuple)) else ()
+    return {name: t for k, v in items for name, t in named_outputs(v, f"{prefix}.{k}").items()}
 
 
 def recorded_tolerance(dtype: Any) -> tuple[float, float]:
@@ -83,21 +105,22 @@ def recorded_tolerance(dtype: Any) -> tuple[float, float]:
     return RECORDED_TOLERANCE["bfloat16"] if getattr(dtype, "is_floating_point", False) else (0.0, 0.0)
 
 
-def pick_tolerance(got: Any, atol: float | None, rtol: float | None, recorded: bool) -> dict[str, Any]:
-    """The tolerance one comparison uses, as the ``forward.against`` row reports it.
+def pick_tolerance(got: dict[str, Any], atol: float | None, rtol: float | None, default: str = "exact") -> dict[str, Any]:
+    """The tolerance one comparison of the named outputs ``got`` uses, as its ``forward.against`` row reports it.
 
     ``atol``/``rtol`` None or 0 mean "not given". Given (either non-zero): those, for any comparison
-    (``tolerance: "given"``). Not given: bit-exact against a value computed in this run
-    (``"exact"``), :func:`recorded_tolerance` of the output's dtype against a recorded one
-    (``"recorded"``; the loosest over the output's tensors).
+    (``tolerance: "given"``). Not given, ``default`` says which: ``"exact"`` (bit for bit: both computed
+    in this run), ``"recorded"`` (against a value recorded elsewhere: :func:`recorded_tolerance` of
+    the output's dtype) or ``"dtype"`` (a half-precision run against a reference cast to the same
+    dtype: the same table); the loosest over the output's tensors.
     """
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in output_tensors(got)})
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in got.values()})
     if atol or rtol:
         return {"atol": float(atol or 0.0), "rtol": float(rtol or 0.0), "tolerance": "given", "output_dtypes": dtypes}
-    if not recorded:
+    if default == "exact":
         return {"atol": 0.0, "rtol": 0.0, "tolerance": "exact", "output_dtypes": dtypes}
-    pairs = [recorded_tolerance(t.dtype) for t in output_tensors(got)] or [(0.0, 0.0)]
-    return {"atol": max(a for a, _ in pairs), "rtol": max(r for _, r in pairs), "tolerance": "recorded",
+    pairs = [recorded_tolerance(t.dtype) for t in got.values()] or [(0.0, 0.0)]
+    return {"atol": max(a for a, _ in pairs), "rtol": max(r for _, r in pairs), "tolerance": default,
             "output_dtypes": dtypes}
 
 
@@ -105,24 +128,22 @@ def describe_tolerance(row: dict[str, Any]) -> str:
     """``atol=1e-06, rtol=1e-05: recorded-value default for float32`` for a ``forward.against`` row."""
     dtypes = "/".join(row["output_dtypes"]) or "this output"
     why = {"given": "as given", "exact": "bit-exact, both computed in this run",
-           "recorded": f"recorded-value default for {dtypes}"}[row["tolerance"]]
+           "recorded": f"recorded-value default for {dtypes}",
+           "dtype": f"default for {dtypes}, the serving dtype (the reference run in it too)"}[row["tolerance"]]
     return f"atol={row['atol']:g}, rtol={row['rtol']:g}: {why}"
 
 
-def compare_outputs(what: str, where: str, got: Any, want: Any, atol: float | None, rtol: float | None,
-                    shape: tuple[int, ...], seed: int, recorded: bool = False) -> dict[str, Any]:
-    """One ``forward.against`` row; ``max_abs_diff`` is None when the output structures differ.
-
-    ``recorded``: ``want`` was recorded elsewhere (a manifest), so with no tolerance given it is
-    compared within :func:`recorded_tolerance`, not bit for bit (see :func:`pick_tolerance`).
-    """
+def compare_outputs(what: str, where: str, got: dict[str, Any], want: dict[str, Any], atol: float | None,
+                    rtol: float | None, recipe: Any, default: str = "exact") -> dict[str, Any]:
+    """One ``forward.against`` row comparing named outputs (:func:`named_outputs`) made from ``recipe``'s
+    input, matched by name (a file's order is its own); ``max_abs_diff`` is None when the names or
+    shapes differ. ``default``: see :func:`pick_tolerance`."""
     from .diff import tensor_diff
 
-    tol = pick_tolerance(got, atol, rtol, recorded)
-    row: dict[str, Any] = {"what": what, "path": where, "input_shape": list(shape), "seed": seed,
-                           "max_abs_diff": None, "ok": False, **tol}
-    a, b = output_tensors(got), output_tensors(want)
-    if a and len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b)):
-        diffs = [tensor_diff(x.double(), y.double(), tol["atol"], tol["rtol"]) for x, y in zip(a, b)]
+    tol = pick_tolerance(got, atol, rtol, default)
+    row: dict[str, Any] = {"what": what, "path": where, "input_shape": list(recipe.shape) if recipe.shape else None,
+                           "seed": recipe.seed, "input": recipe.to_dict(), "max_abs_diff": None, "ok": False, **tol}
+    if got and set(got) == set(want) and all(got[k].shape == want[k].shape for k in got):
+        diffs = [tensor_diff(got[k].double(), want[k].double(), tol["atol"], tol["rtol"]) for k in got]
         row.update(max_abs_diff=max(d for d, _ in diffs), ok=all(ok for _, ok in diffs))
     return row

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DeepSpeedZeroError, SelectError
+from .errors import ConversionError, DeepSpeedZeroError, SelectError
 
 KNOWN_KEYS = ("state_dict", "model_state_dict", "model", "net", "network", "module", "params")
 EMA_KEYS = ("state_dict_ema", "model_ema", "ema", "ema_state_dict", "model_ema_state_dict", "ema_model")
@@ -73,6 +73,10 @@ def _resolve(obj: Mapping, key: str) -> Any:
 
 def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") -> Selection:
     """Pick the state dict: ``select='auto'`` takes the single non-EMA one, ``select=KEY`` that key."""
+    if isinstance(obj, ZeroWeights):
+        return Selection(obj.state_dict, None)
+    if select in ("auto", None) and deepspeed_info(obj) is not None:
+        select = "module"  # a DeepSpeed model_states file: its frozen_param_fragments are slices of 'module'
     module_sd = _module_state_dict(obj)
     if module_sd is not None:
         return Selection(module_sd, "<nn.Module>")
@@ -137,6 +141,25 @@ def detect_framework(obj: Any) -> str | None:
     return None
 
 
+RESUMED_BY_FRAMEWORK = ("lightning", "mmengine", "timm", "deepspeed")  # their own resume loads the weights back
+
+
+def check_resumable(obj: Any, key: str | None, state_dict: Any, strip_prefix: str, source: str) -> None:
+    """Refuse ``--strip-prefix`` with ``--keep-extra`` on a framework's training checkpoint: the framework
+    resumes by loading the weights at ``key`` into the module that saved them, whose names keep the
+    prefix (a LightningModule's ``self.model`` is ``model.0.weight``), so the output could never resume."""
+    framework = detect_framework(obj)
+    prefix = strip_prefix.strip().strip(".") + "."
+    example = next((k for k in state_dict if isinstance(k, str) and k.startswith(prefix)), None)
+    if key is None or framework not in RESUMED_BY_FRAMEWORK or example is None:
+        return
+    raise ConversionError(
+        f"{source}: --strip-prefix {prefix} with --keep-extra would write a {framework} checkpoint that can't resume: "
+        f"{framework} loads {key!r} into the module that saved it, whose keys keep {prefix!r} (Missing key(s) "
+        f"in state_dict: \"{example}\" …); drop --strip-prefix for a resumable copy, or drop --keep-extra for the plain weights"
+    )
+
+
 @dataclass
 class DeepSpeedInfo:
     """A DeepSpeed ``*model_states.pt``: ZeRO stage, training precision, and ``module`` keys that hold
@@ -175,49 +198,67 @@ def deepspeed_info(obj: Any) -> DeepSpeedInfo | None:
                          version if isinstance(version, str) else None, placeholders)
 
 
+class ZeroWeights(Mapping):
+    """A DeepSpeed ZeRO checkpoint read whole: rank 0's model_states entries (the layout ``framework``
+    names) and ``state_dict``, the fp32 master weights consolidated from every rank's optim_states."""
+
+    def __init__(self, model_states: Mapping, state_dict: Any):
+        self.model_states = model_states
+        self.state_dict = state_dict
+
+    def __getitem__(self, key: str) -> Any:
+        return self.model_states[key]
+
+    def __iter__(self) -> Any:
+        return iter(self.model_states)
+
+    def __len__(self) -> int:
+        return len(self.model_states)
+
+
 def check_deepspeed(obj: Any, select: str | None, source: str, refuse: bool = True) -> list[str]:
-    """Notes on a DeepSpeed file's weights, or DeepSpeedZeroError (``refuse``) when ``module`` isn't
-    the fp32 weights: ZeRO-3 placeholders (never usable), or ZeRO-1/2's half-precision training copy
-    (usable only when asked for by ``select='module'``). ``refuse=False`` (inspect) turns both into notes."""
-    info = deepspeed_info(obj)
+    """Notes on a DeepSpeed model_states file read as it is (``select='module'``, or no optim_states to
+    consolidate from), or DeepSpeedZeroError (``refuse``) when its ``module`` isn't usable weights:
+    ZeRO-3 placeholders (never), or ZeRO-1/2's half-precision training copy (only when asked for by
+    ``select='module'``). ``refuse=False`` (inspect) turns both into notes. A consolidated
+    checkpoint (:class:`ZeroWeights`) needs none: its reader says what it did."""
+    info = None if isinstance(obj, ZeroWeights) else deepspeed_info(obj)
     if info is None:
         return []
     version = f"deepspeed {info.version}" if info.version else "deepspeed"
     asked = select == "module"
+    optim = _optim_states_hint(source)
     if info.stage == 3 or info.placeholders:
         key, shape = next(iter(info.placeholders.items()), ("", []))
         example = f" (e.g. {key!r} is {shape} in its param_shapes)" if key else ""
         what = f"a DeepSpeed ZeRO-3 per-rank file ({version}, {info.precision})"
         why = (f"its 'module' holds {len(info.placeholders)} placeholder tensors of shape [0] where the weights go"
-               f"{example}; ZeRO-3 splits the weights across every rank's *_optim_states.pt. Consolidate them first "
-               f"with {_zero_to_fp32(source)}, then use what it writes (OUT_DIR/pytorch_model.bin or model.safetensors)"
-               + (" (--select module can't help: the placeholders hold no values)" if asked else ""))
+               f"{example}; ZeRO-3 splits the weights across every rank's *_optim_states.pt"
+               + ("; --select module can't help: the placeholders hold no values; drop it to consolidate them"
+                  if asked else f", {optim}"))
     elif info.precision != "fp32" and info.stage in (1, 2):
         if asked:
             return [f"DeepSpeed ZeRO-{info.stage} ({version}): took the {info.precision} training copy in 'module' as "
-                    "asked (select='module'); the fp32 master weights are in the *_optim_states.pt files"]
+                    "asked (select='module'); without it ckptfix consolidates the fp32 master weights from the "
+                    "*_optim_states.pt files"]
         what = f"a DeepSpeed ZeRO-{info.stage} checkpoint trained in {info.precision} ({version})"
         why = (f"its 'module' holds the {info.precision} training copy of the weights; the fp32 master weights are "
-               f"in the *_optim_states.pt files. For them run {_zero_to_fp32(source)}; to take the "
-               f"{info.precision} copy deliberately, pass --select module (library: select='module')")
+               f"in the *_optim_states.pt files, {optim}; to take the {info.precision} copy deliberately, pass "
+               "--select module (library: select='module')")
     else:
         stage = f"ZeRO-{info.stage}" if info.stage is not None else "checkpoint"
-        return [f"DeepSpeed {stage} ({version}, {info.precision}): 'module' holds the model's full weights"]
+        return [f"DeepSpeed {stage} ({version}, {info.precision}): 'module' holds the model's full weights"
+                + ("" if asked else "; no *_optim_states.pt beside it to consolidate the fp32 master weights from")]
     if refuse:
         raise DeepSpeedZeroError(f"{source}: is {what}: {why}")
     return [f"{what}: {why}; convert, load and verify refuse it as it is"]
 
 
-def _zero_to_fp32(source: str) -> str:
-    """The zero_to_fp32.py command for the checkpoint ``source`` belongs to (DeepSpeed saves the
-    script in the checkpoint directory, the tag directories below it)."""
-    tag_dir = os.path.dirname(os.path.abspath(source))
-    ckpt_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
-    script = os.path.join(ckpt_dir, "zero_to_fp32.py")
-    if os.path.isfile(script):
-        return f"`python {script} {ckpt_dir} OUT_DIR -t {tag}` (add --safe_serialization for safetensors)"
-    return ("DeepSpeed's zero_to_fp32.py, saved in the checkpoint directory (the one holding `latest`): "
-            f"`python zero_to_fp32.py CHECKPOINT_DIR OUT_DIR -t {tag}`")
+def _optim_states_hint(source: str) -> str:
+    """Where ckptfix needs the optim_states files to be, for a model_states file read without them."""
+    where = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else source
+    return (f"which are not in {where}: give the checkpoint directory (the one holding `latest`) or the tag "
+            "directory with every rank's files, and ckptfix consolidates the fp32 weights as zero_to_fp32.py does")
 
 
 def common_prefix(keys: list[str]) -> str | None:

@@ -10,6 +10,7 @@ that says which part of the spec is wrong and why.
 from __future__ import annotations
 
 import ast
+import copy
 import difflib
 import importlib
 import importlib.util
@@ -152,6 +153,14 @@ def _module_type() -> type:
     return torch.nn.Module
 
 
+def first_layer(model: Any) -> Any:
+    """The first module (in registration order) that holds parameters of its own, or None."""
+    for sub in unwrap_model(model).modules():
+        if any(True for _ in sub.parameters(recurse=False)):
+            return sub
+    return None
+
+
 def infer_input_shape(model: Any) -> tuple[int, ...] | None:
     """1×3×224×224 for torchvision image classifiers; 1×N when the first layer is Linear(N); else None."""
     import torch
@@ -160,10 +169,26 @@ def infer_input_shape(model: Any) -> tuple[int, ...] | None:
     mod = type(inner).__module__.split(".")
     if mod[:2] == ["torchvision", "models"] and not (len(mod) > 2 and mod[2] in _NOT_CLASSIFIERS):
         return (1, 3, 224, 224)
-    for sub in inner.modules():
-        if any(True for _ in sub.parameters(recurse=False)):
-            return (1, sub.in_features) if isinstance(sub, torch.nn.Linear) else None
-    return None
+    first = first_layer(inner)
+    return (1, first.in_features) if isinstance(first, torch.nn.Linear) else None
+
+
+def embedding_size(model: Any) -> int | None:
+    """``num_embeddings`` when the model's first layer is an Embedding (it takes token IDs), else None."""
+    import torch
+
+    first = first_layer(model)
+    return first.num_embeddings if isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)) else None
+
+
+def forward_arguments(model: Any) -> list[str]:
+    """Names of the arguments ``forward`` requires (``['input_ids', 'attention_mask']``); [] if unknown."""
+    try:
+        params = inspect.signature(unwrap_model(model).forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -176,3 +201,70 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not shape or any(d <= 0 for d in shape):
         raise CkptfixError(f"input shape {text!r}: expected positive sizes like 1,3,224,224")
     return shape
+
+
+class ModelSource:
+    """Where model instances come from: a spec (built), a factory (called) or a module (copied);
+    each instance in the serving ``dtype`` when one is given (``.to(dtype)`` after building)."""
+
+    def __init__(self, model: Any, args: dict[str, Any] | None, dtype: Any = None):
+        import torch
+
+        from .transforms import parse_dtype
+
+        self.model, self.args = model, args or {}
+        self.dtype = dtype if dtype is None or isinstance(dtype, torch.dtype) else parse_dtype(str(dtype))
+        self.dtype_name = None if self.dtype is None else str(self.dtype).removeprefix("torch.")
+        if isinstance(model, str):
+            self.label = model + "".join(f" {k}={v!r}" for k, v in self.args.items())
+        elif isinstance(model, torch.nn.Module):
+            self.label = type(unwrap_model(model)).__name__
+        elif callable(model):
+            self.label = getattr(model, "__qualname__", repr(model))
+        else:
+            raise CkptfixError(f"model: expected an nn.Module, a model spec string or a factory, got {type(model).__name__}")
+
+    def structure(self, meta: bool) -> tuple[Any, bool]:
+        """``(model, is_fresh)`` to read keys from: the given module itself, or a new build."""
+        import torch
+
+        if isinstance(self.model, torch.nn.Module):
+            return self.model, False
+        return self.fresh(meta), not meta
+
+    def fresh(self, meta: bool = False) -> Any:
+        """A new instance (in the serving dtype); on ``meta`` (no memory) where the builder allows it."""
+        import torch
+
+        if isinstance(self.model, torch.nn.Module):
+            return self._in_dtype(deepcopy_model(self.model))
+        if meta:
+            try:
+                with torch.device("meta"):
+                    return self._in_dtype(self._build())
+            except CkptfixError:
+                pass  # some builders need real tensors; build normally
+        return self._in_dtype(self._build())
+
+    def _in_dtype(self, net: Any) -> Any:
+        return net if self.dtype is None else net.to(self.dtype)
+
+    def _build(self) -> Any:
+        if isinstance(self.model, str):
+            return build_model(self.model, self.args)
+        return call_factory(self.model, self.args, self.label)
+
+
+def deepcopy_model(model: Any) -> Any:
+    """A fresh copy of a user's module for the forward check; a CkptfixError says why one can't be made."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001 - whatever the module holds that can't be copied
+        raise CkptfixError(f"model: can't make a fresh copy for the forward check ({type(e).__name__}: {e}); "
+                           "pass a model spec or a factory instead of an instance") from None
+
+
+def float_dtype(net: Any) -> str:
+    """The dtype a model computes in: its first floating parameter's (float32 when it has none)."""
+    param = next((p for p in net.parameters() if p.is_floating_point()), None)
+    return "float32" if param is None else str(param.dtype).removeprefix("torch.")

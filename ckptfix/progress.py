@@ -20,7 +20,12 @@ def _size(n: float) -> str:
 
 
 class Progress:
-    """Counts bytes and tensors moved through ``rawcopy``; draws a bar after ~1 s on a terminal."""
+    """Counts bytes and tensors moved through ``rawcopy``; draws a bar after ~1 s on a terminal.
+
+    ``total_bytes`` is what will be written (after a dtype cast). A run that finishes ends on a full
+    line (``100%``, every tensor) even where a writer reports its bytes otherwise (tied tensors
+    written once, cast tensors the torch-zip writer adds without ``rawcopy``).
+    """
 
     def __init__(self, total_bytes: int, total_tensors: int, enabled: bool, stream: TextIO | None = None):
         self.total_bytes = total_bytes
@@ -39,9 +44,10 @@ class Progress:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         rawcopy.progress = None
+        if et is None and self.enabled and (self._drawn or time.perf_counter() - self.start >= 1.0):
+            self.bytes, self.tensors = self.total_bytes, self.total_tensors  # done: all of it is written
+            self._draw(force=True)
         if self._drawn:
-            if et is None:
-                self._draw(force=True)
             self.stream.write("\n")
             self.stream.flush()
 
@@ -62,7 +68,7 @@ class Progress:
             return
         self._last_draw = now
         self._drawn = True
-        pct = 100 * self.bytes / self.total_bytes if self.total_bytes else 100
+        pct = min(100, 100 * self.bytes / self.total_bytes) if self.total_bytes else 100
         rate = self.bytes / elapsed if elapsed > 0 else 0
         self.stream.write(
             f"\r  {_size(self.bytes)} / {_size(self.total_bytes)} ({pct:3.0f}%)  "

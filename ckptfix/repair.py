@@ -33,8 +33,12 @@ class Target:
     wrappers: list[str]
 
 
-def describe_target(model: Any) -> Target:
-    """Read a model's expectations from ``state_dict(keep_vars=True)``; tied keys share one object."""
+def describe_target(model: Any, float_dtype: Any = None) -> Target:
+    """Read a model's expectations from ``state_dict(keep_vars=True)``; tied keys share one object.
+
+    ``float_dtype`` (a torch dtype): the model as it will run after ``.to(float_dtype)``, every
+    floating entry that dtype (integer and bool buffers keep theirs).
+    """
     import torch
 
     sd = model.state_dict(keep_vars=True)
@@ -45,6 +49,8 @@ def describe_target(model: Any) -> Target:
         is_t = isinstance(value, torch.Tensor)
         shapes[key] = tuple(value.shape) if is_t else None
         dtypes[key] = dtype_name(value) if is_t else None
+        if is_t and float_dtype is not None and value.is_floating_point():
+            dtypes[key] = str(float_dtype).replace("torch.", "")
         if is_t:
             groups.setdefault(id(value), []).append(key)
     return Target(
@@ -268,6 +274,19 @@ def fit_to_model(state_dict: Mapping[str, Any], target: Target, source: str = "c
     return repair, check_fit(repaired, target)
 
 
+def nonfinite_keys(state_dict: Mapping[str, Any], keys: Iterable[str]) -> list[str]:
+    """Those of ``keys`` whose floating or complex tensor holds a NaN or an Inf (tensors on meta: not checked)."""
+    import torch
+
+    out = []
+    for k in keys:
+        t = state_dict.get(k)
+        if (isinstance(t, torch.Tensor) and t.device.type != "meta" and (t.is_floating_point() or t.is_complex())
+                and not bool(torch.isfinite(t).all())):
+            out.append(k)
+    return out
+
+
 def torch_fills_num_batches_tracked(key: str, state_dict: Any) -> bool:
     """BatchNorm adds a missing ``num_batches_tracked`` itself when the saved module version is < 2."""
     meta = getattr(state_dict, "_metadata", None) or {}
@@ -276,8 +295,9 @@ def torch_fills_num_batches_tracked(key: str, state_dict: Any) -> bool:
 
 
 def convert_command(path: str, keys: list[str], repair: Repair, target: Target, select: str | None,
-                    dtype: str | None = None) -> str | None:
-    """The ``ckptfix convert …`` line whose output plain ``torch.load`` + ``load_state_dict`` takes.
+                    dtype: str | None = None, ext: str = ".pth") -> str | None:
+    """The ``ckptfix convert …`` line writing ``PATH.fixed{ext}``, which plain ``torch.load`` (or
+    ``safetensors.torch.load_file``, for ``.safetensors``) + ``load_state_dict`` takes.
 
     Each candidate command is checked by running its key function over every key; ``None`` when
     no ``--to``/``--strip-prefix``/``--add-prefix`` combination reproduces the repair.
@@ -290,8 +310,8 @@ def convert_command(path: str, keys: list[str], repair: Repair, target: Target, 
     for strip in strips:
         fn = wrappers.key_transform(to, strip_prefix=strip, add_prefix=repair.add_prefix)
         if all(fn(k) == repair.fn(k) for k in keys):
-            stem = os.path.splitext(path)[0]
-            argv = ["ckptfix", "convert", path, f"{stem}.fixed.pth", "--to", to]
+            stem = os.path.splitext(path.rstrip("/") or path)[0]
+            argv = ["ckptfix", "convert", path, f"{stem}.fixed{ext}", "--to", to]
             argv += ["--strip-prefix", strip + "."] if strip else []
             argv += ["--add-prefix", repair.add_prefix + "."] if repair.add_prefix else []
             argv += ["--select", select] if select not in (None, "<nn.Module>") else []

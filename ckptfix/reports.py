@@ -169,7 +169,7 @@ class ConvertReport:
     wrappers_after: list[str]
     renamed: int
     num_tensors: int
-    nbytes: int
+    nbytes: int  # tensor bytes written (after a dtype cast)
     kept_extra: list[str]
     streamed: bool = False
     bytes_read: int = 0
@@ -180,6 +180,7 @@ class ConvertReport:
     sha256_out: str | None = None
     dtype_cast: dict[str, int] | None = None
     notes: list[str] = field(default_factory=list)
+    nbytes_in: int = 0  # tensor bytes in the source (differs from nbytes after a dtype cast)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,6 +200,7 @@ class LoadReport:
     unexpected: list[str]
     notes: list[str] = field(default_factory=list)
     tolerated: list[str] = field(default_factory=list)  # missing keys filled in: num_batches_tracked, tied twins
+    nonfinite: list[str] = field(default_factory=list)  # keys loaded holding NaN/Inf (refused with strict_values)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

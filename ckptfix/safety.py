@@ -3,8 +3,10 @@
 Nothing in a file is imported or executed here: pickles are walked opcode by opcode
 (:mod:`ckptfix.pickle_scan`), zip archives are checked byte by byte (:mod:`ckptfix.zip_check`),
 and every global is classed against torch's weights_only defaults and ckptfix's allow-list
-(:mod:`ckptfix.allowlist`). A file with an unsafe global or an ambiguous structure is refused
-before torch opens it; torch's weights_only unpickler with the same allow-list is the second line.
+(:mod:`ckptfix.allowlist`); :mod:`ckptfix.scan_files` holds the per-format scanners, this module
+the entry points and the directory formats. A file with an unsafe global or an ambiguous structure is
+refused before torch opens it; ckptfix's restricted unpickler (:mod:`ckptfix.unpickler`) is the
+second line.
 
 >>> report = ckptfix.scan("model.pth")          # doctest: +SKIP
 >>> report.ok, [g.name for g in report.globals if g.category == "unsafe"]
@@ -14,73 +16,19 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import limits as _limits
-from . import pickle_scan, zip_check
-from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals, classify, refused_build, refused_call
-from .errors import FormatError, LimitError, UnsafeCheckpointError
-from .allowlist import storage_itemsize
-from .formats import DCP, LEGACY_MAGIC, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff
+from . import pickle_scan
+from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals
+from .errors import FormatError, UnsafeCheckpointError
+from .formats import DCP, DEEPSPEED, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff
+from .scan_files import (PICKLE, Collector, Finding, GlobalRef, ScanReport, scan_legacy, scan_tar, scan_zip,
+                         starts_with_magic)
 
 __all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe", "allowed_globals", "SAFE", "ALLOWED", "UNSAFE"]
 
-PICKLE = "pickle"  # a plain pickle file: not a checkpoint, but scan reads it
-_LEGACY_PICKLES = ("pickle 1 (magic number)", "pickle 2 (protocol version)", "pickle 3 (system info)",
-                   "pickle 4 (the checkpoint)", "pickle 5 (storage keys)")
-_LEGACY_PROTOCOL_VERSION = 1001
 _CODE_KINDS = {"unsafe-global", "unsafe-construct", "torchscript-code", "malformed"}
-
-
-@dataclass
-class GlobalRef:
-    """A global the file references, how (``GLOBAL``, ``REDUCE``, …) and its class."""
-
-    name: str
-    category: str  # safe (torch's own) | allowed (ckptfix's allow-list) | unsafe
-    where: str
-    ops: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Finding:
-    """One reason the file is not safe to load: an unsafe global or a structural problem."""
-
-    kind: str
-    where: str
-    message: str
-
-
-@dataclass
-class ScanReport:
-    """What ``scan`` found; ``ok`` when nothing is unsafe."""
-
-    path: str
-    format: str
-    globals: list[GlobalRef] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
-    pickles: list[str] = field(default_factory=list)  # every pickle walked, by where it sits
-
-    @property
-    def ok(self) -> bool:
-        return not self.findings
-
-    @property
-    def unsafe_globals(self) -> list[str]:
-        return sorted({g.name for g in self.globals if g.category == UNSAFE})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "format": self.format,
-            "ok": self.ok,
-            "unsafe_globals": self.unsafe_globals,
-            "globals": [{"name": g.name, "class": g.category, "where": g.where, "ops": g.ops} for g in self.globals],
-            "findings": [asdict(f) for f in self.findings],
-            "pickles": self.pickles,
-        }
 
 
 def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by_caller: str | None = None) -> ScanReport:
@@ -96,10 +44,12 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
         return _scan_sharded(path, fmt, check_crc)
     if fmt == DCP:
         return _scan_dcp(path, check_crc)
+    if fmt == DEEPSPEED:
+        return _scan_deepspeed(path, check_crc)
     if fmt not in (SAFETENSORS, TORCH_ZIP, TORCHSCRIPT, TORCH_LEGACY, PICKLE):
         raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors), "
                           f"sharded checkpoints and DCP directories, not {fmt}")
-    c = _Collector(path, fmt)
+    c = Collector(path, fmt)
     if fmt == SAFETENSORS:
         from .formats.safetensors_file import check_file
 
@@ -108,11 +58,11 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         size = len(buf)
         if fmt in (TORCH_ZIP, TORCHSCRIPT):
-            _scan_zip(c, buf, size, fmt == TORCHSCRIPT, check_crc, unpickled_by_caller)
+            scan_zip(c, buf, size, fmt == TORCHSCRIPT, check_crc, unpickled_by_caller)
         elif fmt == TORCH_LEGACY and opens_as_tar(path):  # torch.load tries tar first, as tarfile reads it
-            _scan_tar(c, legacy_too=_starts_with_magic(buf))
+            scan_tar(c, legacy_too=starts_with_magic(buf))
         elif fmt == TORCH_LEGACY:
-            _scan_legacy(c, buf, size)
+            scan_legacy(c, buf, size)
         else:
             for w in pickle_scan.walk_stack(buf, 0, min(size, _limits.current().max_pickle_bytes), "pickle"):
                 c.add_walk(w)
@@ -125,13 +75,28 @@ def _scan_sharded(path: str, fmt: str, check_crc: bool) -> ScanReport:
 
     index = sharded.find_index(path) or path
     root = os.path.dirname(os.path.abspath(index))
-    report = ScanReport(path, fmt)
+    c = Collector(path, fmt)
     for shard in dict.fromkeys(sharded.load_index(index).values()):
-        part = scan(sharded.member_path(root, shard, index), check_crc=check_crc)
-        report.globals += [GlobalRef(g.name, g.category, f"{shard}: {g.where}", g.ops) for g in part.globals]
-        report.findings += [Finding(f.kind, f"{shard}: {f.where}", f"{shard}: {f.message}") for f in part.findings]
-        report.pickles += [f"{shard}: {w}" for w in part.pickles]
-    return report
+        c.merge_report(shard, scan(sharded.member_path(root, shard, index), check_crc=check_crc))
+    return c.finish()
+
+
+def _scan_deepspeed(path: str, check_crc: bool) -> ScanReport:
+    """A DeepSpeed checkpoint's tag directory: every model_states and optim_states file as a torch zip of
+    its own, DeepSpeed's loss scaler, ZeRO stage and fragment address allowed in the optim_states files
+    (ckptfix loads them as inert stand-ins; DeepSpeed's zero_to_fp32.py unpickles them fully)."""
+    from .formats import deepspeed
+    from .formats.deepspeed_pickle import optim_names
+
+    layout = deepspeed.locate(path)
+    c = Collector(path, DEEPSPEED)
+    for file in [*layout.model_files, *layout.optim_files]:
+        part = Collector(os.path.basename(file), TORCH_ZIP)
+        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            scan_zip(part, buf, len(buf), False, check_crc, also=optim_names() if file in layout.optim_files
+                      else frozenset())
+        c.merge(part)
+    return c.finish()
 
 
 def _scan_dcp(path: str, check_crc: bool) -> ScanReport:
@@ -141,7 +106,7 @@ def _scan_dcp(path: str, check_crc: bool) -> ScanReport:
     from .formats import dcp_metadata
     from .formats.dcp import record_ranges
 
-    c = _Collector(path, DCP)
+    c = Collector(path, DCP)
     meta_path = os.path.join(path, dcp_metadata.METADATA)
     data = dcp_metadata.read_bytes(meta_path)
     also = dcp_metadata.metadata_names()
@@ -150,13 +115,16 @@ def _scan_dcp(path: str, check_crc: bool) -> ScanReport:
         c.add_walk(w, also)
     if walks and walks[0].end is not None and walks[0].end < len(data):
         c.find("trailing-data", ".metadata", f"{len(data) - walks[0].end} bytes follow the pickle in .metadata")
+    meta_pt = os.path.join(path, "meta.pt")  # Lightning's sharded checkpoints: everything but the weights
+    if os.path.isfile(meta_pt):
+        c.merge_report("meta.pt", scan(meta_pt, check_crc=check_crc))
     if c.findings or any(g.category == UNSAFE for g in c.globals.values()):
         return c.finish()  # the records' places come from .metadata: not read unless it is clean
     for file, ranges in record_ranges(path).items():
         with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             for what, start, length in ranges:
-                record = _Collector(f"{os.path.basename(file)} [{what}]", TORCH_ZIP)
-                _scan_zip(record, memoryview(buf)[start : start + length], length, False, check_crc)
+                record = Collector(f"{os.path.basename(file)} [{what}]", TORCH_ZIP)
+                scan_zip(record, memoryview(buf)[start : start + length], length, False, check_crc)
                 c.merge(record)
     return c.finish()
 
@@ -204,236 +172,3 @@ def _scan_format(path: str) -> str:
     if len(head) == 2 and head[0] == 0x80 and head[1] <= 5:
         return PICKLE
     raise not_checkpoint
-
-
-class _Collector:
-    def __init__(self, path: str, fmt: str):
-        self.path, self.fmt = path, fmt
-        self.globals: dict[tuple[str, str], GlobalRef] = {}
-        self.findings: list[Finding] = []
-        self.errors: list[tuple[str, str, bool]] = []  # (where, message, a pickle broke): damage, not danger
-        self.pickles: list[str] = []
-
-    def find(self, kind: str, where: str, message: str) -> None:
-        self.findings.append(Finding(kind, where, message))
-
-    def add_walk(self, w: pickle_scan.Walk, also: frozenset[str] = frozenset()) -> None:
-        """Record a walked pickle; ``also``: names allowed in this pickle only (created with NEWOBJ and
-        given state with BUILD), such as DCP's metadata classes in its ``.metadata``."""
-        self.pickles.append(w.where)
-        # Allowed globals that take only certain arguments (getattr, numpy's _reconstruct) are unsafe
-        # in a pickle that calls them with others.
-        misused: dict[str, str] = {}
-        for call in w.calls:
-            name = call.func.full
-            if name in also:
-                continue
-            reason = refused_call(name, call.args, call.op)
-            if reason is None and call.built:
-                reason = refused_build(name, call.state)
-            if reason is not None:
-                misused.setdefault(name, reason)
-        for use in w.uses:
-            g = self.globals.get((use.full, w.where))
-            if g is None:
-                category = UNSAFE if use.full in misused else ALLOWED if use.full in also else classify(
-                    use.module, use.name)
-                g = self.globals[(use.full, w.where)] = GlobalRef(use.full, category, w.where)
-            if use.op not in g.ops:
-                g.ops.append(use.op)
-        for problem in [*w.problems, *misused.values()]:
-            self.find("unsafe-construct", w.where, f"{w.where}: {problem}")
-        if w.error:
-            self.errors.append((w.where, f"{w.where} is truncated or corrupt ({w.error})", True))
-
-    def damage(self, where: str, message: str) -> None:
-        self.errors.append((where, message, False))
-
-    def merge(self, other: _Collector) -> None:
-        """Take another collector's results (a part of this checkpoint), named by its path."""
-        for (name, where), g in other.globals.items():
-            label = f"{other.path}: {where}"
-            self.globals[(name, label)] = GlobalRef(g.name, g.category, label, g.ops)
-        self.findings += [Finding(f.kind, f"{other.path}: {f.where}", f"{other.path}: {f.message}") for f in other.findings]
-        self.errors += [(f"{other.path}: {w}", f"{other.path}: {m}", b) for w, m, b in other.errors]
-        self.pickles += [f"{other.path}: {p}" for p in other.pickles]
-
-    def finish(self) -> ScanReport:
-        unsafe = [Finding("unsafe-global", g.where, f"unsafe global {g.name} ({', '.join(g.ops)}) in {g.where}")
-                  for g in self.globals.values() if g.category == UNSAFE]
-        findings = unsafe + self.findings
-        if findings:
-            # A pickle that breaks after a payload still runs the payload: report both.
-            findings += [Finding("malformed", where, msg + ("; an unpickler runs everything before the break"
-                                                            if broke else "")) for where, msg, broke in self.errors]
-        elif self.errors:
-            more = f" (and {len(self.errors) - 1} more problems)" if len(self.errors) > 1 else ""
-            raise FormatError(f"{self.path}: {self.errors[0][1]}{more}")
-        return ScanReport(self.path, self.fmt, list(self.globals.values()), findings, self.pickles)
-
-
-def _scan_zip(c: _Collector, buf: Any, size: int, torchscript: bool, check_crc: bool,
-              unpickled_by_caller: str | None = None) -> None:
-    layout = zip_check.check_zip(c.path, buf, size, torchscript=torchscript, check_crc=check_crc)
-    for kind, where, message in layout.findings:
-        c.find(kind, where, message)
-    for error in layout.errors:
-        c.damage("archive", error)
-    for name, data in layout.alternate:  # what another reader would unpickle: say what it would run
-        for w in pickle_scan.walk_stack(data, 0, len(data), f"{name} (as Python's zipfile reads it)"):
-            c.add_walk(w)
-    for start, end in layout.unreferenced:  # hidden bytes that hold a pickle: say what it would run
-        if buf[start] == 0x80:
-            hidden = bytes(buf[start : min(end, start + _limits.current().max_pickle_bytes)])
-            for w in pickle_scan.walk_stack(hidden, 0, len(hidden), f"unreferenced bytes at {start}"):
-                c.add_walk(w)
-    names = [m.name for m in layout.members]
-    for i, m in enumerate(layout.members):
-        if not zip_check.is_pickle(m.name) or m.flags & 1 or m.compress_type not in (0, 8):
-            continue  # encrypted / unknown compression: already a finding
-        if unpickled_by_caller and m.name == f"{layout.root}/{unpickled_by_caller}" and layout.unique(m.name) is m:
-            continue  # the caller unpickles it with ckptfix's restricted unpickler and checks its end
-        where = m.name if names.count(m.name) == 1 else f"{m.name} (entry {i + 1})"
-        try:
-            data = zip_check.read_member(m, buf)
-        except LimitError as e:
-            c.find("resource-limit", where, f"member {where}: {e}")
-            continue
-        except ValueError as e:
-            c.damage(where, f"member {where} {e}")
-            continue
-        walks = pickle_scan.walk_stack(data, 0, len(data), where)
-        for w in walks:
-            c.add_walk(w)
-        first_end = walks[0].end if walks else 0
-        if first_end is not None and first_end < len(data):
-            c.find("trailing-data", where, f"{len(data) - first_end} bytes follow the pickle in {where} "
-                   "(torch ignores them; a second pickle can hide there)")
-    code = [n for n in names if n.startswith(f"{layout.root}/code/") and n.endswith(".py")]
-    if torchscript:
-        c.find("torchscript-code", "archive",
-               f"a TorchScript archive: loading it runs the code in {len(code)} file(s) under {layout.root}/code/ "
-               "(`ckptfix inspect` lists its tensors without running it)")
-
-
-def _starts_with_magic(buf: Any) -> bool:
-    w = pickle_scan.walk(bytes(buf[:64]), 0, "magic")
-    return w.end is not None and w.value == LEGACY_MAGIC
-
-
-def _scan_legacy(c: _Collector, buf: Any, size: int) -> None:
-    """A legacy file is five stacked pickles, every one unpickled by torch, then raw storages."""
-    pos, walks = 0, []
-    for label in _LEGACY_PICKLES:
-        w = pickle_scan.walk(buf, pos, label)
-        c.add_walk(w)
-        walks.append(w)
-        if w.end is None:
-            return
-        pos = w.end
-    if walks[0].value != LEGACY_MAGIC or walks[1].value != _LEGACY_PROTOCOL_VERSION:
-        c.damage(walks[1].where, f"is not a torch legacy file (magic {walks[0].value!r}, protocol {walks[1].value!r})")
-        return
-    try:
-        end = _storages_end(c, walks[3].persistent_ids, walks[4].value, buf, pos, size)
-    except _Truncated as e:
-        c.damage("storage data", f"is truncated: {e}")
-        return
-    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
-        c.damage("storage data", f"its storage data does not match the pickle's storages ({e})")
-        return
-    if end < size:
-        c.find("data-after", "file", f"{size - end} bytes after the end of the checkpoint's storage data")
-        if buf[end] == 0x80:
-            for w in pickle_scan.walk_stack(buf, end, size, f"data after the checkpoint (byte {end})"):
-                c.add_walk(w)
-
-
-def _storages_end(c: _Collector, pids: list[Any], keys: Any, buf: Any, pos: int, size: int) -> int:
-    """Check the raw storages (int64 element count, then the bytes) in pickle 5's key order against the
-    storages pickle 4 declares, and return where they end. A declared storage that no record fills
-    would load as uninitialised memory: that is a finding, not just damage."""
-    declared: dict[str, tuple[int, int]] = {}  # root key -> (element size, elements)
-    for pid in pids:
-        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage")):
-            raise ValueError(f"persistent id {pid!r:.60} is not a storage")
-        itemsize = storage_itemsize(getattr(pid[1], "name", ""))
-        if itemsize is None or type(pid[4]) is not int or pid[4] < 0:
-            raise ValueError(f"storage {pid[2]!r:.40} has an unknown type or size")
-        declared.setdefault(str(pid[2]), (itemsize, pid[4]))
-        view = pid[5] if len(pid) > 5 else None
-        if view is not None and not (isinstance(view, tuple) and len(view) == 3 and all(type(v) is int for v in view[1:])
-                                     and 0 <= view[1] and view[1] + view[2] <= pid[4] and view[2] >= 0):
-            c.find("out-of-bounds", "pickle 4 (the checkpoint)",
-                   f"a storage view {view!r:.60} lies outside its storage of {pid[4]} elements")
-    keys = [str(k) for k in keys]
-    unfilled = [k for k in declared if k not in keys]
-    if unfilled:
-        c.find("uninitialised", "storage data",
-               f"{len(unfilled)} storage(s) ({', '.join(unfilled[:5])}) are declared but their bytes are not in the "
-               "file: torch would hand out uninitialised memory for them")
-    if len(set(keys)) != len(keys):
-        c.find("uninitialised", "storage data", "a storage is listed twice in pickle 5: its bytes would be read twice")
-    for i, key in enumerate(keys):
-        if key not in declared:
-            raise KeyError(f"pickle 5 lists storage {key!r}, which the checkpoint does not declare")
-        itemsize, numel = declared[key]
-        stored = struct.unpack("<q", buf[pos : pos + 8])[0] if pos + 8 <= size else -1
-        pos += 8 + max(stored, 0) * itemsize
-        if stored < 0 or pos > size:
-            raise _Truncated(f"storage {i + 1} of {len(keys)} runs past the end of the file")
-        if stored != numel:
-            raise ValueError(f"storage {key!r} holds {stored} elements, the pickle declares {numel}")
-    return pos
-
-
-class _Truncated(ValueError):
-    pass
-
-
-def _scan_tar(c: _Collector, legacy_too: bool) -> None:
-    """torch < 0.4 tar files: torch.load tries tarfile first and, without weights_only, unpickles its
-    members (and extracts them to a temporary directory): always a finding; list what they reference."""
-    import io
-    import tarfile
-
-    limit = _limits.current().max_pickle_bytes
-
-    class Bounded(io.RawIOBase):  # tarfile reads header extensions whole: never more than the limit
-        def __init__(self, f: Any):
-            super().__init__()
-            self.f = f
-
-        def readable(self) -> bool:
-            return True
-
-        def seekable(self) -> bool:
-            return True
-
-        def seek(self, pos: int, whence: int = 0) -> int:
-            return self.f.seek(pos, whence)
-
-        def tell(self) -> int:
-            return self.f.tell()
-
-        def readinto(self, out: Any) -> int:
-            if len(out) > limit:
-                raise OSError(f"a tar record of {len(out)} bytes is beyond the limit max_pickle_bytes")
-            return self.f.readinto(out)
-
-    try:
-        with open(c.path, "rb") as raw, tarfile.open(fileobj=io.BufferedReader(Bounded(raw)), mode="r:") as tar:
-            for member in tar:
-                if not member.isfile() or member.size > limit:
-                    continue
-                f = tar.extractfile(member)
-                data = f.read() if f is not None else b""
-                if data[:1] == b"\x80":
-                    for w in pickle_scan.walk_stack(data, 0, len(data), f"tar member {member.name}"):
-                        c.add_walk(w)
-    except (tarfile.TarError, KeyError, OSError) as e:
-        c.damage("archive", f"is a corrupt legacy tar checkpoint ({e})")
-    c.find("tar-format", "archive", "a torch < 0.4 tar checkpoint: torch loads these only with full unpickling")
-    if legacy_too:
-        c.find("polyglot", "archive", "the file is both a tar archive and a legacy torch pickle stream: torch.load "
-                                      "reads it as the tar, other readers as the pickles")

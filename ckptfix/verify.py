@@ -2,26 +2,31 @@
 
 The keys are first adapted to the model with the repair ckptfix knows (:mod:`ckptfix.repair`).
 Without ``exact`` the checkpoint passes when the repaired state dict loads strictly (dtypes are
-cast, so they are warnings); with ``exact`` it must load as saved through plain
-``torch.load`` + ``load_state_dict(strict=True)`` with every dtype the model's.
+cast, so they are warnings); with ``exact`` it must load as saved through the serving code's own
+loader — plain ``torch.load(weights_only=True)`` for a torch file, ``safetensors.torch.load_file``
+for a safetensors file — and ``load_state_dict(strict=True)``, every dtype the model's (in the
+serving ``dtype`` when one is given). Forward outputs are compared with a ``reference`` checkpoint's
+and with ``golden`` outputs (:mod:`ckptfix.golden`).
 
 >>> ckptfix.verify("run.pth", "torchvision:resnet18", reference="orig.pth").ok   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import forward as fwd
+from . import golden as gold
 from . import models, repair, wrappers
 from .atomic import sha256_file
 from .errors import CkptfixError
+from .inputs import InputRecipe, describe_recipe, resolve_input
 
-_TORCH_FORMATS = ("torch-zip", "torch-legacy")  # what plain torch.load reads
+#: What the serving code loads each single-file format with (``--exact``).
+_EXACT_LOADERS = {"torch-zip": "torch.load(weights_only=True)", "torch-legacy": "torch.load(weights_only=True)",
+                  "safetensors": "safetensors.torch.load_file"}
 _SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # convert --dtype names
 
 
@@ -53,13 +58,17 @@ class VerifyReport:
     suggestions: list[dict[str, Any]] = field(default_factory=list)
     convert_command: str | None = None
     notes: list[str] = field(default_factory=list)
+    model_dtype: str | None = None
+    golden: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def format_text(self) -> str:
         """The readable summary: verdict, repair, then each problem with its keys, counts first."""
-        mode = "--exact: as plain torch.load would load it" if self.exact else "repairs allowed"
+        loader = _EXACT_LOADERS.get(self.format, "torch.load(weights_only=True)")
+        mode = f"--exact: as {loader} + strict load_state_dict would load it" if self.exact else "repairs allowed"
+        mode += f"; model in {self.model_dtype}" if self.model_dtype else ""
         lines = [f"{'VERIFIED' if self.ok else 'FAILED'}: {self.checkpoint} against {self.model} ({mode})",
                  f"  keys: {self.fix or 'as saved'}: {self.matched}/{self.total} keys match"]
         if self.convert_command:
@@ -69,11 +78,19 @@ class VerifyReport:
             if keys:
                 lines.append(f"  {name} ({len(keys)}):")
                 lines += [f"    {g}" for g in repair.group_keys(keys)]
-        for name, rows in (("shape mismatch", self.shape_mismatch), ("dtype mismatch", self.dtype_mismatch)):
-            if rows:
-                lines.append(f"  {name} ({len(rows)}){' (warning: cast on load)' if name[0] == 'd' and not self.exact else ''}:")
-                lines += [f"    {r['key']}: checkpoint {r['checkpoint']}, model {r['model']}" for r in rows[:20]]
-                lines += [f"    … and {len(rows) - 20} more"] if len(rows) > 20 else []
+        if self.shape_mismatch:
+            rows = self.shape_mismatch
+            lines.append(f"  shape mismatch ({len(rows)}):")
+            lines += [f"    {r['key']}: checkpoint {r['checkpoint']}, model {r['model']}" for r in rows[:20]]
+            lines += [f"    … and {len(rows) - 20} more"] if len(rows) > 20 else []
+        if self.dtype_mismatch:
+            lines.append(f"  dtype mismatch ({len(self.dtype_mismatch)}){'' if self.exact else ' (warning: cast on load)'}:")
+            by_cast: dict[str, list[str]] = {}
+            for r in self.dtype_mismatch:
+                by_cast.setdefault(f"checkpoint {r['checkpoint']}, model {r['model']}", []).append(r["key"])
+            for cast, keys in by_cast.items():
+                lines.append(f"    {cast} ({len(keys)}):")
+                lines += [f"      {g}" for g in repair.group_keys(keys)]
         for row in self.shared_mismatch:
             lines.append(f"  tied weights arrive as different tensors: {', '.join(row['keys'])} ({row['reason']})")
         nbt = [r["key"] for r in self.tolerated if r["kind"] == "num_batches_tracked"]
@@ -84,66 +101,16 @@ class VerifyReport:
         for c in (self.forward or {}).get("against", []):
             diff = "output structure differs" if c["max_abs_diff"] is None else f"max abs diff {c['max_abs_diff']:.3g}"
             lines.append(f"  forward vs {c['what']} {c['path']}: {diff} ({'ok' if c['ok'] else 'DIFFERS'}; "
-                         f"{fwd.describe_tolerance(c)}; "
-                         f"input {'x'.join(map(str, c['input_shape']))}, seed {c['seed']})")
+                         f"{fwd.describe_tolerance(c)}; {describe_recipe(c['input'])})")
+        if self.golden and self.golden["action"] == "recorded":
+            outs = ", ".join(f"{k} {v['dtype']} {'x'.join(map(str, v['shape']))}" for k, v in self.golden["outputs"].items())
+            lines.append(f"  golden: recorded {outs} to {self.golden['path']} ({describe_recipe(self.golden['input'])})")
         lines += [f"  FAIL: {f}" for f in self.failures]
         lines += [f"  warning: {w}" for w in self.warnings]
         lines += [f"  suggestion: {s['text']}" for s in self.suggestions]
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  sha256: {self.sha256}"] if self.sha256 else []
         return "\n".join(lines)
-
-
-class _ModelSource:
-    """Where model instances come from: a spec (built), a factory (called) or a module (copied)."""
-
-    def __init__(self, model: Any, args: dict[str, Any] | None):
-        import torch
-
-        self.model, self.args = model, args or {}
-        if isinstance(model, str):
-            self.label = model + "".join(f" {k}={v!r}" for k, v in self.args.items())
-        elif isinstance(model, torch.nn.Module):
-            self.label = type(models.unwrap_model(model)).__name__
-        elif callable(model):
-            self.label = getattr(model, "__qualname__", repr(model))
-        else:
-            raise CkptfixError(f"model: expected an nn.Module, a model spec string or a factory, got {type(model).__name__}")
-
-    def structure(self, meta: bool) -> tuple[Any, bool]:
-        """``(model, is_fresh)`` to read keys from: the given module itself, or a new build."""
-        import torch
-
-        if isinstance(self.model, torch.nn.Module):
-            return self.model, False
-        return self.fresh(meta), not meta
-
-    def fresh(self, meta: bool = False) -> Any:
-        """A new instance; on ``meta`` (no memory) where the builder allows it."""
-        import torch
-
-        if isinstance(self.model, torch.nn.Module):
-            return _deepcopy(self.model)
-        if meta:
-            try:
-                with torch.device("meta"):
-                    return self._build()
-            except CkptfixError:
-                pass  # some builders need real tensors; build normally
-        return self._build()
-
-    def _build(self) -> Any:
-        if isinstance(self.model, str):
-            return models.build_model(self.model, self.args)
-        return models.call_factory(self.model, self.args, self.label)
-
-
-def _deepcopy(model: Any) -> Any:
-    try:
-        return copy.deepcopy(model)
-    except Exception as e:  # noqa: BLE001 - whatever the module holds that can't be copied
-        raise CkptfixError(f"model: can't make a fresh copy for the forward check ({type(e).__name__}: {e}); "
-                           "pass a model spec or a factory instead of an instance") from None
 
 
 def verify(
@@ -159,31 +126,52 @@ def verify(
     map_location: Any = "cpu",
     select: str = "auto",
     trust: bool = False,
-    manifest: Any = "auto",
     seed: int = fwd.INPUT_SEED,
     checksum: bool = True,
+    dtype: Any = None,
+    input_dtype: str | None = None,
+    input_range: tuple[float, float] | None = None,
+    inputs: Any = None,
+    golden: Any = None,
+    record_golden: bool = False,
 ) -> VerifyReport:
     """Check checkpoint ``path`` against ``model`` (an nn.Module, a spec such as
     ``'torchvision:resnet18'`` with ``model_args``, or a factory).
 
     ``forward=False`` reads on ``meta``: keys, shapes and dtypes only; with ``checksum=False`` too,
     nothing is hashed (``sha256`` is then None). A torch zip's CRC-32s are checked either way.
-    ``manifest='auto'`` compares with the outputs a fixtures ``manifest.json`` beside the file
-    records for it (same sha256).
+
+    ``dtype`` (``"fp16"``, ``"bf16"``, ``"fp32"`` or a torch dtype): the serving dtype. The model is
+    built, then ``.to(dtype)``: its dtypes are the ones ``exact`` demands, and the forward runs in it
+    (a ``reference`` too, its weights cast to it).
+
+    The input is ``inputs`` (a file path, a tensor, or a dict of tensors → ``model(**dict)``), else a
+    recipe seeded with ``seed``: ``input_shape``, ``input_dtype`` (``"float"``, ``"long"``, ``"int"``)
+    and ``input_range`` (``(0, 30522)``), inferred where unambiguous
+    (:func:`ckptfix.inputs.resolve_input`).
+
+    ``golden`` (a ``.safetensors`` path): when it exists, the outputs are compared with the ones it
+    records, on the input it records; when it doesn't (or ``record_golden``), this run's outputs are
+    written to it — only if everything else passed (``report.golden`` says which).
 
     ``atol``/``rtol`` (None or 0: not given): with none given, the output is compared bit for bit with
-    ``reference``'s (both computed in this run) and within :data:`ckptfix.forward.RECORDED_TOLERANCE`
-    for its dtype with a manifest's (recorded elsewhere); given, they apply to both. Each
-    ``forward['against']`` row says the atol/rtol it used.
+    ``reference``'s (both computed in this run) — within the default of the serving dtype
+    (:data:`ckptfix.forward.RECORDED_TOLERANCE`) when ``dtype`` is half precision — and within the
+    recorded-value default for its dtype with ``golden``'s (recorded elsewhere); given, they apply to
+    every comparison. Each ``forward['against']`` row says the atol/rtol it used and why.
     """
     from .api import read
 
+    if record_golden and golden is None:
+        raise CkptfixError("record_golden needs golden=PATH (--golden PATH): where to write the outputs")
     path = os.fspath(path)
     forward = forward and str(map_location).strip().lower() != "meta"  # meta holds no values to run
-    source = _ModelSource(model, model_args)
+    request = fwd.ForwardRequest(reference, golden, record_golden, atol, rtol, input_shape, input_dtype, input_range,
+                                 inputs, seed)
+    source = models.ModelSource(model, model_args, dtype)
     ckpt = read(path, map_location=map_location if forward else "meta", trust=trust, select=select)
     structure, is_fresh = source.structure(meta=not forward)
-    target = repair.describe_target(structure)
+    target = repair.describe_target(structure, float_dtype=source.dtype)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
     sha = sha256_file(path) if (checksum or forward) and os.path.isfile(path) else None  # a directory: no one hash
     report = VerifyReport(
@@ -191,24 +179,26 @@ def verify(
         unexpected=fit.unexpected, shape_mismatch=fit.shape_mismatch, dtype_mismatch=fit.dtype_mismatch,
         nonfinite=None, forward=None, sha256=sha, exact=exact, format=ckpt.format,
         state_dict_key=ckpt.state_dict_key, matched=chosen.matched, total=chosen.total,
-        non_tensor=fit.non_tensor, tolerated=fit.tolerated, notes=list(ckpt.notes),
+        non_tensor=fit.non_tensor, tolerated=fit.tolerated, notes=list(ckpt.notes), model_dtype=source.dtype_name,
     )
     cast = _cast_to(fit, target) if exact else None
-    if chosen.description or cast or (exact and (ckpt.state_dict_key is not None or ckpt.format not in _TORCH_FORMATS)):
+    if chosen.description or cast or (exact and (ckpt.state_dict_key is not None or ckpt.format not in _EXACT_LOADERS)):
+        ext = ".safetensors" if "safetensors" in ckpt.format else ".pth"  # a safetensors release stays one
         report.convert_command = repair.convert_command(path, list(ckpt.state_dict), chosen, target,
-                                                        ckpt.state_dict_key, dtype=cast)
+                                                        ckpt.state_dict_key, dtype=cast, ext=ext)
     _check_values(report, fit, target, has_data=forward)
     _judge_structure(report, fit, exact, ckpt, target)
     report.failures += crc_failures(path, ckpt.format)  # with or without the forward check
     if forward and fit.loads:
         net = structure if is_fresh else source.fresh()
-        _forward_checks(report, fit.state_dict, net, source, reference, input_shape, atol, rtol, seed,
-                        _manifest_entry(path, manifest, sha or "", ckpt.state_dict_key), map_location, trust)
+        _forward_checks(report, fit.state_dict, net, source, request, map_location, trust)
     elif forward:
-        report.notes.append("forward check skipped: the checkpoint does not load into the model")
+        report.notes.append("forward check skipped: the checkpoint does not load into the model" + request.ignored)
     else:
         report.notes.append("structure only (--no-forward): read on meta; NaN/Inf and forward not checked"
-                            + ("; --reference ignored" if reference is not None else ""))
+                            + request.ignored)
+    if golden is not None and report.golden is None:
+        report.golden = {"path": os.fspath(golden), "action": "skipped", "input": None, "outputs": None}
     report.ok = not report.failures
     return report
 
@@ -221,8 +211,7 @@ def _check_values(report: VerifyReport, fit: repair.Fit, target: repair.Target, 
 
     sd = fit.state_dict
     if has_data:
-        report.nonfinite = [k for k in target.shapes if isinstance(sd.get(k), torch.Tensor) and
-                            (sd[k].is_floating_point() or sd[k].is_complex()) and not bool(torch.isfinite(sd[k]).all())]
+        report.nonfinite = repair.nonfinite_keys(sd, target.shapes)
     for group in target.tied:
         present = [k for k in group if isinstance(sd.get(k), torch.Tensor)]
         views = {(storage_id(sd[k]), sd[k].storage_offset(), tuple(sd[k].shape), tuple(sd[k].stride())) for k in present}
@@ -277,16 +266,19 @@ def _judge_structure(report: VerifyReport, fit: repair.Fit, exact: bool, ckpt: A
 
 
 def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> list[str]:
-    """Why plain ``load_state_dict(torch.load(PATH, weights_only=True), strict=True)`` would not take it as is."""
+    """Why the serving loader — ``torch.load(PATH, weights_only=True)`` or ``safetensors.torch.load_file(PATH)``
+    — followed by ``load_state_dict(…, strict=True)`` would not take the file as is."""
     out = []
     how = f" (the repair: {report.fix})" if report.fix else ""
-    if ckpt.format not in _TORCH_FORMATS:
-        out.append(f"exact: plain torch.load can't read a {ckpt.format} file")
+    if ckpt.format not in _EXACT_LOADERS:
+        what = "directory" if os.path.isdir(ckpt.path) else "file"
+        out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
     if ckpt.state_dict_key is not None:
         out.append(f"exact: torch.load returns a dict with the state dict under {ckpt.state_dict_key!r}, not the state dict")
-    plain = repair.check_fit(ckpt.state_dict, target, fill=False)
+    as_loaded = _as_plainly_loaded(ckpt)
+    plain = repair.check_fit(as_loaded, target, fill=False)
     missing = plain.missing + [t["key"] for t in plain.tolerated
-                               if not repair.torch_fills_num_batches_tracked(t["key"], ckpt.state_dict)]
+                               if not repair.torch_fills_num_batches_tracked(t["key"], as_loaded)]
     problems = [f"{len(v)} {name}" for name, v in (("missing", missing), ("unexpected", plain.unexpected),
                                                    ("shape mismatch", plain.shape_mismatch), ("non-tensor", plain.non_tensor)) if v]
     if problems:
@@ -297,6 +289,17 @@ def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> l
     return out
 
 
+def _as_plainly_loaded(ckpt: Any) -> Any:
+    """The state dict as the plain loader returns it: for safetensors, only the header's tensors and no
+    ``_metadata`` (ckptfix's tied-weight aliases and module metadata are ckptfix's reader's, not load_file's)."""
+    if ckpt.format != "safetensors":
+        return ckpt.state_dict
+    from .formats.safetensors_file import read_header
+
+    _, entries, _ = read_header(ckpt.path)
+    return {k: v for k, v in ckpt.state_dict.items() if k in entries}
+
+
 def _cast_to(fit: repair.Fit, target: repair.Target) -> str | None:
     """``--dtype`` for convert when one cast makes every floating tensor the model's (its floats share one dtype)."""
     floats = {d for d in target.dtypes.values() if d and d.startswith(("float", "bfloat"))}
@@ -305,74 +308,74 @@ def _cast_to(fit: repair.Fit, target: repair.Target) -> str | None:
     return _SHORT_DTYPES.get(floats.pop())
 
 
-def _manifest_entry(path: str, manifest: Any, sha: str, selected: str | None = None) -> dict[str, Any] | None:
-    """The fixtures-manifest entry recorded for this very file (name and sha256 agree), if any;
-    with EMA weights selected, its ``output`` is the one recorded for them (``ema_output``)."""
-    if manifest is None:
-        return None
-    where = os.path.join(os.path.dirname(os.path.abspath(path)), "manifest.json") if manifest == "auto" else os.fspath(manifest)
-    try:
-        with open(where, encoding="utf-8") as f:
-            table = json.load(f).get("fixtures", {})
-    except (OSError, ValueError, AttributeError):
-        if manifest == "auto":
-            return None
-        raise CkptfixError(f"manifest {where}: can't be read as a fixtures manifest.json") from None
-    entry = table.get(os.path.basename(path)) if isinstance(table, dict) else None
-    if not isinstance(entry, dict) or entry.get("sha256") != sha or "output" not in entry:
-        return None
-    if selected is not None and selected in (entry.get("ema_keys") or []):
-        if "ema_output" not in entry:
-            return None
-        entry = {**entry, "output": entry["ema_output"]}
-    return {**entry, "manifest_path": where}
-
-
-def _forward_checks(report: VerifyReport, sd: Any, net: Any, source: _ModelSource, reference: Any,
-                    input_shape: tuple[int, ...] | None, atol: float | None, rtol: float | None, seed: int,
-                    entry: dict[str, Any] | None, map_location: Any, trust: bool) -> None:
-    """Load into a fresh model (strictly, as torch does) and compare outputs with the reference/manifest."""
+def _forward_checks(report: VerifyReport, sd: Any, net: Any, source: models.ModelSource, req: fwd.ForwardRequest,
+                    map_location: Any, trust: bool) -> None:
+    """Load into a fresh model (strictly, as torch does); run it on one input and compare its outputs
+    with the reference's and the golden file's; record the golden file when asked."""
     try:
         net.load_state_dict(sd, strict=True)
     except (RuntimeError, ValueError, TypeError) as e:
         report.failures.append(f"torch's load_state_dict refused the repaired state dict: {str(e).splitlines()[0]}")
         return
-    checks = []
-    if entry is not None:
-        shape, entry_seed = tuple(entry["input"]["shape"]), entry["input"].get("seed", seed)
-        out = fwd.run_model(net, fwd.seeded_input(shape, entry_seed))
-        checks.append(fwd.compare_outputs("manifest", entry["manifest_path"], out, fwd.as_tensor(entry["output"]),
-                                          atol, rtol, shape, entry_seed, recorded=True))
-    if reference is not None:
-        shape = _input_shape(input_shape, entry, net)
-        x = fwd.seeded_input(shape, seed)
-        ref_net = _load_reference(reference, source, map_location, trust)
-        checks.append(fwd.compare_outputs("reference", os.fspath(reference), fwd.run_model(net, x),
-                                          fwd.run_model(ref_net, x), atol, rtol, shape, seed))
-    if not checks:
+    if req.reference is None and req.golden is None:
         return
-    diffs = [c["max_abs_diff"] for c in checks]
-    report.forward = {"max_abs_diff": None if None in diffs else max(diffs), "ok": all(c["ok"] for c in checks),
-                      "atol": float(atol or 0.0), "rtol": float(rtol or 0.0), "against": checks}
+    recorded = _golden_to_compare(req, net)
+    recipe = resolve_input(net, req.input_shape, req.input_dtype, req.input_range, req.seed, req.inputs,
+                           recorded=recorded.input if recorded else None)
+    args, kwargs = recipe.make()
+    out = fwd.named_outputs(fwd.run_model(net, args, kwargs, recipe.describe()))
+    checks = []
+    if recorded is not None:
+        checks.append(fwd.compare_outputs("golden", recorded.path, out, recorded.outputs, req.atol, req.rtol, recipe,
+                                          default="recorded"))
+        report.golden = {"path": recorded.path, "action": "compared", "input": recipe.to_dict(),
+                         "outputs": gold.summary(recorded.outputs)}
+    if req.reference is not None:
+        ref_net = _load_reference(req.reference, source, map_location, trust)
+        want = fwd.named_outputs(fwd.run_model(ref_net, args, kwargs, recipe.describe()))
+        half = source.dtype_name not in (None, "float32")
+        checks.append(fwd.compare_outputs("reference", os.fspath(req.reference), out, want, req.atol, req.rtol, recipe,
+                                          default="dtype" if half else "exact"))
+    if checks:
+        diffs = [c["max_abs_diff"] for c in checks]
+        report.forward = {"max_abs_diff": None if None in diffs else max(diffs), "ok": all(c["ok"] for c in checks),
+                          "atol": float(req.atol or 0.0), "rtol": float(req.rtol or 0.0), "against": checks}
     for c in checks:
         if not c["ok"]:
             how = "a different output structure" if c["max_abs_diff"] is None else f"max abs diff {c['max_abs_diff']:.3g}"
             report.failures.append(f"forward output differs from the {c['what']} ({how}, {fwd.describe_tolerance(c)})")
+    if req.golden is not None and recorded is None:
+        _record_golden(report, os.fspath(req.golden), out, recipe, net, source.label)
 
 
-def _input_shape(given: tuple[int, ...] | None, entry: dict[str, Any] | None, net: Any) -> tuple[int, ...]:
-    if given:
-        return tuple(given)
-    if entry is not None:
-        return tuple(entry["input"]["shape"])
-    inferred = models.infer_input_shape(net)
-    if inferred is None:
-        raise CkptfixError(f"can't tell the input shape of {type(models.unwrap_model(net)).__name__} for the forward "
-                           "check; pass --input-shape (library: input_shape=(1, 3, 224, 224)), or --no-forward")
-    return inferred
+def _golden_to_compare(req: fwd.ForwardRequest, net: Any) -> gold.Golden | None:
+    """The golden file to compare with: None when there is none yet or it is to be recorded again."""
+    if req.golden is None or req.record_golden or not os.path.lexists(req.golden):
+        return None
+    recorded = gold.read_golden(req.golden)
+    runs_in = models.float_dtype(net)
+    if recorded.dtype != runs_in:
+        short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(recorded.dtype, recorded.dtype)
+        raise CkptfixError(f"golden {recorded.path}: recorded with the model in {recorded.dtype}, but it runs in "
+                           f"{runs_in} here; pass --dtype {short} (library: dtype={short!r}), or record it again "
+                           "(--record-golden)")
+    return recorded
 
 
-def _load_reference(reference: Any, source: _ModelSource, map_location: Any, trust: bool) -> Any:
+def _record_golden(report: VerifyReport, where: str, out: dict[str, Any], recipe: InputRecipe, net: Any,
+                   label: str) -> None:
+    """Write this run's outputs as the golden file, only when everything else passed."""
+    entry = {"path": where, "input": recipe.to_dict(), "outputs": gold.summary(out)}
+    if report.failures:
+        report.golden = {**entry, "action": "skipped"}
+        report.notes.append(f"golden outputs not recorded to {where}: the checkpoint failed verification")
+        return
+    gold.write_golden(where, out, entry["input"], models.float_dtype(net), model=label,
+                      checkpoint=os.path.basename(report.checkpoint.rstrip("/")), checkpoint_sha256=report.sha256)
+    report.golden = {**entry, "action": "recorded"}
+
+
+def _load_reference(reference: Any, source: models.ModelSource, map_location: Any, trust: bool) -> Any:
     from .api import read
 
     ref = read(reference, map_location=map_location, trust=trust)

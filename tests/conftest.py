@@ -101,6 +101,19 @@ def assert_close_to_recorded(got: Any, recorded: Any, what: str = "output") -> N
         f"{str(got.dtype).removeprefix('torch.')} (atol={atol:g}, rtol={rtol:g})")
 
 
+def golden_from_manifest(entry: dict[str, Any], path: Path, output: str = "output") -> Path:
+    """Write a fixtures manifest entry's recorded ``output`` (or ``ema_output``) and input recipe as a golden
+    file that ``verify --golden`` compares with (recorded on another machine, as a manifest's values are)."""
+    import torch
+
+    from ckptfix.golden import write_golden
+
+    recipe = {"shape": entry["input"]["shape"], "dtype": "float", "range": None, "seed": entry["input"]["seed"]}
+    write_golden(path, {"output": torch.tensor(entry[output], dtype=torch.float32)}, recipe, "float32",
+                 checkpoint=entry["file"])
+    return path
+
+
 def mapped_from(t: Any) -> str:
     """The file a tensor's memory is mapped from, per /proc/self/maps ('' for anonymous memory).
 

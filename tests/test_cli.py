@@ -161,3 +161,61 @@ def test_every_json_field_is_documented_in_readme(fixtures_dir: Path, tmp_path: 
             assert records, path  # the sample object has such a record to check
             nested = sorted({k for r in records for k in r if not re.search(rf"\b{k}\b", docs[command])})
             assert not nested, f"{command} --json {path} fields missing from its README JSON paragraph: {nested}"
+
+
+@pytest.mark.parametrize("args, code, error_type, message", [
+    (["inspect", "{tmp}/nope.pth"], 1, "MissingFileError", "{tmp}/nope.pth: no such file"),
+    (["convert", "{tmp}/nope.pth", "{tmp}/o.pth"], 1, "MissingFileError", "{tmp}/nope.pth: no such file"),
+    (["convert", "{fx}/mlp_ddp.pth", "{fx}/mlp_dp.pth"], 1, "DestinationError", "already exists; pass --force"),
+    (["verify", "{tmp}/nope.pth", "--model", "torch.nn:Linear"], 1, "MissingFileError", "no such file"),
+    (["verify", "{fx}/mlp_single.pth", "--model", "torchvision:resnet19"], 1, "ModelSpecError", "no model 'resnet19'"),
+    (["diff", "{fx}/mlp_single.pth", "{tmp}/nope.pth"], 1, "MissingFileError", "no such file"),
+    (["scan", "{tmp}/empty.pth"], 1, "FormatError", "is empty (0 bytes)"),
+    (["convert", "{fx}/mlp_ddp.pth", "{tmp}/o.pth", "--by-order"], 2, "UsageError", "--by-order and --model go together"),
+    (["diff", "{fx}/mlp_single.pth", "{fx}/mlp_ddp.pth", "--atol", "lots"], 2, "BadParameter", "'lots' is not a valid float"),
+])
+def test_json_failures_print_one_object_on_stdout(args: list[str], code: int, error_type: str, message: str,
+                                                  cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
+    """A CI step parses stdout whatever happened: with --json a failure is one object too."""
+    (tmp_path / "empty.pth").write_bytes(b"")
+    argv = [a.format(fx=fixtures_dir, tmp=tmp_path) for a in [*args, "--json"]]
+    res = cli_runner.invoke(cli, argv)
+    assert res.exit_code == code, res.output
+    obj = json.loads(res.stdout)
+    assert set(obj) == {"error", "error_type", "exit_code"} and (obj["exit_code"], obj["error_type"]) == (code, error_type)
+    assert message.format(tmp=tmp_path) in obj["error"] and "\n" not in obj["error"]
+    assert f"Error: {obj['error']}" in res.stderr  # the line on stderr is still there
+    without = cli_runner.invoke(cli, [a for a in argv if a != "--json"])
+    assert without.exit_code == code and without.stdout == ""  # without --json: nothing on stdout
+
+
+def test_json_failure_in_a_real_process(tmp_path: Path) -> None:
+    out = _run("verify", str(tmp_path / "nope.pth"), "--model", "torch.nn:Linear", "--json")
+    assert out.returncode == 1 and out.stderr == f"Error: {tmp_path / 'nope.pth'}: no such file\n"
+    assert json.loads(out.stdout) == {"error": f"{tmp_path / 'nope.pth'}: no such file",
+                                      "error_type": "MissingFileError", "exit_code": 1}
+
+
+def test_errors_are_also_the_builtin_types(fixtures_dir: Path, tmp_path: Path) -> None:
+    import errno
+
+    import ckptfix
+    from ckptfix.errors import DestinationError, FormatError, MissingFileError
+
+    with pytest.raises(FileNotFoundError) as missing:
+        ckptfix.read(tmp_path / "nope.pth")
+    e = missing.value
+    assert isinstance(e, MissingFileError) and isinstance(e, FormatError) and isinstance(e, ValueError)
+    assert (e.errno, e.filename, str(e)) == (errno.ENOENT, str(tmp_path / "nope.pth"), f"{tmp_path / 'nope.pth'}: no such file")
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="junk.pth") as malformed:
+        ckptfix.read(tmp_path / "junk.pth")
+    assert isinstance(malformed.value, FormatError) and not isinstance(malformed.value, OSError)
+    with pytest.raises(OSError, match="already exists; pass --force") as dest:
+        ckptfix.convert(fixtures_dir / "mlp_ddp.pth", fixtures_dir / "mlp_dp.pth")
+    assert isinstance(dest.value, DestinationError) and "\n" not in str(dest.value)
+    # one raised inside a write (the hashed name, known once written, exists) keeps its own message
+    first = ckptfix.convert(fixtures_dir / "mlp_single.pth", tmp_path / "o.safetensors", hash=True).dst  # same bytes
+    with pytest.raises(DestinationError) as hashed:
+        ckptfix.convert(fixtures_dir / "mlp_single.pth", tmp_path / "o.safetensors", hash=True)
+    assert str(hashed.value) == f"{first}: already exists; pass --force (library: force=True) to replace it"

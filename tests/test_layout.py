@@ -60,15 +60,17 @@ def test_put_back_keeps_layout_and_order() -> None:
     assert put_back(SD, None, new) is new
 
 
-# --- DeepSpeed ZeRO: 'module' is not always the weights (fixtures/layouts.py save_deepspeed, deepspeed 0.19.8) ---
+# --- DeepSpeed ZeRO model_states files without their optim_states: 'module' is not always the weights
+# (fixtures/deepspeed_layouts.py, deepspeed 0.19.8; consolidating with them: tests/test_deepspeed.py) ---
 
 @pytest.fixture
 def deepspeed(tmp_path: Path, train: Any) -> Callable[..., list[Path]]:
-    """``deepspeed(stage, precision)``: the model_states file(s) of a 2-rank DeepSpeed run, with the
-    zero_to_fp32.py DeepSpeed copies into the checkpoint directory (a stand-in: it is never run)."""
+    """``deepspeed(stage, precision)``: the model_states file(s) of a 2-rank DeepSpeed run without the
+    optim_states files, with the zero_to_fp32.py DeepSpeed copies into the checkpoint directory (a
+    stand-in: it is never run)."""
     def make(stage: int, precision: str) -> list[Path]:
         out = tmp_path / f"zero{stage}_{precision}"
-        paths = train._layouts().save_deepspeed(train, "mlp", out, stage, precision)
+        paths = train._layouts().save_deepspeed(train, "mlp", out, stage, precision, optim_states=False)
         (out / "zero_to_fp32.py").write_text("# DeepSpeed's consolidation script\n")
         return paths
     return make
@@ -97,8 +99,7 @@ def _verbs(path: Path, tmp_path: Path, train: Any, select: str) -> dict[str, Cal
 def test_deepspeed_zero_files_are_refused_with_what_to_do(stage: int, precision: str, deepspeed: Any, tmp_path: Path,
                                                           train: Any, cli_runner: Any) -> None:
     for path in deepspeed(stage, precision):
-        script = path.parent.parent / "zero_to_fp32.py"
-        todo = f"`python {script} {path.parent.parent} OUT_DIR -t global_step5`"
+        todo = f"which are not in {path.parent}: give the checkpoint directory (the one holding `latest`) or the tag directory"
         for verb, call in _verbs(path, tmp_path, train, "auto").items():
             with pytest.raises(DeepSpeedZeroError, match=ZERO_REFUSED[stage, precision]) as info:
                 call()
@@ -137,7 +138,8 @@ def test_deepspeed_half_copy_when_selected_deliberately(stage: int, precision: s
 def test_deepspeed_fp32_zero2_module_is_the_weights(deepspeed: Any, tmp_path: Path, train: Any) -> None:
     path = deepspeed(2, "fp32")[0]
     report = ckptfix.convert(path, tmp_path / "w.safetensors")
-    assert report.state_dict_key == "module" and "DeepSpeed ZeRO-2 (deepspeed 0.19.8, fp32): 'module' holds the model's full weights" in report.notes
+    assert report.state_dict_key == "module" and "DeepSpeed ZeRO-2 (deepspeed 0.19.8, fp32): 'module' holds the model's full weights; " \
+        "no *_optim_states.pt beside it to consolidate the fp32 master weights from" in report.notes
     net, _opt, _loss = train._train("mlp", "single")
     out = ckptfix.load(tmp_path / "w.safetensors")
     assert list(out) == list(net.state_dict()) and all(torch.equal(out[k], v) for k, v in net.state_dict().items())

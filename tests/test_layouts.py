@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close_to_recorded, recorded_tolerance
+from conftest import assert_close_to_recorded, golden_from_manifest, recorded_tolerance
 from torch import nn
 
 import ckptfix
@@ -86,11 +86,11 @@ def _read_back(train: Any, path: Path) -> Any:
     return _load_raw(train, path, "mmengine")
 
 
-def _expected(train: Any, fixtures_dir: Path, layout: Layout) -> dict[str, torch.Tensor]:
-    """The layout's weights in single form, the framework prefix stripped."""
+def _expected(train: Any, fixtures_dir: Path, layout: Layout, strip: bool = True) -> dict[str, torch.Tensor]:
+    """The layout's weights in single form, the framework prefix stripped (unless ``strip`` is False)."""
     raw = _load_raw(train, fixtures_dir / layout.file, layout.mode)
     sd = raw.state_dict() if layout.mode == "torchscript" else raw[layout.key]
-    return {k.removeprefix(layout.strip or ""): v for k, v in sd.items()}
+    return {k.removeprefix(layout.strip or "") if strip else k: v for k, v in sd.items()}
 
 
 def _output(train: Any, sd: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -111,8 +111,9 @@ def _read_output(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _convert(fixtures_dir: Path, layout: Layout, dst: Path, **kw: Any) -> Any:
+    strip = None if kw.get("keep_extra") else layout.strip  # a resumable checkpoint keeps the framework prefix
     return ckptfix.convert(fixtures_dir / layout.file, dst, select=layout.select, trust=layout.trust,
-                           strip_prefix=layout.strip, **kw)
+                           strip_prefix=strip, **kw)
 
 
 @pytest.mark.parametrize("to, fmt", [("single", "pth"), ("single", "safetensors"), ("ddp", "pth")])
@@ -138,7 +139,7 @@ def test_dtype_casts_the_weights_only(name: str, dtype: str, torch_dtype: torch.
                                       fixtures_dir: Path, train: Any) -> None:
     """Each float becomes exactly ``t.to(dtype)``; with --keep-extra the optimizer state stays fp32."""
     layout = LAYOUTS[name]
-    expected = _expected(train, fixtures_dir, layout)
+    expected = _expected(train, fixtures_dir, layout, strip=False)
     dst = tmp_path / "half.pth"
     report = _convert(fixtures_dir, layout, dst, dtype=dtype, keep_extra=True)
     assert report.dtype_cast == {f"float32->{str(torch_dtype)[6:]}": len(expected)}
@@ -250,7 +251,7 @@ def test_keep_extra_round_trip(name: str, to: str, tmp_path: Path, fixtures_dir:
         if key != layout.key:
             assert_same(out[key], src[key], key)
     prefix = "module." if to == "ddp" else ""
-    expected = _expected(train, fixtures_dir, layout)
+    expected = _expected(train, fixtures_dir, layout, strip=False)
     assert list(out[layout.key]) == [prefix + k for k in expected]
     assert all(torch.equal(out[layout.key][prefix + k], v) for k, v in expected.items())
 
@@ -306,12 +307,13 @@ def test_lightning_without_strip_keeps_the_attribute(tmp_path: Path, fixtures_di
 
 
 def test_lightning_verify_and_load_into_find_the_prefix(fixtures_dir: Path, manifest: dict, train: Any,
-                                                        cli_runner: Any) -> None:
+                                                        cli_runner: Any, tmp_path: Path) -> None:
     path = fixtures_dir / "mlp_lightning.ckpt"
-    report = ckptfix.verify(path, "fixtures/train.py:mlp")
+    golden = golden_from_manifest(manifest["mlp_lightning.ckpt"], tmp_path / "golden.safetensors")
+    report = ckptfix.verify(path, "fixtures/train.py:mlp", golden=golden)
     assert report.ok and report.fix == "strip prefix model." and (report.matched, report.total) == (6, 6)
     (check,) = report.forward["against"]
-    assert check["what"] == "manifest" and check["ok"] and check["tolerance"] == "recorded"
+    assert check["what"] == "golden" and check["ok"] and check["tolerance"] == "recorded"
     assert report.convert_command.startswith(f"ckptfix convert {path}") and "--strip-prefix model." in report.convert_command
     res = cli_runner.invoke(cli, ["verify", str(path), "--model", "fixtures/train.py:mlp"])
     assert res.exit_code == 0 and "strip prefix model.: 6/6 keys match" in res.stdout
@@ -336,7 +338,7 @@ def _resume(path: Path, train: Any) -> list[float]:
 def test_resume_from_converted_lightning_checkpoint(to: str, dtype: str | None, tmp_path: Path, fixtures_dir: Path,
                                                     train: Any) -> None:
     src = fixtures_dir / "mlp_lightning.ckpt"
-    ckptfix.convert(src, tmp_path / "resume.ckpt", to=to, strip_prefix="model.", keep_extra=True, dtype=dtype)
+    ckptfix.convert(src, tmp_path / "resume.ckpt", to=to, keep_extra=True, dtype=dtype)  # model. kept: resumable
     first = _resume(src, train)
     assert _resume(tmp_path / "resume.ckpt", train) == first and len(set(first)) == 5
 
@@ -470,11 +472,14 @@ def test_torchscript_inspect_and_trusted_extraction(fmt: str, tmp_path: Path, fi
 
 @pytest.mark.parametrize("select, expected", [("auto", "output"), ("state_dict_ema", "ema_output")])
 def test_verify_compares_the_selected_weights_with_their_recorded_output(select: str, expected: str,
-                                                                          fixtures_dir: Path, manifest: dict) -> None:
-    report = ckptfix.verify(fixtures_dir / "mlp_timm.pth.tar", str(fixtures_dir / "train.py") + ":mlp", select=select)
+                                                                          fixtures_dir: Path, manifest: dict,
+                                                                          tmp_path: Path) -> None:
+    golden = golden_from_manifest(manifest["mlp_timm.pth.tar"], tmp_path / "golden.safetensors", output=expected)
+    report = ckptfix.verify(fixtures_dir / "mlp_timm.pth.tar", str(fixtures_dir / "train.py") + ":mlp", select=select,
+                            golden=golden)
     assert report.ok, report.failures
     (check,) = report.forward["against"]
-    assert check["what"] == "manifest" and check["ok"] and check["tolerance"] == "recorded"
+    assert check["what"] == "golden" and check["ok"] and check["tolerance"] == "recorded"
     # the other recorded output is far outside that tolerance: comparing with it would fail
     other = torch.tensor(manifest["mlp_timm.pth.tar"]["ema_output" if expected == "output" else "output"])
     atol, rtol = recorded_tolerance(other)

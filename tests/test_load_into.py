@@ -135,3 +135,29 @@ def test_into_a_cuda_model(fixtures_dir: Path, manifest: dict, train: Any, mode:
     loaded = model.state_dict()
     for key, value in _fixture_tensors(fixtures_dir / entry["file"]).items():
         assert torch.equal(loaded[key].cpu(), value), key
+
+
+@pytest.mark.parametrize("target", ["plain", "dp"])
+def test_nonfinite_values_warn_or_are_refused(fixtures_dir: Path, tmp_path: Path, train: Any, target: str) -> None:
+    sd = torch.load(fixtures_dir / "mlp_ddp.pth", weights_only=True)
+    sd["module.2.bias"][3] = float("nan")
+    sd["module.4.weight"][0, 1] = float("-inf")
+    torch.save(sd, tmp_path / "nan.pth")
+    model = TARGETS[target](train.mlp())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(LoadError, match=r"nan\.pth: 2 tensor\(s\) hold NaN/Inf values: .*2\.bias, .*4\.weight; "
+                                        "nothing was loaded"):
+        ckptfix.load_into(model, tmp_path / "nan.pth", strict_values=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # untouched
+    prefix = "module." if target == "dp" else ""
+    with pytest.warns(UserWarning, match=rf"2 tensor\(s\) hold NaN/Inf values: {prefix}2\.bias, {prefix}4\.weight") as seen:
+        report = ckptfix.load_into(model, tmp_path / "nan.pth")
+    assert seen[0].filename == __file__  # points at the caller's line
+    assert report.nonfinite == [f"{prefix}2.bias", f"{prefix}4.weight"]
+    assert any("hold NaN/Inf values" in n for n in report.notes)
+    assert torch.isnan(model.state_dict()[f"{prefix}2.bias"][3])
+
+
+def test_finite_values_load_without_a_warning(fixtures_dir: Path, train: Any, recwarn: pytest.WarningsRecorder) -> None:
+    report = ckptfix.load_into(train.mlp(), fixtures_dir / "mlp_single.pth", strict_values=True)
+    assert report.nonfinite == [] and not [w for w in recwarn if "NaN" in str(w.message)]

@@ -100,3 +100,42 @@ def test_parse_shape() -> None:
     for bad in ("", "1,a", "0,3"):
         with pytest.raises(CkptfixError, match="expected positive sizes"):
             parse_shape(bad)
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30522, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: Any = None) -> torch.Tensor:
+        return self.embed(input_ids) * attention_mask.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("make, first, vocab, needs", [
+    (lambda: nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 3)), nn.Embedding, 50, ["input"]),
+    (lambda: nn.DataParallel(nn.Sequential(nn.ReLU(), nn.EmbeddingBag(7, 2))), nn.EmbeddingBag, 7, ["input"]),
+    (lambda: torch.compile(_Pair(), backend="eager"), nn.Embedding, 30522, ["input_ids", "attention_mask"]),
+    (lambda: nn.Sequential(nn.Linear(13, 2)), nn.Linear, None, ["input"]),
+    (lambda: nn.Sequential(nn.ReLU()), type(None), None, ["input"]),
+])
+def test_what_a_model_takes(make: Any, first: type, vocab: int | None, needs: list[str]) -> None:
+    from ckptfix.models import embedding_size, first_layer, forward_arguments
+
+    model = make()
+    assert isinstance(first_layer(model), first)
+    assert embedding_size(model) == vocab and forward_arguments(model) == needs
+
+
+@pytest.mark.parametrize("dtype, want", [(None, torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16),
+                                         (torch.float16, torch.float16)])
+def test_model_source_builds_in_the_serving_dtype(dtype: Any, want: torch.dtype) -> None:
+    from ckptfix.models import ModelSource, float_dtype
+
+    given = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    for model in ("torch.nn:Linear", given):
+        source = ModelSource(model, {"in_features": 3, "out_features": 2} if isinstance(model, str) else None, dtype)
+        net = source.fresh()
+        assert float_dtype(net) == str(want).removeprefix("torch.") and net is not given
+        assert all(t.dtype == want for t in net.state_dict().values() if t.is_floating_point())
+    assert given[1].num_batches_tracked.dtype == torch.int64 and given[0].weight.dtype == torch.float32  # untouched
+    assert source.fresh()[1].num_batches_tracked.dtype == torch.int64  # integer buffers keep theirs

@@ -153,6 +153,39 @@ def test_progress_line_only_on_a_terminal_and_not_quiet(tty: bool, enabled: bool
         assert stream.text == ""
 
 
+@pytest.mark.parametrize("dst, kwargs", [
+    ("o.safetensors", {"dtype": "fp16"}),  # half the bytes are written
+    ("o.pth", {"dtype": "bf16"}),  # cast tensors the zip writer adds itself
+    ("shards", {"max_shard_size": "300KB"}),
+    ("shards", {"max_shard_size": "300KB", "format": "pth", "dtype": "fp16"}),
+    ("o.pth", {}),  # a tied tensor is written once
+    ("legacy", {}),  # a legacy source: loaded, written from memory
+])
+def test_progress_line_ends_at_100_percent(dst: str, kwargs: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           cli_runner) -> None:
+    from ckptfix import progress
+    from ckptfix.cli import cli
+
+    sd = {f"module.l{i}": torch.zeros(256, 256) for i in range(8)}
+    sd["module.tied"] = sd["module.l0"]
+    src = tmp_path / "p.pth"
+    torch.save(sd, src, _use_new_zipfile_serialization=dst != "legacy")
+    stream = _Tty(True)
+    clock = iter(range(0, 10_000, 2))
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(progress.sys, "stderr", stream)
+    report = ckptfix.convert(src, tmp_path / ("o.pth" if dst == "legacy" else dst), progress=True, **kwargs)
+    half = kwargs.get("dtype") in ("fp16", "bf16")
+    assert (report.nbytes_in, report.nbytes) == (2 << 20, (1 << 20) if half else (2 << 20))  # bytes written
+    size = "1.0 MiB" if half else "2.0 MiB"
+    assert stream.text.rsplit("\r", 1)[-1].startswith(f"  {size} / {size} (100%)  9/9 tensors"), stream.text
+    assert stream.text.endswith("\n")
+    assert stream.text.count("%)") >= 8 if dst != "legacy" else True  # counted tensor by tensor, casts included
+    if "dtype" in kwargs and dst == "o.safetensors":
+        res = cli_runner.invoke(cli, ["convert", str(src), str(tmp_path / "c.safetensors"), "--dtype", "fp16", "-q"])
+        assert res.exit_code == 0 and "9 tensors, 1.0 MiB (cast from 2.0 MiB)" in res.output
+
+
 @pytest.mark.parametrize("dst", ["cast.pth", "cast.safetensors"])
 def test_streamed_cast_is_exactly_to_dtype(dst: str, tmp_path: Path) -> None:
     base = torch.randn(6, 10, dtype=torch.float64)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torchvision
+from conftest import golden_from_manifest
 from torch import nn
 
 import ckptfix
@@ -58,21 +59,22 @@ def _state_dict(path: Path) -> OrderedDict:
     "cuda0", "cuda1", "model_parallel", "legacy", "train_ckpt", "safetensors",
 ])
 def test_every_mlp_fixture_verifies_by_file_spec(cli_runner, fixtures_dir: Path, manifest: dict, train: Any,
-                                                 mode: str) -> None:
+                                                 mode: str, tmp_path: Path) -> None:
     name = train.fixture_name("mlp", mode)
     entry = manifest[name]
-    report = _json(cli_runner, [str(fixtures_dir / name), "--model", MLP_SPEC], 0)
+    golden = golden_from_manifest(entry, tmp_path / "golden.safetensors")
+    report = _json(cli_runner, [str(fixtures_dir / name), "--model", MLP_SPEC, "--golden", str(golden)], 0)
     assert report["ok"] is True and report["fix"] == _expected_fix(entry["wrappers"])
     _assert_clean(report)
     assert report["sha256"] == entry["sha256"]
     assert report["state_dict_key"] == entry["state_dict_key"]
     # The manifest's float32 outputs were recorded on another machine: compared within the documented
-    # recorded-value tolerance (no --atol/--rtol given), and the row says which.
+    # recorded-value tolerance (no --atol/--rtol given), on the input the golden file records.
     (check,) = report["forward"]["against"]
-    assert check["what"] == "manifest" and check["ok"]
+    assert check["what"] == "golden" and check["ok"]
     assert (check["tolerance"], check["atol"], check["rtol"], check["output_dtypes"]) == \
         ("recorded", 1e-6, 1e-5, ["float32"])
-    assert check["input_shape"] == entry["input"]["shape"]
+    assert check["input_shape"] == entry["input"]["shape"] and report["golden"]["action"] == "compared"
     assert bool(report["dtype_mismatch"]) == (mode == "amp")
 
 
@@ -81,34 +83,36 @@ def test_every_mlp_fixture_verifies_by_file_spec(cli_runner, fixtures_dir: Path,
     "cuda0", "cuda1", "model_parallel", "legacy", "train_ckpt", "safetensors",
 ])
 def test_every_resnet18_fixture_verifies_by_torchvision_name(cli_runner, resnet_dir: Path, train: Any,
-                                                             mode: str) -> None:
+                                                             mode: str, tmp_path: Path) -> None:
     entry = json.loads((resnet_dir / "manifest.json").read_text())["fixtures"][train.fixture_name("resnet18", mode)]
-    report = _json(cli_runner, [str(resnet_dir / entry["file"]), *RESNET], 0)
+    golden = golden_from_manifest(entry, tmp_path / "golden.safetensors")
+    report = _json(cli_runner, [str(resnet_dir / entry["file"]), *RESNET, "--golden", str(golden)], 0)
     assert report["fix"] == _expected_fix(entry["wrappers"])
     assert report["matched"] == report["total"] == 122
     _assert_clean(report)
     # recorded in this session, but by the generator on one thread: conv kernels may split work (and
-    # round) differently on more, so verify's recorded-value tolerance applies, as to any manifest
+    # round) differently on more, so verify's recorded-value tolerance applies, as to any golden file
     (check,) = report["forward"]["against"]
-    assert check["what"] == "manifest" and check["ok"] and check["tolerance"] == "recorded"
+    assert check["what"] == "golden" and check["ok"] and check["tolerance"] == "recorded"
 
 
 @pytest.mark.parametrize("shift, atol, ok, tolerance", [
     (1e-3, None, False, "recorded"),  # a wrong recorded output: far beyond the recorded-value tolerance
     (4e-7, None, True, "recorded"),  # another CPU's last bits: within it
-    (4e-7, 0.0, True, "recorded"),  # 0 (the CLI's default) is "not given" for a manifest row
+    (4e-7, 0.0, True, "recorded"),  # 0 (the CLI's default) is "not given" for a golden row
     (1e-3, 2e-3, True, "given"),  # a given tolerance replaces the default, looser …
     (4e-7, 1e-9, False, "given"),  # … or tighter
 ])
-def test_manifest_comparison_uses_the_recorded_value_tolerance(shift: float, atol: float | None, ok: bool,
-                                                               tolerance: str, fixtures_dir: Path,
-                                                               tmp_path: Path) -> None:
-    base = ckptfix.verify(fixtures_dir / "mlp_single.pth", MLP_SPEC).forward["max_abs_diff"]  # this CPU's own
-    shutil.copy(fixtures_dir / "mlp_single.pth", tmp_path)
-    table = json.loads((fixtures_dir / "manifest.json").read_text())
-    table["fixtures"]["mlp_single.pth"]["output"][2][0] += shift
-    (tmp_path / "manifest.json").write_text(json.dumps(table))
-    report = ckptfix.verify(tmp_path / "mlp_single.pth", MLP_SPEC, atol=atol)
+def test_golden_comparison_uses_the_recorded_value_tolerance(shift: float, atol: float | None, ok: bool,
+                                                             tolerance: str, fixtures_dir: Path, manifest: dict,
+                                                             tmp_path: Path) -> None:
+    entry = manifest["mlp_single.pth"]
+    exact = golden_from_manifest(entry, tmp_path / "exact.safetensors")
+    base = ckptfix.verify(fixtures_dir / "mlp_single.pth", MLP_SPEC, golden=exact).forward["max_abs_diff"]  # this CPU's
+    shifted = json.loads(json.dumps(entry))
+    shifted["output"][2][0] += shift
+    golden = golden_from_manifest(shifted, tmp_path / "golden.safetensors")
+    report = ckptfix.verify(fixtures_dir / "mlp_single.pth", MLP_SPEC, atol=atol, golden=golden)
     assert report.ok is ok and report.forward["ok"] is ok
     assert report.forward["max_abs_diff"] == pytest.approx(shift, abs=base + 1e-9)
     (row,) = report.forward["against"]
@@ -116,7 +120,7 @@ def test_manifest_comparison_uses_the_recorded_value_tolerance(shift: float, ato
     assert (row["tolerance"], row["atol"], row["rtol"]) == (tolerance, *want)
     text = report.format_text()
     assert f"atol={want[0]:g}, rtol={want[1]:g}: " in text
-    assert ("forward output differs from the manifest" in text) is not ok
+    assert ("forward output differs from the golden" in text) is not ok
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 1e-6, 1e-5), (torch.float16, 1e-5, 1e-3),
@@ -124,16 +128,19 @@ def test_manifest_comparison_uses_the_recorded_value_tolerance(shift: float, ato
                                                (torch.int64, 0.0, 0.0)])
 def test_recorded_tolerance_follows_the_output_dtype(dtype: torch.dtype, atol: float, rtol: float) -> None:
     from ckptfix.forward import compare_outputs
+    from ckptfix.inputs import InputRecipe
 
-    got = torch.arange(1, 5, dtype=dtype)
-    want = got.double() * (1 + rtol / 2) if rtol else got.double() + 1  # within the tolerance, never bit-equal
-    recorded = compare_outputs("manifest", "m.json", got, want, None, None, (4,), 0, recorded=True)
-    assert (recorded["tolerance"], recorded["atol"], recorded["rtol"]) == ("recorded", atol, rtol)
-    assert recorded["output_dtypes"] == [str(dtype).removeprefix("torch.")] and recorded["ok"] is (rtol > 0)
-    computed_here = compare_outputs("reference", "r.pth", got, want, None, None, (4,), 0)
+    recipe = InputRecipe(shape=(4,), seed=0)
+    got = {"output": torch.arange(1, 5, dtype=dtype)}
+    want = {"output": got["output"].double() * (1 + rtol / 2) if rtol else got["output"].double() + 1}  # never bit-equal
+    for default in ("recorded", "dtype"):  # a golden file; a half-precision run against its cast reference
+        row = compare_outputs("golden", "g.safetensors", got, want, None, None, recipe, default=default)
+        assert (row["tolerance"], row["atol"], row["rtol"]) == (default, atol, rtol)
+        assert row["output_dtypes"] == [str(dtype).removeprefix("torch.")] and row["ok"] is (rtol > 0)
+    computed_here = compare_outputs("reference", "r.pth", got, want, None, None, recipe)
     assert (computed_here["tolerance"], computed_here["atol"], computed_here["rtol"]) == ("exact", 0.0, 0.0)
     assert computed_here["ok"] is False
-    assert compare_outputs("reference", "r.pth", got, got, None, None, (4,), 0)["ok"]
+    assert compare_outputs("reference", "r.pth", got, got, None, None, recipe)["ok"]
 
 
 def test_resnet18_checkpoint_against_resnet34(cli_runner, resnet_dir: Path) -> None:
@@ -183,6 +190,8 @@ def test_perturbed_weight_is_caught_by_reference(cli_runner, resnet_dir: Path, t
     ckptfix.convert(original, converted)
     ok = _json(cli_runner, [str(converted), *RESNET, "--reference", str(original)], 0)
     assert ok["forward"]["against"] == [{"what": "reference", "path": str(original), "input_shape": [1, 3, 224, 224],
+                                         "input": {"shape": [1, 3, 224, 224], "dtype": "float", "range": None,
+                                                   "seed": 1234},
                                          "seed": 1234, "max_abs_diff": 0.0, "ok": True, "atol": 0.0, "rtol": 0.0,
                                          "tolerance": "exact", "output_dtypes": ["float32"]}]
     sd = ckptfix.load(converted)
@@ -227,20 +236,27 @@ def test_dp_checkpoint_with_exact_fails_and_names_the_repair(cli_runner, fixture
     assert fixed["fix"] is None and fixed["failures"] == []
 
 
-@pytest.mark.parametrize("name, failure, option", [
-    ("mlp_train_ckpt.pth", "exact: torch.load returns a dict with the state dict under 'model_state_dict', "
-                           "not the state dict", " --select model_state_dict"),
-    ("mlp_safetensors.safetensors", "exact: plain torch.load can't read a safetensors file", ""),
+@pytest.mark.parametrize("layout, failure, option, ext", [
+    ("train_ckpt", "exact: torch.load returns a dict with the state dict under 'model_state_dict', "
+                   "not the state dict", " --select model_state_dict", ".pth"),
+    ("sharded", "exact: neither torch.load nor safetensors.torch.load_file reads a sharded-safetensors directory", "",
+     ".safetensors"),
+    ("dcp", "exact: neither torch.load nor safetensors.torch.load_file reads a dcp directory", "", ".pth"),
 ])
-def test_exact_needs_a_bare_torch_file(cli_runner, fixtures_dir: Path, tmp_path: Path, name: str, failure: str,
-                                       option: str) -> None:
-    path = Path(shutil.copy(fixtures_dir / name, tmp_path))
+def test_exact_needs_one_file_the_serving_loader_reads(cli_runner, fixtures_dir: Path, tmp_path: Path, layout: str,
+                                                       failure: str, option: str, ext: str) -> None:
+    original = fixtures_dir / "mlp_train_ckpt.pth"
+    if layout == "train_ckpt":
+        path = Path(shutil.copy(original, tmp_path))
+    else:
+        path = tmp_path / "release"
+        ckptfix.convert(original, path, **({"max_shard_size": "1KB"} if layout == "sharded" else {"format": "dcp"}))
     report = ckptfix.verify(path, MLP_SPEC, exact=True)
     assert report.failures == [failure] and report.fix is None
-    fixed = tmp_path / f"{path.stem}.fixed.pth"
+    fixed = tmp_path / f"{path.stem}.fixed{ext}"
     assert report.convert_command == f"ckptfix convert {path} {fixed} --to single{option}"
     assert cli_runner.invoke(cli, shlex.split(report.convert_command)[1:]).exit_code == 0
-    again = ckptfix.verify(fixed, MLP_SPEC, exact=True, reference=fixtures_dir / name)
+    again = ckptfix.verify(fixed, MLP_SPEC, exact=True, reference=original)
     assert again.ok and again.forward["max_abs_diff"] == 0.0
 
 
@@ -271,10 +287,9 @@ def test_wrapper_segments_are_added_to_match_a_wrapped_model(fixtures_dir: Path,
     report = ckptfix.verify(fixtures_dir / "mlp_single.pth", nn.DataParallel(train.mlp()),
                             reference=fixtures_dir / "mlp_dp.pth")
     assert report.ok and report.fix == "add module." and report.matched == 6
-    manifest_row, reference_row = report.forward["against"]
+    (reference_row,) = report.forward["against"]
     assert (reference_row["what"], reference_row["tolerance"], reference_row["max_abs_diff"]) == \
         ("reference", "exact", 0.0)
-    assert (manifest_row["what"], manifest_row["tolerance"], manifest_row["ok"]) == ("manifest", "recorded", True)
 
 
 def test_the_models_own_prefix_is_added(fixtures_dir: Path, train: Any) -> None:
@@ -392,11 +407,13 @@ def test_input_shape_is_required_when_it_cannot_be_inferred(cli_runner, tmp_path
     assert res.exit_code == 0 and json.loads(res.stdout)["forward"]["against"][0]["input_shape"] == [1, 1, 5, 5]
 
 
-def test_text_report_names_the_repair(cli_runner, fixtures_dir: Path) -> None:
-    res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp_compile.pth"), "--model", MLP_SPEC])
+def test_text_report_names_the_repair(cli_runner, fixtures_dir: Path, manifest: dict, tmp_path: Path) -> None:
+    golden = golden_from_manifest(manifest["mlp_ddp_compile.pth"], tmp_path / "golden.safetensors")
+    res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp_compile.pth"), "--model", MLP_SPEC,
+                                  "--golden", str(golden)])
     assert res.exit_code == 0
     assert res.output.startswith("VERIFIED: ") and "keys: strip module._orig_mod.: 6/6 keys match" in res.output
-    assert "(ok; atol=1e-06, rtol=1e-05: recorded-value default for float32; input 4x13, seed 1234)" in res.output
+    assert "(ok; atol=1e-06, rtol=1e-05: recorded-value default for float32; input 4x13 float, seed 1234)" in res.output
 
 
 def test_errors_exit_1(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
@@ -420,12 +437,13 @@ def test_subprocess_exit_codes(fixtures_dir: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_verify_with_tensors_on_the_gpu(fixtures_dir: Path, manifest: dict) -> None:
+def test_verify_with_tensors_on_the_gpu(fixtures_dir: Path, manifest: dict, tmp_path: Path) -> None:
+    golden = golden_from_manifest(manifest["mlp_model_parallel.pth"], tmp_path / "golden.safetensors")
     report = ckptfix.verify(fixtures_dir / "mlp_model_parallel.pth", MLP_SPEC, map_location="cuda",
-                            reference=fixtures_dir / "mlp_single.pth")
+                            reference=fixtures_dir / "mlp_single.pth", golden=golden)
     assert report.ok and report.nonfinite == []
-    manifest_row, reference_row = report.forward["against"]  # the manifest's was recorded on a CPU
-    assert (manifest_row["what"], manifest_row["tolerance"], manifest_row["ok"]) == ("manifest", "recorded", True)
+    golden_row, reference_row = report.forward["against"]  # the golden outputs were recorded on a CPU
+    assert (golden_row["what"], golden_row["tolerance"], golden_row["ok"]) == ("golden", "recorded", True)
     assert (reference_row["what"], reference_row["tolerance"], reference_row["max_abs_diff"]) == \
         ("reference", "exact", 0.0)
 

@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FormatError
+from ..errors import FormatError, MissingFileError
 
 TORCH_ZIP = "torch-zip"
 TORCH_LEGACY = "torch-legacy"
@@ -21,9 +21,10 @@ TORCHSCRIPT = "torchscript"
 SHARDED_SAFETENSORS = "sharded-safetensors"
 SHARDED_PTH = "sharded-pth"
 DCP = "dcp"
+DEEPSPEED = "deepspeed"
 SHARDED = (SHARDED_SAFETENSORS, SHARDED_PTH)
 #: formats whose structure read gives every storage's byte range, so conversions can stream
-STREAMABLE = (TORCH_ZIP, SAFETENSORS, *SHARDED)
+STREAMABLE = (TORCH_ZIP, SAFETENSORS, *SHARDED, DEEPSPEED)
 
 WRITABLE = {"pth": TORCH_ZIP, "safetensors": SAFETENSORS, "dcp": DCP}
 _EXT_FORMAT = {".pth": TORCH_ZIP, ".pt": TORCH_ZIP, ".bin": TORCH_ZIP, ".ckpt": TORCH_ZIP,
@@ -69,8 +70,9 @@ class CastRef:
         import torch
 
         src = torch.empty(0, dtype=self.before.dtype)
-        src.set_(mapped(self.source.path)[self.source.offset : self.source.offset + self.source.nbytes],
-                 self.before.storage_offset(), self.before.shape, self.before.stride())
+        whole = (self.source.materialize().untyped_storage() if isinstance(self.source, CastRef)  # computed itself
+                 else mapped(self.source.path)[self.source.offset : self.source.offset + self.source.nbytes])
+        src.set_(whole, self.before.storage_offset(), self.before.shape, self.before.stride())
         out = torch.empty_strided(self.after.shape, self.after.stride(), dtype=self.after.dtype)
         out.copy_(src)
         self.check(self.key, src, out)
@@ -158,7 +160,7 @@ def no_duplicate_keys(what: str) -> Any:
 def sniff(path: str) -> str:
     """Name the format of ``path`` from its bytes, or raise a FormatError that says what it is."""
     if not os.path.exists(path):
-        raise FormatError(f"{path}: no such file")
+        raise MissingFileError(f"{path}: no such file", path)
     if os.path.isdir(path) or path.endswith(".index.json"):
         return _sniff_dir(path)
     try:
@@ -233,11 +235,13 @@ _TAR_EXTENDED = (b"L", b"K", b"x", b"g", b"X")  # GNU long names/links, pax head
 
 
 def _sniff_dir(path: str) -> str:
-    """A torch.distributed.checkpoint directory, or a Hugging Face sharded one (or its index)."""
-    from . import dcp, sharded
+    """A torch.distributed.checkpoint directory, a DeepSpeed one, or a Hugging Face sharded one (or its index)."""
+    from . import dcp, deepspeed, sharded
 
     if os.path.isdir(path) and dcp.is_dcp_dir(path):
         return DCP
+    if deepspeed.is_deepspeed_dir(path):
+        return DEEPSPEED
     index = sharded.find_index(path)
     if index is not None:
         return SHARDED_SAFETENSORS if index.endswith("safetensors.index.json") else SHARDED_PTH
@@ -246,8 +250,8 @@ def _sniff_dir(path: str) -> str:
     singles = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, n))]
     hint = f"; give the file inside it: {os.path.join(path, singles[0])}" if singles else ""
     raise FormatError(
-        f"{path}: is a directory but neither a torch.distributed.checkpoint (no .metadata) nor a "
-        f"sharded checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json){hint}"
+        f"{path}: is a directory but neither a torch.distributed.checkpoint (no .metadata), a DeepSpeed checkpoint "
+        f"(no latest) nor a sharded checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json){hint}"
     )
 
 
@@ -327,11 +331,13 @@ def format_for_destination(dst: str, format: str | None, sharded: bool = False) 
     return _EXT_FORMAT[ext]
 
 
-def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
+def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None = "auto") -> RawRead:
     """Read ``path`` (already sniffed as ``fmt``) with the device plan.
 
     With ``plan.is_meta`` nothing but structure is read, and ``refs`` says where each storage's
-    bytes are, so a writer can copy them straight from the file.
+    bytes are, so a writer can copy them straight from the file. ``select`` matters to DeepSpeed
+    checkpoints only: ``auto`` consolidates their fp32 master weights (also for a model_states file
+    with its optim_states beside it), anything else reads the model_states file as it is.
     """
     if fmt == SAFETENSORS:
         from . import safetensors_file
@@ -345,6 +351,16 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
         from . import dcp
 
         return dcp.read(path, plan, trust)
+    if fmt in (DEEPSPEED, TORCH_ZIP):
+        from . import deepspeed
+
+        if fmt == DEEPSPEED or select in ("auto", None) and deepspeed.beside(path):
+            return deepspeed.read(path, plan, trust, select)
+    return read_torch(path, fmt, plan, trust)
+
+
+def read_torch(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
+    """A torch zip or legacy file (or TorchScript archive) as it is: structure-only on meta."""
     from . import torchfile
 
     if fmt == TORCH_ZIP and plan.is_meta and not trust:

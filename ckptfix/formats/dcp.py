@@ -5,7 +5,8 @@ an allow-list: see ``dcp_metadata``). A tensor stored as one chunk is mapped fro
 file (no copy); a sharded one (FSDP2, …) is assembled chunk by chunk into a file-backed scratch
 mapping under TMPDIR, so anonymous memory stays bounded by one chunk however large the
 checkpoint. Keys DCP flattened from nested dicts (``model.0.weight`` from
-``{"model": {"0.weight": …}}``) are nested again from its planner data. Writing is torch's own
+``{"model": {"0.weight": …}}``) are nested again from its planner data. A Lightning ``meta.pt``
+beside the DCP files joins them into one checkpoint (``lightning_dir``). Writing is torch's own
 ``torch.distributed.checkpoint.save`` in one process.
 """
 
@@ -55,7 +56,10 @@ def read(path: str, plan: Any, trust: bool) -> RawRead:
         source.close()
     files = {info.relative_path for info in meta.storage_data.values()}
     notes = [f"consolidated {len(flat)} DCP entries ({sharded} tensors sharded in chunks) from {len(files)} file(s)"]
-    return RawRead(obj=_unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes)
+    raw = RawRead(obj=_unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes)
+    from .lightning_dir import with_meta
+
+    return with_meta(raw, path, plan, trust)  # Lightning's meta.pt beside the DCP files, if there is one
 
 
 def record_ranges(path: str) -> dict[str, list[tuple[str, int, int]]]:

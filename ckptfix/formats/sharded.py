@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ..atomic import DirOutput
-from ..errors import ConversionError, FormatError
+from ..errors import ConversionError, FormatError, MissingFileError
 from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead, no_duplicate_keys
 
 SHARDED_SAFETENSORS = "sharded-safetensors"
@@ -84,7 +84,8 @@ def member_path(root: str, rel: Any, source: str, what: str = "shard") -> str:
             "copy the file into the directory"
         )
     if not os.path.isfile(path):
-        raise FormatError(f"{source}: {what} {rel!r} is missing from {root} (the download or save did not finish?)")
+        raise MissingFileError(f"{source}: {what} {rel!r} is missing from {root} (the download or save did not finish?)",
+                               path)
     return path
 
 

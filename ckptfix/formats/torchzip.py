@@ -24,8 +24,9 @@ class Unsupported(Exception):
     """This file needs torch.load's general path (big-endian data, odd records)."""
 
 
-def read_structure(path: str) -> RawRead:
-    """Tensors on meta plus ``refs`` (storage id → StorageRef); reads only the pickle and zip directory."""
+def read_structure(path: str, policy: Any = None) -> RawRead:
+    """Tensors on meta plus ``refs`` (storage id → StorageRef); reads only the pickle and zip directory.
+    ``policy``: the unpickler's (default :func:`ckptfix.guards.torch_policy`)."""
     import torch
 
     from .. import guards, safety
@@ -68,7 +69,7 @@ def read_structure(path: str) -> RawRead:
             tags[sid] = location
         return torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
 
-    policy = guards.torch_policy()
+    policy = policy or guards.torch_policy()
     stream = io.BytesIO(data)
     unpickler = SafePickle(policy).Unpickler(stream, encoding="utf-8")
     unpickler.where = f"{path}: data.pkl"
@@ -205,7 +206,7 @@ def write_structure(
             z.add_bytes(f"{archive}/byteorder", b"little")
             for key, ref in order:
                 if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
-                    z.add_bytes(f"{archive}/data/{key}", storage_bytes(ref.materialize()))
+                    z.add_tensor_data(f"{archive}/data/{key}", storage_bytes(ref.materialize()))
                     continue
                 if ref.path not in fds:
                     fds[ref.path] = os.open(ref.path, os.O_RDONLY)

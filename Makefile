@@ -26,6 +26,8 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 demo: $(VENV)/.installed
@@ -43,11 +45,11 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/ckptfix verify $(DEMO_DIR)/mlp.safetensors --model fixtures/train.py:mlp --reference $(DEMO_DIR)/mlp_ddp.pth
 	@echo "== load it into a fresh model and check it reproduces the trained model's output"
 # Bit-exact (==) is right here: this demo run wrote that manifest, on this machine. An output recorded
-# elsewhere (fixtures/manifest.json) needs the recorded-value tolerance (README: Verify and diff, Tolerance).
+# elsewhere (fixtures/manifest.json) needs the recorded-value tolerance (docs/verify.md: Tolerance).
 	$(PY) -c "import sys, json, torch, ckptfix; sys.path.insert(0, 'fixtures'); from train import mlp, fixed_input; \
 	  m = mlp(); print(ckptfix.load_into(m, '$(DEMO_DIR)/mlp.safetensors')); m.eval(); \
 	  want = json.load(open('$(DEMO_DIR)/manifest.json'))['fixtures']['mlp_ddp.pth']['output']; \
 	  got = m(fixed_input('mlp')).tolist(); print('output matches the trained model:', got == want); assert got == want"
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache *.egg-info
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -60,10 +60,14 @@ def make_checkpoints(workdir: Path, size_gb: float, small: int) -> dict[str, Pat
     return {"big": big, "many": many, "st": st}
 
 
-def measure(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RssAnon (bytes) of one command, sampled every 5 ms."""
+def measure(cmd: list[str], env: dict[str, str] | None = None, settle: float = 0.0) -> tuple[float, int]:
+    """Wall seconds and peak RssAnon (bytes) of one command, sampled every 5 ms. ``settle``: seconds to
+    pause after a ``sync`` first, so the last command's writeback doesn't land on this one."""
+    if settle:
+        os.sync()
+        time.sleep(settle)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     peak = 0
     status = f"/proc/{proc.pid}/status"
     while proc.poll() is None:
@@ -97,7 +101,8 @@ def commands(files: dict[str, Path], out: Path) -> dict[str, list[str]]:
         "ckptfix inspect": [*CKPTFIX, "inspect", big],
         "20k small: user torch.load+replace+torch.save": [PY, "-c", USER_PTH, many, str(out / "many_user.pth")],
         "20k small: ckptfix convert pth->pth": [*CKPTFIX, "convert", many, str(out / "many.pth"), "--force", "--quiet"],
-        "20k small: ckptfix convert pth->safetensors": [*CKPTFIX, "convert", many, str(out / "many.safetensors"), "--force", "--quiet"],
+        "20k small: ckptfix convert pth->safetensors": [*CKPTFIX, "convert", many, str(out / "many.safetensors"), "--force",
+                                                        "--quiet"],
     }
 
 

@@ -73,7 +73,8 @@ def check_same(out: Path) -> str:
         assert sorted(got) == sorted(want), other
         for k in want:
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (other, k)
-    return f"{len(want)} tensors, {sum(t.numel() for t in want.values()) * 4 / 2**30:.2f} GiB of fp32, identical in all four outputs"
+    return (f"{len(want)} tensors, {sum(t.numel() for t in want.values()) * 4 / 2**30:.2f} GiB of fp32, "
+            "identical in all four outputs")
 
 
 def main() -> None:

@@ -10,20 +10,25 @@ Importing ckptfix does not import torch; each function imports it when called.
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 from . import errors
 from .errors import CkptfixError
 
-# Bound eagerly (these modules import no torch at import time): the functions share their
-# submodules' names, and importing a submodule first would otherwise leave ``ckptfix.verify``
-# bound to the module instead of the function.
-from .diff import DiffReport, diff
-from .verify import VerifyReport, verify
-
 __version__ = "0.1.0"
 
+#: functions that share their submodule's name: ``ckptfix.verify`` is always the function, while
+#: ``from ckptfix.verify import …`` reaches the module through ``sys.modules``
+_SAME_NAME = {"verify", "diff"}
+
 _LAZY = {
+    "verify": "verify",
+    "VerifyReport": "verify",
+    "diff": "diff",
+    "DiffReport": "diff",
+    "describe": "api",
     "load": "api",
     "read": "api",
     "inspect": "api",
@@ -42,7 +47,20 @@ _LAZY = {
     "ScanReport": "safety",
 }
 
-__all__ = ["CkptfixError", "errors", "__version__", "verify", "VerifyReport", "diff", "DiffReport", *_LAZY]
+__all__ = ["CkptfixError", "errors", "__version__", *_LAZY]
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule binds it on its package (``setattr(ckptfix, "verify", module)``); for
+    the submodules named like their function, bind the function instead."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SAME_NAME and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
@@ -53,4 +71,7 @@ def __getattr__(name: str) -> Any:
     module_name = _LAZY[name]
     if module_name is None:
         return importlib.import_module(f".{name}", __name__)
-    return getattr(importlib.import_module(f".{module_name}", __name__), name)
+    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    if name in _SAME_NAME:
+        globals()[name] = value  # looked up once: the function, not the submodule
+    return value

@@ -61,7 +61,8 @@ def _defaultdict(default_factory: Any = None, *rest: Any) -> dict:
     dicts); the plain dict becomes a real defaultdict once loading ends."""
     factory = default_factory.type if isinstance(default_factory, _FactoryType) else default_factory
     if rest or not (factory is None or factory in _FACTORY_TYPES):
-        raise Refused(f"defaultdict with default factory {type_name(factory)} is not allowed (only builtin containers and numbers)")
+        raise Refused(f"defaultdict with default factory {type_name(factory)} is not allowed "
+                      "(only builtin containers and numbers)")
     d: dict = {}
     standins.remember(d, factory)
     return d
@@ -126,9 +127,16 @@ def allowed_table() -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=1)
 def _torch_safe_names() -> frozenset[str]:
-    from torch._weights_only_unpickler import _get_allowed_globals
+    """torch's weights_only defaults (less the rebuilds ckptfix refuses): the frozen table for the
+    installed torch series (no torch import), else torch's own list."""
+    from .torch_tables import torch_safe_names
 
-    return frozenset(_get_allowed_globals()) - REFUSED_REBUILDS
+    names = torch_safe_names()
+    if names is None:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        names = frozenset(_get_allowed_globals())
+    return names - REFUSED_REBUILDS
 
 
 def classify(module: str, name: str) -> str:
@@ -142,9 +150,34 @@ def classify(module: str, name: str) -> str:
         return UNSAFE
     if full in _torch_safe_names():
         return SAFE
-    if full in allowed_table():
+    if _is_allowed_name(full):
         return ALLOWED
     return UNSAFE
+
+
+_FACTORY_NAMES = frozenset(f"builtins.{t.__name__}" for t in (list, dict, int, float, str, tuple, bool))
+
+
+@functools.lru_cache(maxsize=1)
+def _plain_allowed_names() -> frozenset[str]:
+    return frozenset({"argparse.Namespace", "collections.defaultdict", "collections.deque", "datetime.datetime",
+                      "datetime.date", "datetime.time", "datetime.timedelta", "datetime.timezone",
+                      "torch.torch_version.TorchVersion", *_FACTORY_NAMES, "builtins.bytes",
+                      *(name for name, _ in _path_classes()), standins.HISTORY_BUFFER, "builtins.getattr"})
+
+
+def allowed_names() -> frozenset[str]:
+    """The names :func:`allowed_table` holds, without importing torch (numpy only for a numpy name)."""
+    return _plain_allowed_names() | _numpy_names()
+
+
+@functools.lru_cache(maxsize=1)
+def _numpy_names() -> frozenset[str]:
+    return frozenset(name for name, _ in numpy_safe.numpy_entries())
+
+
+def _is_allowed_name(full: str) -> bool:
+    return full in _plain_allowed_names() or full.startswith("numpy.") and full in _numpy_names()
 
 
 def allowed_globals() -> list[Any]:
@@ -169,7 +202,7 @@ def refused_call(name: str, args: Any, op: str = "REDUCE") -> str | None:
                 "value, as torch.save writes it)")
     if name == "builtins.bytes":
         return None if args == () else "builtins.bytes is allowed only as bytes(), how pickle writes b''"
-    if isinstance(allowed_table().get(name), _FactoryType):
+    if name in _FACTORY_NAMES:
         return f"{name} is allowed only as a defaultdict's default factory, not called"
     if name == "builtins.getattr":
         ok = (isinstance(args, tuple) and len(args) == 2 and getattr(args[0], "full", None) == standins.HISTORY_BUFFER

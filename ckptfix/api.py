@@ -38,7 +38,10 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
 def _read(path: str, map_location: Any, trust: bool, select: str, refuse: bool) -> Checkpoint:
     fmt = formats.sniff(path)
     plan = DevicePlan(map_location, source=path)
-    raw = formats.read(path, fmt, plan, trust, select)
+    return _summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse)
+
+
+def _summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool) -> Checkpoint:
     sel = layout.find_state_dict(raw.obj, select, source=path)
     sd = sel.state_dict
     keys = list(sd.keys())
@@ -65,6 +68,25 @@ def _read(path: str, map_location: Any, trust: bool, select: str, refuse: bool) 
 def inspect(path: Any, trust: bool = False, select: str = "auto") -> Checkpoint:
     """Summary of a checkpoint without reading tensor data (tensors come back on ``meta``)."""
     return _read(_fspath(path), "meta", trust, select, refuse=False)
+
+
+def describe(path: Any, select: str = "auto") -> Checkpoint:
+    """``inspect`` without importing torch where the file allows it: tensors come back as
+    :class:`~ckptfix.tensorinfo.TensorInfo` (plain data: dtype, shape, stride, byte range); a file only
+    torch can describe exactly (legacy, TorchScript, DCP, DeepSpeed, tensor subclasses …) goes through
+    ``inspect``, so the summary, and any refusal, is the same either way."""
+    from .formats import structure
+
+    path = _fspath(path)
+    fmt = formats.sniff(path)
+    if structure.enabled():
+        try:
+            raw = structure.read(path, fmt, select)
+        except structure.NotDescribable:
+            pass
+        else:
+            return _summarise(path, fmt, raw, select, refuse=False)
+    return inspect(path, select=select)
 
 
 def _normalise(

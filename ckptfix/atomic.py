@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from . import interrupts
-from .errors import CkptfixError, DestinationError
+from .errors import NOTHING_WRITTEN, CkptfixError, DestinationError, pass_flag
 
 try:
     import fcntl
@@ -42,7 +42,7 @@ def check_destination(src: str, dst: str, force: bool) -> None:
         if os.path.isdir(dst):
             raise DestinationError(f"{dst}: is a directory; give a file path")
         if not force:
-            raise DestinationError(f"{dst}: already exists; pass --force (library: force=True) to replace it")
+            raise DestinationError(f"{dst}: already exists; {pass_flag('force')} to replace it")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise DestinationError(f"{dst}: directory {parent} does not exist")
@@ -117,9 +117,9 @@ def _reraise(e: BaseException, dst: str) -> NoReturn:
     interrupt = interrupts.cause(e)
     if interrupt is not None and interrupt is not e:
         raise interrupt from None
-    io_failure = isinstance(e, OSError) and not isinstance(e, CkptfixError)  # DestinationError is an OSError too
-    if io_failure or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
-        raise DestinationError(f"{dst}: write failed: {getattr(e, 'strerror', None) or e}; nothing was written") from None
+    foreign = not isinstance(e, CkptfixError)  # DestinationError is an OSError, LoadError a RuntimeError too
+    if foreign and (isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower())):
+        raise DestinationError(f"{dst}: write failed: {getattr(e, 'strerror', None) or e}; {NOTHING_WRITTEN}") from None
     raise e
 
 
@@ -161,7 +161,7 @@ def _check_dir_dst(dst: str, force: bool) -> None:
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise DestinationError(f"{dst}: is a file; sharded and DCP checkpoints are written to a directory")
     if os.path.isdir(dst) and os.listdir(dst) and not force:
-        raise DestinationError(f"{dst}: is a non-empty directory; pass --force (library: force=True) to write into it "
+        raise DestinationError(f"{dst}: is a non-empty directory; {pass_flag('force')} to write into it "
                                "(the files of the output's own names are replaced, everything else is kept)")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
@@ -236,7 +236,7 @@ def _rename_dir(tmp: str, dst: str) -> None:
     try:
         os.rename(tmp, dst)  # atomic; also replaces an empty directory
     except OSError as e:
-        raise DestinationError(f"{dst}: can't be replaced ({e.strerror or e}); nothing was written") from None
+        raise DestinationError(f"{dst}: can't be replaced ({e.strerror or e}); {NOTHING_WRITTEN}") from None
 
 
 def _owned(dst: str, output: DirOutput) -> list[os.DirEntry]:

@@ -18,7 +18,8 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import CkptfixError
+from .errors import NOTHING_WRITTEN, CkptfixError
+from .render import human_size
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FINDING = 0, 1, 2, 3
 _JSON = "ckptfix.json"  # ctx.meta key: --json was on the command line
@@ -48,7 +49,7 @@ class Group(click.Group):
             raise
         except KeyboardInterrupt as e:
             describe = getattr(e, "describe", None)
-            _fail(ctx, describe() if describe else "interrupted; nothing was written", e, getattr(e, "exit_code", 130))
+            _fail(ctx, describe() if describe else f"interrupted; {NOTHING_WRITTEN}", e, getattr(e, "exit_code", 130))
         except BrokenPipeError:  # the reader (e.g. `| head`) closed the pipe: stop quietly, like cat
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -114,14 +115,6 @@ def _map_location(values: tuple[str, ...], default: str) -> Any:
 
 def _emit_json(obj: dict[str, Any]) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _counts(d: dict[str, int]) -> str:
@@ -191,8 +184,9 @@ def convert(src: str, dst: str, to: str, map_location: tuple[str, ...], select: 
         _emit_json(report.to_dict())
         return
     where = f" from {report.state_dict_key!r}" if report.state_dict_key else ""
-    cast = f" (cast from {_size(report.nbytes_in)})" if report.nbytes != report.nbytes_in else ""
-    click.echo(f"Wrote {report.dst} ({report.format_out}): {report.num_tensors} tensors, {_size(report.nbytes)}{cast}{where}")
+    cast = f" (cast from {human_size(report.nbytes_in)})" if report.nbytes != report.nbytes_in else ""
+    click.echo(f"Wrote {report.dst} ({report.format_out}): {report.num_tensors} tensors, "
+               f"{human_size(report.nbytes)}{cast}{where}")
     click.echo(f"  wrappers: {_stack(report.wrappers_before)} -> {_stack(report.wrappers_after)} ({report.renamed} keys renamed)")
     for note in report.notes:
         click.echo(f"  note: {note}")
@@ -205,9 +199,10 @@ def convert(src: str, dst: str, to: str, map_location: tuple[str, ...], select: 
 @json_option
 def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
     """Summarise a checkpoint without reading its tensor data."""
-    from .api import inspect as do_inspect
+    from .api import describe, inspect as do_inspect
 
-    info = do_inspect(path, trust=trust, select=select).to_dict()
+    # Without --trust, torch is imported only for files that need it (see ckptfix.formats.structure).
+    info = (do_inspect(path, trust=True, select=select) if trust else describe(path, select=select)).to_dict()
     if as_json:
         _emit_json(info)
         return
@@ -218,11 +213,13 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
         ("format", info["format"]),
         ("state dict", where + (f" (EMA weights also at: {', '.join(info['ema_keys'])})" if info["ema_keys"] else "")),
         ("layout", (f"{info['framework']} checkpoint" if info["framework"] else
-                    "TorchScript archive (tensors listed without running its code)" if info["format"] == "torchscript" else "plain")
+                    "TorchScript archive (tensors listed without running its code)" if info["format"] == "torchscript"
+                    else "plain")
          + (f"; every key starts with {info['common_prefix']!r} (--strip-prefix {info['common_prefix']})"
             if info["common_prefix"] else "")),
-        ("wrappers", _stack(info["wrappers"]) + (f"; inner: {', '.join(info['inner_wrappers'])}" if info["inner_wrappers"] else "")),
-        ("tensors", f"{info['num_tensors']} ({info['num_params']:,} elements, {_size(info['nbytes'])})"),
+        ("wrappers", _stack(info["wrappers"])
+         + (f"; inner: {', '.join(info['inner_wrappers'])}" if info["inner_wrappers"] else "")),
+        ("tensors", f"{info['num_tensors']} ({info['num_params']:,} elements, {human_size(info['nbytes'])})"),
         ("dtypes", _counts(info["dtypes"])),
         ("devices", _counts(info["devices"]) + " (as saved)"),
     ]
@@ -385,4 +382,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()  # click exits with the command's code

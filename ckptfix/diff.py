@@ -13,7 +13,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import CkptfixError
+from .errors import DeviceError
+from .render import dtype_name
 
 
 def tensor_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> tuple[float, bool]:
@@ -67,7 +68,8 @@ class DiffReport:
         head = "identical" if self.identical else "DIFFER"
         tol = "exact" if not (self.atol or self.rtol) else f"atol={self.atol:g}, rtol={self.rtol:g}"
         lines = [f"{head}: {self.a} vs {self.b} ({'raw keys' if self.raw else 'single form'}, {tol})",
-                 f"  {c['common']} common keys: {c['equal']} equal{' within tolerance' if self.atol or self.rtol else ''}, {c['values']} values differ, "
+                 f"  {c['common']} common keys: {c['equal']} equal{' within tolerance' if self.atol or self.rtol else ''}, "
+                 f"{c['values']} values differ, "
                  f"{c['shape']} shape, {c['dtype']} dtype; {c['only_a']} only in A, {c['only_b']} only in B"]
         for name, keys in (("only in A", self.only_a), ("only in B", self.only_b)):
             if keys:
@@ -102,7 +104,7 @@ def diff(
     from .api import load, read
 
     if str(map_location).strip().lower() == "meta":
-        raise CkptfixError("diff compares tensor values; map_location='meta' reads none (use cpu)")
+        raise DeviceError("diff compares tensor values; map_location='meta' reads none (use cpu)")
 
     def state_dict(path: Any) -> Any:
         if raw:
@@ -128,7 +130,7 @@ def diff(
             report.shape_mismatch.append({"key": key, "a": list(x.shape), "b": list(y.shape)})
             continue
         if x.dtype != y.dtype:
-            report.dtype_mismatch.append({"key": key, "a": _dtype(x), "b": _dtype(y)})
+            report.dtype_mismatch.append({"key": key, "a": dtype_name(x.dtype), "b": dtype_name(y.dtype)})
         d, close = tensor_diff(x, y, atol, rtol)
         report.max_abs_diff[key] = d
         if not close:
@@ -141,6 +143,3 @@ def diff(
     }
     return report
 
-
-def _dtype(t: Any) -> str:
-    return str(t.dtype).replace("torch.", "")

@@ -1,14 +1,33 @@
 """The one error hierarchy of ckptfix: every failure a user can cause or meet is a CkptfixError.
 
 Messages name the file, the key or the device, and say what to do next, on one line. The CLI
-prints ``Error: <message>`` and exits 1; ``CKPTFIX_DEBUG=1`` shows the traceback. Some are also a
-built-in type, so code that already catches those keeps working: FormatError is a ValueError,
-MissingFileError a FileNotFoundError, DestinationError an OSError.
+prints ``Error: <message>`` and exits 1; ``CKPTFIX_DEBUG=1`` shows the traceback. Each subclass is
+also the built-in type code would already catch for that failure: a ValueError for a bad file,
+argument or combination of options (FormatError, DeviceError, KeyCollisionError, WrapperError,
+ConversionError, ModelSpecError, DeepSpeedZeroError, InputError, GoldenError), a LookupError when
+the state dict to select isn't there (SelectError), a RuntimeError where torch raises one (LoadError,
+like ``load_state_dict``; ForwardError, a failing forward), a FileNotFoundError (MissingFileError)
+and an OSError (DestinationError). UnsafeCheckpointError and LimitError are none: no built-in means
+"refused" or "over a limit ckptfix sets" (a MemoryError or ValueError there would be caught as
+something else, inside ckptfix too).
 """
 
 from __future__ import annotations
 
 import errno
+
+#: The tail of a message about a failed write: the destination is as it was.
+NOTHING_WRITTEN = "nothing was written"
+
+
+def pass_flag(name: str) -> str:
+    """The advice to turn on a boolean option, for both audiences: ``pass --trust (library: trust=True)``."""
+    return f"pass --{name.replace('_', '-')} (library: {name}=True)"
+
+
+def trust_advice(what: str = "file") -> str:
+    """``If you trust this file and its author, pass --trust (library: trust=True)``: how to load what was refused."""
+    return f"If you trust this {what} and its author, {pass_flag('trust')}"
 
 
 class CkptfixError(Exception):
@@ -38,19 +57,19 @@ class UnsafeCheckpointError(CkptfixError):
         self.globals = list(globals_ or [])
 
 
-class DeviceError(CkptfixError):
+class DeviceError(CkptfixError, ValueError):
     """A map_location asks for a device this machine does not have, or is not understood."""
 
 
-class SelectError(CkptfixError):
+class SelectError(CkptfixError, LookupError):
     """The state dict inside a training checkpoint can't be found, or the choice is ambiguous."""
 
 
-class KeyCollisionError(CkptfixError):
+class KeyCollisionError(CkptfixError, ValueError):
     """Two keys would become the same key after renaming; nothing is written."""
 
 
-class WrapperError(CkptfixError):
+class WrapperError(CkptfixError, ValueError):
     """Keys that can't be normalised (e.g. FSDP1 flat parameters)."""
 
 
@@ -58,16 +77,28 @@ class DestinationError(CkptfixError, OSError):
     """The output path can't be written: exists without force, is the source, or an I/O failure (also an OSError)."""
 
 
-class ConversionError(CkptfixError):
+class ConversionError(CkptfixError, ValueError):
     """The checkpoint can't be written in the requested format as asked."""
 
 
-class ModelSpecError(CkptfixError):
+class ModelSpecError(CkptfixError, ValueError):
     """A model spec (torchvision:NAME, pkg.mod:fn, file.py:fn) can't be resolved or built."""
 
 
-class LoadError(CkptfixError):
+class LoadError(CkptfixError, RuntimeError):
     """A checkpoint does not load into the given model; the message is the short report."""
+
+
+class InputError(CkptfixError, ValueError):
+    """The forward check's input can't be made as asked (--input-shape/-dtype/-range, --input FILE); says what to pass."""
+
+
+class GoldenError(CkptfixError, ValueError):
+    """A golden file recorded another input or dtype than this run asks for, or record_golden has no path to write."""
+
+
+class ForwardError(CkptfixError, RuntimeError):
+    """The model's forward raised on the check's input (also a RuntimeError, as torch's own failures are)."""
 
 
 class LimitError(CkptfixError):
@@ -78,7 +109,7 @@ class LimitError(CkptfixError):
         self.limit = limit
 
 
-class DeepSpeedZeroError(CkptfixError):
+class DeepSpeedZeroError(CkptfixError, ValueError):
     """A DeepSpeed ZeRO checkpoint that can't give its fp32 weights as given (a rank file missing or from another
     save, ZeRO-3 placeholders, a half-precision copy not selected); the message says what to give."""
 
@@ -103,4 +134,4 @@ class Interrupted(KeyboardInterrupt):
     def describe(self) -> str:
         """``interrupted; nothing was written`` / ``terminated (SIGTERM); nothing was written``."""
         what = "interrupted" if self.signal_name == "SIGINT" else f"terminated ({self.signal_name})"
-        return what + ("; the output was already complete and is in place" if self.written else "; nothing was written")
+        return what + ("; the output was already complete and is in place" if self.written else f"; {NOTHING_WRITTEN}")

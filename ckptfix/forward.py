@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CkptfixError
+from .errors import ForwardError
+from .render import dtype_name
 
 #: Seed of the input used for forward checks (the fixtures' own: fixtures/train.py INPUT_SEED).
 INPUT_SEED = 1234
@@ -76,7 +77,7 @@ def run_model(net: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = N
         with torch.no_grad():
             return net(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the user's forward can raise anything
-        raise CkptfixError(f"the model's forward on {what} failed ({type(e).__name__}: "
+        raise ForwardError(f"the model's forward on {what} failed ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}); pass the right --input-shape, --input-dtype "
                            "and --input-range, or the tensors themselves with --input FILE") from None
 
@@ -98,7 +99,7 @@ def recorded_tolerance(dtype: Any) -> tuple[float, float]:
     >>> recorded_tolerance(torch.float32)   # doctest: +SKIP
     (1e-06, 1e-05)
     """
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     name = _COMPLEX_PARTS.get(name, name)
     if name in RECORDED_TOLERANCE:
         return RECORDED_TOLERANCE[name]
@@ -114,7 +115,7 @@ def pick_tolerance(got: dict[str, Any], atol: float | None, rtol: float | None, 
     the output's dtype) or ``"dtype"`` (a half-precision run against a reference cast to the same
     dtype: the same table); the loosest over the output's tensors.
     """
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in got.values()})
+    dtypes = sorted({dtype_name(t.dtype) for t in got.values()})
     if atol or rtol:
         return {"atol": float(atol or 0.0), "rtol": float(rtol or 0.0), "tolerance": "given", "output_dtypes": dtypes}
     if default == "exact":

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import FormatError
+from .render import dtype_name
 
 META_KEY = "ckptfix.golden"
 VERSION = 1
@@ -75,4 +76,4 @@ def write_golden(path: Any, outputs: dict[str, Any], recipe: dict[str, Any], dty
 
 def summary(outputs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{name: {shape, dtype}}`` for a report."""
-    return {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in outputs.items()}
+    return {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in outputs.items()}

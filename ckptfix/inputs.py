@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import models
-from .errors import CkptfixError
+from .errors import GoldenError, InputError
 from .forward import INPUT_SEED, seeded_input
+from .render import dtype_name
 
 #: ``--input-dtype`` names → torch dtype names; ``float`` is the model's own floating dtype.
 INPUT_DTYPES = {"float": None, "long": "int64", "int": "int32"}
@@ -82,7 +83,7 @@ class InputRecipe:
             return cls(shape=tuple(int(n) for n in d["shape"]), dtype=dtype,
                        range=(float(rng[0]), float(rng[1])) if rng is not None else None, seed=int(d["seed"]))
         except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise CkptfixError(f"input recipe {d!r} is malformed ({type(e).__name__}: {e})") from None
+            raise InputError(f"input recipe {d!r} is malformed ({type(e).__name__}: {e})") from None
 
 
 def describe_recipe(recipe: dict[str, Any]) -> str:
@@ -98,7 +99,7 @@ def _describe_value(v: Any) -> Any:
     import torch
 
     if isinstance(v, torch.Tensor):
-        return {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+        return {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
     return repr(v)
 
 
@@ -123,7 +124,7 @@ def parse_range(text: str) -> tuple[float, float]:
     except ValueError:
         lo = hi = 0.0
     if not lo < hi:
-        raise CkptfixError(f"input range {text!r}: expected LOW,HIGH with LOW < HIGH, e.g. 0,30522 (HIGH excluded)")
+        raise InputError(f"input range {text!r}: expected LOW,HIGH with LOW < HIGH, e.g. 0,30522 (HIGH excluded)")
     return lo, hi
 
 
@@ -140,7 +141,7 @@ def read_input_file(path: Any) -> Any:
 
 
 def check_tensors(obj: Any, where: str = "input") -> Any:
-    """``obj`` if it is a tensor or a dict of str → tensor (plain values allowed beside them), else a CkptfixError."""
+    """``obj`` if it is a tensor or a dict of str → tensor (plain values allowed beside them), else an InputError."""
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -150,10 +151,10 @@ def check_tensors(obj: Any, where: str = "input") -> Any:
         odd = [k for k, v in obj.items() if not isinstance(v, plain)]
         if not odd:
             return dict(obj)
-        raise CkptfixError(f"{where}: entries {', '.join(odd[:5])} are not tensors; an input file holds a tensor, "
-                           "or a dict of tensors passed as model(**dict)")
-    raise CkptfixError(f"{where}: holds a {type(obj).__name__}; an input file holds a tensor (model(x)), or a dict "
-                       "of tensors (model(**dict)): torch.save(x, PATH) or safetensors' save_file({'input_ids': x}, PATH)")
+        raise InputError(f"{where}: entries {', '.join(odd[:5])} are not tensors; an input file holds a tensor, "
+                         "or a dict of tensors passed as model(**dict)")
+    raise InputError(f"{where}: holds a {type(obj).__name__}; an input file holds a tensor (model(x)), or a dict "
+                     "of tensors (model(**dict)): torch.save(x, PATH) or safetensors' save_file({'input_ids': x}, PATH)")
 
 
 def resolve_input(net: Any, shape: tuple[int, ...] | None = None, dtype: str | None = None,
@@ -163,7 +164,7 @@ def resolve_input(net: Any, shape: tuple[int, ...] | None = None, dtype: str | N
     the ``recorded`` recipe of a golden file, or a seeded one with whatever is not given inferred.
 
     A first ``Embedding(N, …)`` implies ``dtype='long'`` and ``value_range=(0, N)``; the shape is
-    inferred for image classifiers and a first ``Linear``. When it can't be, the CkptfixError says
+    inferred for image classifiers and a first ``Linear``. When it can't be, the InputError says
     what to pass for this model.
     """
     given = {"--input-shape": shape, "--input-dtype": dtype, "--input-range": value_range}
@@ -172,32 +173,32 @@ def resolve_input(net: Any, shape: tuple[int, ...] | None = None, dtype: str | N
     if inputs is not None:
         clash = [name for name, v in given.items() if v is not None]
         if clash:
-            raise CkptfixError(f"--input gives the tensors themselves; drop {', '.join(clash)}")
+            raise InputError(f"--input gives the tensors themselves; drop {', '.join(clash)}")
         if isinstance(inputs, (str, os.PathLike)):
             recipe = InputRecipe(tensors=read_input_file(inputs), source=os.fspath(inputs), seed=None)
         else:
             recipe = InputRecipe(tensors=check_tensors(inputs), source="given tensors", seed=None)
         if recorded is not None and recorded.get("sha256") != digest(recipe.tensors):
-            raise CkptfixError(f"the golden outputs were recorded for other --input tensors ({recorded['file']}); "
-                               "pass the same ones, or record the golden file again (--record-golden)")
+            raise GoldenError(f"the golden outputs were recorded for other --input tensors ({recorded['file']}); "
+                              "pass the same ones, or record the golden file again (--record-golden)")
         return recipe
     if recorded is not None:
-        raise CkptfixError(f"the golden outputs were recorded for the tensors of --input {recorded['file']}; "
-                           "pass that file with --input")
+        raise GoldenError(f"the golden outputs were recorded for the tensors of --input {recorded['file']}; "
+                          "pass that file with --input")
     if dtype is not None and dtype not in INPUT_DTYPES:
-        raise CkptfixError(f"input dtype {dtype!r}: choose {', '.join(INPUT_DTYPES)}")
+        raise InputError(f"input dtype {dtype!r}: choose {', '.join(INPUT_DTYPES)}")
     if len(models.forward_arguments(net)) > 1:  # one generated tensor can't feed it
-        raise CkptfixError(what_to_pass(net))
+        raise InputError(what_to_pass(net))
     vocab = models.embedding_size(net)
     dtype = dtype or ("long" if vocab is not None else "float")
     if dtype != "float" and value_range is None:
         if vocab is None:
-            raise CkptfixError(f"--input-dtype {dtype} needs --input-range LOW,HIGH (e.g. 0,VOCAB_SIZE: token IDs "
-                               "are drawn from LOW to HIGH-1)")
+            raise InputError(f"--input-dtype {dtype} needs --input-range LOW,HIGH (e.g. 0,VOCAB_SIZE: token IDs "
+                             "are drawn from LOW to HIGH-1)")
         value_range = (0, vocab)
     shape = tuple(shape) if shape else models.infer_input_shape(net)
     if shape is None:
-        raise CkptfixError(what_to_pass(net))
+        raise InputError(what_to_pass(net))
     return InputRecipe(shape=shape, dtype=dtype, range=value_range, seed=seed)
 
 
@@ -209,8 +210,8 @@ def _recorded(recorded: dict[str, Any], given: dict[str, Any], inputs: Any) -> I
              if v is not None and (v if isinstance(v, str) else tuple(v)) != mine[name]]
     clash += ["--input"] if inputs is not None else []
     if clash:
-        raise CkptfixError(f"the golden outputs were recorded for {recipe.describe()}; {', '.join(clash)} asks for "
-                           "another input: drop it, or record the golden file again (--record-golden)")
+        raise GoldenError(f"the golden outputs were recorded for {recipe.describe()}; {', '.join(clash)} asks for "
+                          "another input: drop it, or record the golden file again (--record-golden)")
     return recipe
 
 

@@ -30,9 +30,10 @@ class Selection:
 
 
 def is_tensor(v: Any) -> bool:
-    import torch
+    """A tensor, or a TensorInfo from a torch-free structure read (no torch import for either)."""
+    from .tensorinfo import is_tensor as _is_tensor
 
-    return isinstance(v, torch.Tensor)
+    return _is_tensor(v)
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -48,9 +49,10 @@ def is_state_dict(obj: Any) -> bool:
 
 
 def _module_state_dict(obj: Any) -> Any | None:
-    import torch
+    import sys
 
-    if isinstance(obj, torch.nn.Module):
+    torch = sys.modules.get("torch")  # an nn.Module can exist only once torch is imported
+    if torch is not None and isinstance(obj, torch.nn.Module):
         return obj.state_dict()
     return None
 
@@ -182,7 +184,8 @@ def deepspeed_info(obj: Any) -> DeepSpeedInfo | None:
     config = obj.get("ds_config") if isinstance(obj.get("ds_config"), Mapping) else {}
     zero = config.get("zero_optimization")
     stage = zero.get("stage") if isinstance(zero, Mapping) else None
-    enabled = [name for name in ("bf16", "bfloat16", "fp16") if isinstance(config.get(name), Mapping) and config[name].get("enabled")]
+    enabled = [name for name in ("bf16", "bfloat16", "fp16")
+               if isinstance(config.get(name), Mapping) and config[name].get("enabled")]
     module = obj["module"]
     floats = {str(t.dtype) for t in module.values() if is_tensor(t) and t.is_floating_point()}
     precision = ("bf16" if enabled[0] != "fp16" else "fp16") if enabled else \

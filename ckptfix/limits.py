@@ -28,7 +28,7 @@ _MIB = 2**20
 
 @dataclass(frozen=True)
 class Limits:
-    """The limits in force; see the README's "Limits" table for what each one means."""
+    """The limits in force; see the "Limits" table in docs/security.md for what each one means."""
 
     #: the largest pickle (a zip's data.pkl inflated, a legacy file's pickles, DCP's .metadata) read
     max_pickle_bytes: int = 1024 * _MIB
@@ -87,7 +87,8 @@ def exceeded(name: str, what: str, value: int | None = None, where: str = "") ->
     limit = getattr(current(), name)
     got = f" ({value:,})" if value is not None else ""
     return LimitError(
-        f"{where + ': ' if where else ''}{what}{got} exceeds the limit {name} = {limit:,}: refused as a possible resource-exhaustion attack. "
+        f"{where + ': ' if where else ''}{what}{got} exceeds the limit {name} = {limit:,}: "
+        "refused as a possible resource-exhaustion attack. "
         f"If you trust the file's size, raise it: {ENV[name]}={max(limit * 4, (value or 0) + 1)} "
         f"(library: ckptfix.limits.override({name}=...))",
         name,

@@ -20,7 +20,8 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .errors import CkptfixError, ModelSpecError
+from .errors import CkptfixError, InputError, ModelSpecError
+from .render import dtype_name
 
 #: torchvision.models subpackages whose models are not 3×224×224 image classifiers.
 _NOT_CLASSIFIERS = ("detection", "segmentation", "video", "optical_flow")
@@ -199,7 +200,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if not shape or any(d <= 0 for d in shape):
-        raise CkptfixError(f"input shape {text!r}: expected positive sizes like 1,3,224,224")
+        raise InputError(f"input shape {text!r}: expected positive sizes like 1,3,224,224")
     return shape
 
 
@@ -214,7 +215,7 @@ class ModelSource:
 
         self.model, self.args = model, args or {}
         self.dtype = dtype if dtype is None or isinstance(dtype, torch.dtype) else parse_dtype(str(dtype))
-        self.dtype_name = None if self.dtype is None else str(self.dtype).removeprefix("torch.")
+        self.dtype_name = None if self.dtype is None else dtype_name(self.dtype)
         if isinstance(model, str):
             self.label = model + "".join(f" {k}={v!r}" for k, v in self.args.items())
         elif isinstance(model, torch.nn.Module):
@@ -222,7 +223,7 @@ class ModelSource:
         elif callable(model):
             self.label = getattr(model, "__qualname__", repr(model))
         else:
-            raise CkptfixError(f"model: expected an nn.Module, a model spec string or a factory, got {type(model).__name__}")
+            raise ModelSpecError(f"model: expected an nn.Module, a model spec string or a factory, got {type(model).__name__}")
 
     def structure(self, meta: bool) -> tuple[Any, bool]:
         """``(model, is_fresh)`` to read keys from: the given module itself, or a new build."""
@@ -256,15 +257,15 @@ class ModelSource:
 
 
 def deepcopy_model(model: Any) -> Any:
-    """A fresh copy of a user's module for the forward check; a CkptfixError says why one can't be made."""
+    """A fresh copy of a user's module for the forward check; a ModelSpecError says why one can't be made."""
     try:
         return copy.deepcopy(model)
     except Exception as e:  # noqa: BLE001 - whatever the module holds that can't be copied
-        raise CkptfixError(f"model: can't make a fresh copy for the forward check ({type(e).__name__}: {e}); "
-                           "pass a model spec or a factory instead of an instance") from None
+        raise ModelSpecError(f"model: can't make a fresh copy for the forward check ({type(e).__name__}: {e}); "
+                             "pass a model spec or a factory instead of an instance") from None
 
 
 def float_dtype(net: Any) -> str:
     """The dtype a model computes in: its first floating parameter's (float32 when it has none)."""
     param = next((p for p in net.parameters() if p.is_floating_point()), None)
-    return "float32" if param is None else str(param.dtype).removeprefix("torch.")
+    return "float32" if param is None else dtype_name(param.dtype)

@@ -9,14 +9,7 @@ from types import TracebackType
 from typing import TextIO
 
 from . import rawcopy
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
+from .render import human_size
 
 
 class Progress:
@@ -71,8 +64,8 @@ class Progress:
         pct = min(100, 100 * self.bytes / self.total_bytes) if self.total_bytes else 100
         rate = self.bytes / elapsed if elapsed > 0 else 0
         self.stream.write(
-            f"\r  {_size(self.bytes)} / {_size(self.total_bytes)} ({pct:3.0f}%)  "
-            f"{self.tensors}/{self.total_tensors} tensors  {_size(rate)}/s   "
+            f"\r  {human_size(self.bytes, 'GiB')} / {human_size(self.total_bytes, 'GiB')} ({pct:3.0f}%)  "
+            f"{self.tensors}/{self.total_tensors} tensors  {human_size(rate, 'GiB')}/s   "
         )
         self.stream.flush()
 

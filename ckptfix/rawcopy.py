@@ -22,8 +22,9 @@ class _Sink(Protocol):
 progress: _Sink | None = None
 
 
-def _move(size: int, step: Callable[[int, int], int], what: str) -> None:
-    """Call ``step(done, n)`` (returns bytes moved) until ``size`` bytes are moved; report progress."""
+def _move(size: int, step: Callable[[int, int], int], what: str, whole: bool = True) -> None:
+    """Call ``step(done, n)`` (returns bytes moved) until ``size`` bytes are moved; report progress
+    (``whole``: these were a whole tensor's bytes, not one segment of them)."""
     done = 0
     while done < size:
         moved = step(done, min(_CHUNK, size - done))
@@ -32,11 +33,23 @@ def _move(size: int, step: Callable[[int, int], int], what: str) -> None:
         done += moved
         if progress is not None:
             progress.advance(moved)
-    if progress is not None:
+    if progress is not None and whole:
         progress.tensor_done()
 
 
-def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, size: int) -> None:
+def copy_segments(segments: list[tuple[int, int, int]], dst_fd: int, dst_offset: int) -> int:
+    """Copy ``[(src_fd, src_offset, size), …]`` one after another to ``dst_fd@dst_offset`` (one
+    tensor's bytes from several files); returns the bytes copied."""
+    pos = dst_offset
+    for src_fd, src_offset, size in segments:
+        copy_range(src_fd, dst_fd, src_offset, pos, size, whole=False)
+        pos += size
+    if progress is not None:
+        progress.tensor_done()
+    return pos - dst_offset
+
+
+def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, size: int, whole: bool = True) -> None:
     """Copy ``size`` bytes from ``src_fd@src_offset`` to ``dst_fd@dst_offset``, in the kernel if it can."""
     kernel = [hasattr(os, "copy_file_range")]
 
@@ -49,7 +62,7 @@ def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, size:
         data = os.pread(src_fd, n, src_offset + done)
         return os.pwrite(dst_fd, data, dst_offset + done) if data else 0
 
-    _move(size, step, "short copy (the source ended early?)")
+    _move(size, step, "short copy (the source ended early?)", whole)
 
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -57,17 +70,17 @@ def write_all(fd: int, data: memoryview, offset: int) -> None:
     _move(len(data), lambda done, n: os.pwrite(fd, data[done : done + n], offset + done), "write made no progress")
 
 
-def crc32_range(fd: int, offset: int, size: int) -> int:
-    """CRC-32 of a file range, read through a memory map (no copy into Python memory)."""
+def crc32_range(fd: int, offset: int, size: int, crc: int = 0) -> int:
+    """CRC-32 of a file range, read through a memory map (no copy into Python memory); ``crc``: that
+    of the bytes before it, to chain ranges into one checksum."""
     if size == 0:
-        return 0
+        return crc
     if offset + size > os.fstat(fd).st_size:
         raise OSError(5, "short read while computing CRC-32")
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     with mmap.mmap(fd, offset + size - start, access=mmap.ACCESS_READ, offset=start) as mm:
         view = memoryview(mm)
         try:
-            crc = 0
             for pos in range(offset - start, offset - start + size, _CHUNK):
                 crc = zlib.crc32(view[pos : min(pos + _CHUNK, offset - start + size)], crc)
             return crc
@@ -92,12 +105,15 @@ class CrcWorker:
             for r in list(self.ranges):
                 if not self.ranges:
                     break
-                self.results[r] = crc32_range(self.fd, *r)
+                self.results[r] = self._compute(r)
                 self._done[r].set()
         except BaseException as e:  # noqa: BLE001 - re-raised in get()
             self.error = e
             for ev in self._done.values():
                 ev.set()
+
+    def _compute(self, r: tuple) -> int:
+        return crc32_range(self.fd, *r)
 
     def close(self) -> None:
         """Stop after the current range and release the file descriptor."""
@@ -106,8 +122,29 @@ class CrcWorker:
         os.close(self.fd)
 
     def get(self, offset: int, size: int) -> int:
-        key = (offset, size)
+        return self.result((offset, size))
+
+    def result(self, key: tuple) -> int:
         self._done[key].wait()
         if self.error is not None:
             raise self.error
         return self.results[key]
+
+
+class SegmentsCrcWorker(CrcWorker):
+    """CRC-32s of members made of several file ranges (a DCP tensor's chunks), on a background
+    thread: each job is ``((fd, offset, size), …)``, its ranges chained in order. The fds stay
+    the caller's (closed after :meth:`close`)."""
+
+    def __init__(self, jobs: list[tuple[tuple[int, int, int], ...]]):
+        super().__init__(-1, jobs)
+
+    def _compute(self, r: tuple) -> int:
+        crc = 0
+        for fd, offset, size in r:
+            crc = crc32_range(fd, offset, size, crc)
+        return crc
+
+    def close(self) -> None:
+        self.ranges = []
+        self._thread.join()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import wrappers
+from .render import dtype_name
 
 _MAX_PREFIX_DEPTH = 3
 
@@ -48,9 +49,9 @@ def describe_target(model: Any, float_dtype: Any = None) -> Target:
     for key, value in sd.items():
         is_t = isinstance(value, torch.Tensor)
         shapes[key] = tuple(value.shape) if is_t else None
-        dtypes[key] = dtype_name(value) if is_t else None
+        dtypes[key] = dtype_name(value.dtype) if is_t else None
         if is_t and float_dtype is not None and value.is_floating_point():
-            dtypes[key] = str(float_dtype).replace("torch.", "")
+            dtypes[key] = dtype_name(float_dtype)
         if is_t:
             groups.setdefault(id(value), []).append(key)
     return Target(
@@ -61,9 +62,6 @@ def describe_target(model: Any, float_dtype: Any = None) -> Target:
         wrappers=wrappers.detect_wrappers(sd.keys()),
     )
 
-
-def dtype_name(t: Any) -> str:
-    return str(t.dtype).replace("torch.", "")
 
 
 def shape_of(value: Any) -> tuple[int, ...] | None:
@@ -262,8 +260,8 @@ def check_fit(state_dict: Any, target: Target, fill: bool = True) -> Fit:
             fit.non_tensor.append(key)
         elif have != want:
             fit.shape_mismatch.append({"key": key, "checkpoint": list(have), "model": list(want)})
-        elif dtype_name(value) != target.dtypes[key]:
-            fit.dtype_mismatch.append({"key": key, "checkpoint": dtype_name(value), "model": target.dtypes[key]})
+        elif dtype_name(value.dtype) != target.dtypes[key]:
+            fit.dtype_mismatch.append({"key": key, "checkpoint": dtype_name(value.dtype), "model": target.dtypes[key]})
     return fit
 
 

@@ -1,6 +1,6 @@
 """Result objects: what was read (Checkpoint), converted (ConvertReport) and loaded (LoadReport).
 
-Each has ``to_dict()`` giving the JSON the CLI prints with ``--json`` (fields listed in README).
+Each has ``to_dict()`` giving the JSON the CLI prints with ``--json`` (fields listed in docs/json.md).
 """
 
 from __future__ import annotations
@@ -24,24 +24,30 @@ class TensorStats:
 
 
 def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default_tag: str | None = None) -> TensorStats:
-    """Count tensors, elements, bytes, dtypes and saved devices (from ``tags``: storage id → tag)."""
-    import torch
+    """Count tensors, elements, bytes, dtypes and saved devices (from ``tags``: storage id → tag).
 
-    from .devices import storage_id
+    Tensors or :class:`~ckptfix.tensorinfo.TensorInfo` (whose storage id is ``id(info.storage)``)."""
+    from .tensorinfo import TensorInfo, is_tensor
 
     stats = TensorStats()
     dtypes: Counter = Counter()
     devices: Counter = Counter()
     seen: set[tuple] = set()
     for key, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
+        if not is_tensor(t):
             stats.non_tensors.append(key)
             continue
         stats.num_tensors += 1
-        dtypes[str(t.dtype).replace("torch.", "")] += 1
-        sid = storage_id(t)
-        devices[tags.get(sid, default_tag or str(t.device))] += 1
-        view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if isinstance(t, TensorInfo):
+            sid, dtype, device = id(t.storage), t.dtype, t.device
+            view = (sid, t.storage_offset, t.shape, t.stride, dtype)
+        else:
+            from .devices import storage_id
+
+            sid, dtype, device = storage_id(t), str(t.dtype).replace("torch.", ""), str(t.device)
+            view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), dtype)
+        dtypes[dtype] += 1
+        devices[tags.get(sid, default_tag or device)] += 1
         if view not in seen:
             seen.add(view)
             stats.num_params += t.numel()
@@ -53,10 +59,11 @@ def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default
 
 def describe_value(v: Any) -> str:
     """A short description of a non-state-dict entry: ``dict (2 entries)``, ``int 3``."""
-    import torch
+    from .tensorinfo import is_tensor, shape_and_dtype
 
-    if isinstance(v, torch.Tensor):
-        return f"tensor {list(v.shape)} {str(v.dtype).replace('torch.', '')}"
+    if is_tensor(v):
+        shape, dtype = shape_and_dtype(v)
+        return f"tensor {shape} {dtype}"
     if isinstance(v, Mapping):
         return f"{type(v).__name__} ({len(v)} entries)"
     if isinstance(v, (list, tuple)):
@@ -69,16 +76,20 @@ def describe_value(v: Any) -> str:
 
 
 def _shape_row(key: str, t: Any) -> dict[str, Any]:
-    import torch
+    from .tensorinfo import is_tensor, shape_and_dtype
 
-    if isinstance(t, torch.Tensor):
-        return {"key": key, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+    if is_tensor(t):
+        shape, dtype = shape_and_dtype(t)
+        return {"key": key, "shape": shape, "dtype": dtype}
     return {"key": key, "shape": None, "dtype": type(t).__name__}
 
 
 @dataclass
 class Checkpoint:
-    """A whole checkpoint file: the model's state dict plus everything around it."""
+    """A whole checkpoint file: the model's state dict plus everything around it.
+
+    Its tensors are real (``read``), on ``meta`` (``inspect``), or :class:`~ckptfix.tensorinfo.TensorInfo`
+    (``describe``, read without torch); ``to_dict()`` renders all three alike."""
 
     path: str
     format: str

@@ -21,7 +21,7 @@ from typing import Any
 from . import limits as _limits
 from . import pickle_scan
 from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals
-from .errors import FormatError, UnsafeCheckpointError
+from .errors import FormatError, UnsafeCheckpointError, trust_advice
 from .formats import DCP, DEEPSPEED, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff
 from .scan_files import (PICKLE, Collector, Finding, GlobalRef, ScanReport, scan_legacy, scan_tar, scan_zip,
                          starts_with_magic)
@@ -152,7 +152,7 @@ def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_
     parts += [f.message for f in findings if f.kind != "unsafe-global"]
     raise UnsafeCheckpointError(
         f"{path}: refused: loading it could run code or read the wrong bytes: {'; '.join(parts)}. "
-        "If you trust this file and its author, pass --trust (library: trust=True); "
+        f"{trust_advice()}; "
         f"`ckptfix scan {path}` lists everything it references.",
         [] if structure_only else report.unsafe_globals,
     )

@@ -126,7 +126,7 @@ class NamePickler(pickle._Pickler):  # type: ignore[name-defined,misc]
             self.save(qualname)
             self.write(pickle.STACK_GLOBAL)
         else:
-            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
         self.memoize(obj)
 
 

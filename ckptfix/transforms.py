@@ -12,7 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConversionError, KeyCollisionError
+from .errors import ConversionError, KeyCollisionError, pass_flag
+from .render import dtype_name
 from .wrappers import rename_state_dict
 
 DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
@@ -56,7 +57,7 @@ class CastReport:
             raise ConversionError(
                 f"casting to {self.dtype} would overflow to inf in {key!r}: values beyond {limit}; "
                 + ("use bf16, or " if after.dtype == torch.float16 else "")
-                + "pass --allow-overflow (library: allow_overflow=True)"
+                + pass_flag("allow_overflow")
             )
         self.infs_produced += produced
 
@@ -81,14 +82,14 @@ def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: boo
     import torch
 
     target = parse_dtype(dtype)
-    report = CastReport(dtype=str(target).replace("torch.", ""), allow_overflow=allow_overflow)
+    report = CastReport(dtype=dtype_name(target), allow_overflow=allow_overflow)
     cast_cache: dict[tuple, Any] = {}
     out: OrderedDict = OrderedDict()
     for key, t in state_dict.items():
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == target:
             out[key] = t
             if isinstance(t, torch.Tensor):
-                name = str(t.dtype).replace("torch.", "")
+                name = dtype_name(t.dtype)
                 report.kept[name] = report.kept.get(name, 0) + 1
             continue
         view = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -102,7 +103,7 @@ def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: boo
             report.check_values(key, t, new)
         cast_cache[view] = new
         out[key] = new
-        label = f"{str(t.dtype).replace('torch.', '')}->{report.dtype}"
+        label = f"{dtype_name(t.dtype)}->{report.dtype}"
         report.cast[label] = report.cast.get(label, 0) + 1
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:
@@ -143,7 +144,8 @@ def rename_keys(state_dict: Mapping[str, Any], rules: Iterable[str], source: str
     return out, changed
 
 
-def map_by_order(state_dict: Mapping[str, Any], model_state: Mapping[str, Any], source: str = "checkpoint") -> tuple[OrderedDict, list[tuple[str, str]]]:
+def map_by_order(state_dict: Mapping[str, Any], model_state: Mapping[str, Any],
+                 source: str = "checkpoint") -> tuple[OrderedDict, list[tuple[str, str]]]:
     """Give the checkpoint's tensors the model's names by position — only when counts match and
     every shape agrees in order; otherwise refuse naming the first disagreement."""
     import torch

@@ -21,7 +21,7 @@ from . import forward as fwd
 from . import golden as gold
 from . import models, repair, wrappers
 from .atomic import sha256_file
-from .errors import CkptfixError
+from .errors import GoldenError, LoadError
 from .inputs import InputRecipe, describe_recipe, resolve_input
 
 #: What the serving code loads each single-file format with (``--exact``).
@@ -163,7 +163,7 @@ def verify(
     from .api import read
 
     if record_golden and golden is None:
-        raise CkptfixError("record_golden needs golden=PATH (--golden PATH): where to write the outputs")
+        raise GoldenError("record_golden needs golden=PATH (--golden PATH): where to write the outputs")
     path = os.fspath(path)
     forward = forward and str(map_location).strip().lower() != "meta"  # meta holds no values to run
     request = fwd.ForwardRequest(reference, golden, record_golden, atol, rtol, input_shape, input_dtype, input_range,
@@ -280,7 +280,8 @@ def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> l
     missing = plain.missing + [t["key"] for t in plain.tolerated
                                if not repair.torch_fills_num_batches_tracked(t["key"], as_loaded)]
     problems = [f"{len(v)} {name}" for name, v in (("missing", missing), ("unexpected", plain.unexpected),
-                                                   ("shape mismatch", plain.shape_mismatch), ("non-tensor", plain.non_tensor)) if v]
+                                                   ("shape mismatch", plain.shape_mismatch),
+                                                   ("non-tensor", plain.non_tensor)) if v]
     if problems:
         out.append(f"exact: load_state_dict(strict=True) would fail as saved: {', '.join(problems)}{how}")
     if plain.dtype_mismatch:
@@ -355,17 +356,17 @@ def _golden_to_compare(req: fwd.ForwardRequest, net: Any) -> gold.Golden | None:
     recorded = gold.read_golden(req.golden)
     runs_in = models.float_dtype(net)
     if recorded.dtype != runs_in:
-        short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(recorded.dtype, recorded.dtype)
-        raise CkptfixError(f"golden {recorded.path}: recorded with the model in {recorded.dtype}, but it runs in "
-                           f"{runs_in} here; pass --dtype {short} (library: dtype={short!r}), or record it again "
-                           "(--record-golden)")
+        short = _SHORT_DTYPES.get(recorded.dtype, recorded.dtype)
+        raise GoldenError(f"golden {recorded.path}: recorded with the model in {recorded.dtype}, but it runs in "
+                          f"{runs_in} here; pass --dtype {short} (library: dtype={short!r}), or record it again "
+                          "(--record-golden)")
     return recorded
 
 
 def _record_golden(report: VerifyReport, where: str, out: dict[str, Any], recipe: InputRecipe, net: Any,
                    label: str) -> None:
     """Write this run's outputs as the golden file, only when everything else passed."""
-    entry = {"path": where, "input": recipe.to_dict(), "outputs": gold.summary(out)}
+    entry: dict[str, Any] = {"path": where, "input": recipe.to_dict(), "outputs": gold.summary(out)}
     if report.failures:
         report.golden = {**entry, "action": "skipped"}
         report.notes.append(f"golden outputs not recorded to {where}: the checkpoint failed verification")
@@ -383,8 +384,8 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
     target = repair.describe_target(net)
     _, fit = repair.fit_to_model(ref.state_dict, target, source=ref.path)
     if not fit.loads:
-        raise CkptfixError(f"reference {ref.path}: does not load into the model ({len(fit.missing)} missing, "
-                           f"{len(fit.unexpected)} unexpected, {len(fit.shape_mismatch)} shape mismatch); "
-                           "`ckptfix verify` it against the model first")
+        raise LoadError(f"reference {ref.path}: does not load into the model ({len(fit.missing)} missing, "
+                        f"{len(fit.unexpected)} unexpected, {len(fit.shape_mismatch)} shape mismatch); "
+                        "`ckptfix verify` it against the model first")
     net.load_state_dict(fit.state_dict, strict=True)
     return net

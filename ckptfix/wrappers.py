@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .errors import KeyCollisionError, WrapperError
+from .errors import NOTHING_WRITTEN, KeyCollisionError, WrapperError
 
 WRAPPER_SEGMENTS: tuple[str, ...] = (
     "module",
@@ -182,7 +182,7 @@ def rename_state_dict(
         if new in origin:
             raise KeyCollisionError(
                 f"{source}: keys {origin[new]!r} and {key!r} would both become {new!r}; "
-                "nothing was written. Rename one of them first (e.g. --strip-prefix / --add-prefix), "
+                f"{NOTHING_WRITTEN}. Rename one of them first (e.g. --strip-prefix / --add-prefix), "
                 "or keep the wrappers with --to keep."
             )
         origin[new] = key

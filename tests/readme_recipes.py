@@ -1,6 +1,6 @@
-"""The table tests/test_readme.py runs README.md's recipes by: for each command (as the shell splits
-it, comment dropped) or Python example (its first line that isn't an import), the files it names —
-README placeholder → how it is made here (MAKERS: a committed fixture, a model built and saved, the
+"""The table tests/test_readme.py runs the recipes of README.md and docs/*.md by: for each command (as
+the shell splits it, comment dropped) or Python example (its first line that isn't an import), the files
+it names — placeholder → how it is made here (MAKERS: a committed fixture, a model built and saved, the
 real Lightning sharded run) — the exit code it must end with and what else its result must show.
 """
 
@@ -260,7 +260,15 @@ RECIPES: dict[str, Entry] = {
     # Set up
     "make demo": Entry(make_args=("-o", ".venv/.installed")),  # DEMO_DIR is set to the run directory
     "make test": Entry(make_args=("-n", "-o", ".venv/.installed")),  # dry run: it would run this very test
-    # CLI
+    # README: Common recipes (the others it shows are in the docs' tables below)
+    "ckptfix verify model.safetensors --model torchvision:resnet18 --arg num_classes=10 --reference run.pth": Entry(
+        {"model.safetensors": "resnet18 10", "run.pth": "resnet18 10 ddp"}, check=_output_has("max abs diff 0")),
+    "ckptfix scan downloaded.pth": Entry({"downloaded.pth": "unsafe"}, code=3, check=_output_has("builtins.exec")),
+    'report = ckptfix.load_into(model, "ddp_run.pth")': Entry(
+        {"ddp_run.pth": "fixture:mlp_ddp.pth", "ddp_compiled.pth": "fixture:mlp_ddp_compile.pth"},
+        check=lambda tmp, ns: ns["report"].fix == "strip module." and list(ns["sd"])[0] == "0.weight"
+        and (tmp / "model.safetensors").is_file()),
+    # docs/convert.md
     "ckptfix inspect ddp_run.pth": Entry(MLP_DDP, check=_output_has("wrappers:       module")),
     "ckptfix inspect ddp_run.pth --json": Entry(MLP_DDP, check=_json("wrappers", ["module"])),
     "ckptfix convert ddp_run.pth model.safetensors": Entry(MLP_DDP, check=_keys_of("model.safetensors", lambda k: "0.weight" in k)),
@@ -291,7 +299,7 @@ RECIPES: dict[str, Entry] = {
         {"fsdp2_run": "dir", "fsdp2_run/step_1000": "fixture:mlp_fsdp2"}, check=_keys_of("model.pth", lambda k: k[0] == "0.weight")),
     "ckptfix convert model.pth resume_dcp/ --format dcp": Entry(
         {"model.pth": "fixture:mlp_single.pth"}, check=lambda tmp, res: (tmp / "resume_dcp" / ".metadata").is_file()),
-    # Verify and diff
+    # docs/verify.md
     "ckptfix verify run.pth --model torchvision:resnet18 --arg num_classes=10": Entry(
         {"run.pth": "resnet18 10 ddp"}, check=_output_has("strip module.")),
     "ckptfix verify run.pth --model mypkg.models:build --arg dims=[64,128] --arg name=tiny": Entry(
@@ -318,7 +326,7 @@ RECIPES: dict[str, Entry] = {
     "ckptfix diff a.pth b.pth --raw --atol 1e-6 --json": Entry(
         {"a.pth": "fixture:mlp_single.pth", "b.pth": "mlp, noisy"},
         check=_json("identical", True)),
-    # Library (the Python blocks: the first line that isn't an import)
+    # docs/library.md (the Python blocks: the first line that isn't an import)
     'sd = ckptfix.load("ddp_compiled.pth")': Entry({
         "ddp_compiled.pth": "fixture:mlp_ddp_compile.pth", "ddp_run.pth": "fixture:mlp_ddp.pth",
         "train.ckpt": "fixture:mlp_lightning.ckpt", "huge.pth": "fixture:mlp_single.pth"},
@@ -326,13 +334,13 @@ RECIPES: dict[str, Entry] = {
     'report = ckptfix.verify("run.pth", "torchvision:resnet18", model_args={"num_classes": 10},': Entry(
         {"run.pth": "resnet18 10 ddp", "orig.pth": "resnet18 10", "model.safetensors": "resnet18 10"},
         check=lambda tmp, ns: ns["report"].ok and ns["d"].identical),
-    # Pre-deploy gate: the workflow's run: script, in bash -e as GitHub runs it
+    # docs/verify.md, Pre-deploy gate: the workflow's run: script, in bash -e as GitHub runs it
     "ckptfix verify release/model.safetensors --model mypkg.models:build --arg num_classes=12 --exact --dtype fp16 "
     "--reference runs/best.ckpt --golden release/golden.safetensors --json > verify.json": Entry(
         {"release": "dir", "release/model.safetensors": "mypkg num_classes=12 in fp16", "runs": "dir",
          "runs/best.ckpt": "mypkg num_classes=12, lightning", **MYPKG_FILES},
         check=lambda tmp, res: bool(re.fullmatch(r"verified [0-9a-f]{64}\n", res.stdout)), env_path=True),
-    # Training checkpoints
+    # docs/formats.md: Training checkpoints
     "ckptfix inspect last.ckpt": Entry(LAST, check=_output_has(
         "lightning checkpoint; every key starts with 'model.' (--strip-prefix model.)")),
     "ckptfix convert last.ckpt net.safetensors --strip-prefix model.": Entry(
@@ -355,6 +363,6 @@ RECIPES: dict[str, Entry] = {
     "ckptfix convert ckpt/ hf/ --max-shard-size 5GB": Entry(  # one shard: model.safetensors, no index
         DEEPSPEED, check=lambda tmp, res: os.listdir(tmp / "hf") == ["model.safetensors"]),
     "ckptfix convert ckpt/ half.safetensors --select module": Entry(DEEPSPEED, check=_dtypes("half.safetensors", {torch.bfloat16})),
-    # Security: the shown `$ ckptfix inspect model.pth` and its one line of output
+    # docs/security.md: the shown `$ ckptfix inspect model.pth` and its one line of output
     "ckptfix inspect model.pth": Entry({"model.pth": "unsafe"}, code=1),
 }

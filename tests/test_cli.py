@@ -115,11 +115,10 @@ def test_debug_env_shows_traceback(tmp_path: Path) -> None:
     assert env_out.returncode == 1 and "Traceback" in env_out.stderr
 
 
-def readme_json_docs(readme: str) -> dict[str, str]:
-    """The README's JSON section split by command: each paragraph that starts with `command`:."""
-    section = readme.split("\n### JSON (`--json`", 1)[1].split("\n## ", 1)[0]
+def readme_json_docs(text: str) -> dict[str, str]:
+    """docs/json.md split by command: each paragraph that starts with `command`:."""
     docs = {}
-    for paragraph in section.split("\n\n"):
+    for paragraph in text.split("\n\n"):
         if match := re.match(r"`(\w+)`: ", paragraph):
             docs[match.group(1)] = paragraph
     return docs
@@ -138,11 +137,11 @@ def _records(obj: dict[str, Any], path: str) -> list[dict[str, Any]]:
 
 
 def test_every_json_field_is_documented_in_readme(fixtures_dir: Path, tmp_path: Path) -> None:
-    """The README's JSON section documents each `--json` field in that command's own paragraph; a
-    field added to a report without docs there fails here (one named elsewhere in the README does not count)."""
+    """docs/json.md documents each `--json` field in that command's own paragraph; a field added to a
+    report without docs there fails here (one named elsewhere in the docs does not count)."""
     import ckptfix
 
-    docs = readme_json_docs((ROOT / "README.md").read_text())
+    docs = readme_json_docs((ROOT / "docs" / "json.md").read_text())
     objects = {
         "inspect": ckptfix.inspect(fixtures_dir / "mlp_ddp.pth").to_dict(),
         "convert": ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.pth", checksums=True).to_dict(),
@@ -155,12 +154,12 @@ def test_every_json_field_is_documented_in_readme(fixtures_dir: Path, tmp_path: 
     assert set(objects) == with_json and set(docs) == with_json, (sorted(docs), sorted(with_json))
     for command, obj in objects.items():
         undocumented = [k for k in obj if f"`{k}`" not in docs[command]]
-        assert not undocumented, f"{command} --json fields missing from its README JSON paragraph: {undocumented}"
+        assert not undocumented, f"{command} --json fields missing from its docs/json.md paragraph: {undocumented}"
         for path in NESTED.get(command, []):
             records = _records(obj, path)
             assert records, path  # the sample object has such a record to check
             nested = sorted({k for r in records for k in r if not re.search(rf"\b{k}\b", docs[command])})
-            assert not nested, f"{command} --json {path} fields missing from its README JSON paragraph: {nested}"
+            assert not nested, f"{command} --json {path} fields missing from its docs/json.md paragraph: {nested}"
 
 
 @pytest.mark.parametrize("args, code, error_type, message", [
@@ -171,6 +170,10 @@ def test_every_json_field_is_documented_in_readme(fixtures_dir: Path, tmp_path: 
     (["verify", "{fx}/mlp_single.pth", "--model", "torchvision:resnet19"], 1, "ModelSpecError", "no model 'resnet19'"),
     (["diff", "{fx}/mlp_single.pth", "{tmp}/nope.pth"], 1, "MissingFileError", "no such file"),
     (["scan", "{tmp}/empty.pth"], 1, "FormatError", "is empty (0 bytes)"),
+    (["verify", "{fx}/mlp_single.pth", "--model", "{fx}/train.py:mlp", "--input-range", "9,1"], 1, "InputError",
+     "input range '9,1': expected LOW,HIGH with LOW < HIGH"),
+    (["diff", "{fx}/mlp_single.pth", "{fx}/mlp_ddp.pth", "--map-location", "meta"], 1, "DeviceError",
+     "map_location='meta' reads none"),
     (["convert", "{fx}/mlp_ddp.pth", "{tmp}/o.pth", "--by-order"], 2, "UsageError", "--by-order and --model go together"),
     (["diff", "{fx}/mlp_single.pth", "{fx}/mlp_ddp.pth", "--atol", "lots"], 2, "BadParameter", "'lots' is not a valid float"),
 ])

@@ -52,7 +52,8 @@ def read_output(path: Path, fmt: str) -> Any:
 
 def assert_bit_equal(a: torch.Tensor, b: torch.Tensor, key: str) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape, key
-    assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b.view(torch.uint8) if b.dtype == torch.bool else b), key
+    assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a,
+                       b.view(torch.uint8) if b.dtype == torch.bool else b), key
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -14,8 +14,9 @@ import shutil
 import subprocess
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -167,7 +168,8 @@ def test_zero3_placeholders_are_never_taken(precision: str, make: Any) -> None:
 
 
 @pytest.mark.parametrize("stage, precision, message", [
-    (3, "bf16", "is a DeepSpeed ZeRO-3 per-rank file .*splits the weights across every rank's \\*_optim_states.pt, which are not in "),
+    (3, "bf16", "is a DeepSpeed ZeRO-3 per-rank file .*splits the weights across every rank's \\*_optim_states.pt, "
+                "which are not in "),
     (2, "bf16", "trained in bf16 .*the fp32 master weights are in the \\*_optim_states.pt files, which are not in .*"
                 "pass --select module"),
 ])
@@ -184,7 +186,8 @@ def test_a_model_states_file_alone_is_refused_with_what_to_give(stage: int, prec
     with pytest.raises(DeepSpeedZeroError, match=message):
         ckptfix.load(alone)  # the tag directory without optim_states
     res = cli_runner.invoke(cli, ["convert", str(path), str(tmp_path / "o.safetensors")])
-    assert res.exit_code == 1 and res.stderr.startswith(f"Error: {path}: is a DeepSpeed ZeRO-") and len(res.stderr.splitlines()) == 1
+    assert res.exit_code == 1 and res.stderr.startswith(f"Error: {path}: is a DeepSpeed ZeRO-")
+    assert len(res.stderr.splitlines()) == 1
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -281,7 +284,8 @@ def test_broken_checkpoints_are_refused_in_one_line(case: str, error: type, mess
     if case == "missing-rank":
         (tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
     elif case == "extra-rank":
-        shutil.copy(tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
+        shutil.copy(tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                    tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
     elif case == "latest-escapes":
         (directory / "latest").write_text("../elsewhere")
     elif case == "latest-dangling":

@@ -2,7 +2,7 @@
 resource bombs, out-of-bounds views, metadata that contradicts the file.
 
 Each is refused (one ``Error:`` line, exit 1; ``scan`` exit 3 where it is a finding) without a crash,
-without an output file and within the limits (README "Limits"). Cases that crash or leak under a
+without an output file and within the limits (docs/security.md "Limits"). Cases that crash or leak under a
 naive reader run in a child process, so a segfault fails the test instead of killing the run.
 """
 
@@ -281,9 +281,9 @@ def test_stride0_view_loads_but_is_not_expanded_into_gigabytes(tmp_path: Path, c
 
 
 def test_limits_are_documented_and_overridable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    readme = (ROOT / "README.md").read_text()
+    docs = (ROOT / "docs" / "security.md").read_text().split("\n## Limits\n", 1)[1].split("\n## ", 1)[0]
     for name, var in ckptfix.limits.ENV.items():
-        assert f"`{var}`" in readme and f"`{name}`" in readme, name
+        assert f"`{var}`" in docs and f"`{name}`" in docs, name
     path = _deep("tuples")(tmp_path)
     monkeypatch.setenv("CKPTFIX_MAX_DEPTH", "2000000")  # the user raises it: the file loads
     assert torch.equal(ckptfix.load(path)["w"], torch.tensor([1.0, 2, 3, 4]))

@@ -79,8 +79,10 @@ def deepspeed(tmp_path: Path, train: Any) -> Callable[..., list[Path]]:
 ZERO_REFUSED = {  # (stage, precision) → what the refusal says it is
     (3, "fp32"): "is a DeepSpeed ZeRO-3 per-rank file \\(deepspeed 0.19.8, fp32\\): its 'module' holds 6 placeholder",
     (3, "bf16"): "is a DeepSpeed ZeRO-3 per-rank file \\(deepspeed 0.19.8, bf16\\): its 'module' holds 6 placeholder",
-    (2, "bf16"): "is a DeepSpeed ZeRO-2 checkpoint trained in bf16 \\(deepspeed 0.19.8\\): its 'module' holds the bf16 training copy",
-    (1, "fp16"): "is a DeepSpeed ZeRO-1 checkpoint trained in fp16 \\(deepspeed 0.19.8\\): its 'module' holds the fp16 training copy",
+    (2, "bf16"): "is a DeepSpeed ZeRO-2 checkpoint trained in bf16 \\(deepspeed 0.19.8\\): "
+                 "its 'module' holds the bf16 training copy",
+    (1, "fp16"): "is a DeepSpeed ZeRO-1 checkpoint trained in fp16 \\(deepspeed 0.19.8\\): "
+                 "its 'module' holds the fp16 training copy",
 }
 
 
@@ -117,7 +119,7 @@ def test_deepspeed_zero_files_are_refused_with_what_to_do(stage: int, precision:
 def test_deepspeed_zero3_placeholders_are_never_taken(stage: int, precision: str, deepspeed: Any, tmp_path: Path,
                                                       train: Any) -> None:
     path = deepspeed(stage, precision)[0]
-    for verb, call in _verbs(path, tmp_path, train, "module").items():
+    for _verb, call in _verbs(path, tmp_path, train, "module").items():
         with pytest.raises(DeepSpeedZeroError, match="--select module can't help: the placeholders hold no values"):
             call()
 
@@ -138,7 +140,8 @@ def test_deepspeed_half_copy_when_selected_deliberately(stage: int, precision: s
 def test_deepspeed_fp32_zero2_module_is_the_weights(deepspeed: Any, tmp_path: Path, train: Any) -> None:
     path = deepspeed(2, "fp32")[0]
     report = ckptfix.convert(path, tmp_path / "w.safetensors")
-    assert report.state_dict_key == "module" and "DeepSpeed ZeRO-2 (deepspeed 0.19.8, fp32): 'module' holds the model's full weights; " \
+    assert report.state_dict_key == "module" and "DeepSpeed ZeRO-2 (deepspeed 0.19.8, fp32): " \
+        "'module' holds the model's full weights; " \
         "no *_optim_states.pt beside it to consolidate the fp32 master weights from" in report.notes
     net, _opt, _loss = train._train("mlp", "single")
     out = ckptfix.load(tmp_path / "w.safetensors")

@@ -31,6 +31,7 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.lightning_dir import by_parameter_index
+from test_dcp_stream import ScratchSpy
 from test_real_libraries import assert_bit_equal, differences
 
 pytestmark = [  # Lightning's own noise: resuming into another directory, and its use of a torch deprecation
@@ -64,7 +65,7 @@ def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> ShardedRun:
     return _run_child(tmp_path_factory.getbasetemp() / "lightning_sharded")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run_child(out: Path) -> ShardedRun:
     """Once per session, though test_readme.py imports the fixture too (a fixture of its own there)."""
     out.mkdir()
@@ -177,9 +178,12 @@ def test_keep_extra_output_resumes_in_a_single_process_trainer(strategy: str, sh
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize(("dst", "strip"), [("model.safetensors", None), ("net.pth", "model.")])
 def test_convert_gives_the_weights(strategy: str, dst: str, strip: str | None, sharded_run: ShardedRun,
-                                   tmp_path: Path, cli_runner: Any, train: Any) -> None:
+                                   tmp_path: Path, cli_runner: Any, train: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / dst
+    spy = ScratchSpy(monkeypatch, refuse=True)  # meta.pt joins the streamed DCP read: chunks copied, no scratch
     _ckptfix(cli_runner, "convert", sharded_run.dirs[strategy], out, "-q", *(["--strip-prefix", strip] if strip else []))
+    assert not spy.made
+    monkeypatch.undo()
     if out.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -262,7 +266,8 @@ def test_malformed_meta_pt_is_one_format_error(meta: Any, message: str, sharded_
     ({"state": {"b": {"step": 2}, "w": {"step": 1}}, "param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0, "params": ["b"]}]},
      {"state": {0: {"step": 1}, 1: {"step": 2}}, "param_groups": [{"lr": 0.1, "params": [0]}, {"lr": 0, "params": [1]}]}),
     ({"state": {}, "param_groups": [{"params": ["w", "b"]}]}, {"state": {}, "param_groups": [{"params": [0, 1]}]}),
-    ({"state": {1: {"step": 1}}, "param_groups": [{"params": [0, 1]}]}, {"state": {1: {"step": 1}}, "param_groups": [{"params": [0, 1]}]}),
+    ({"state": {1: {"step": 1}}, "param_groups": [{"params": [0, 1]}]},
+     {"state": {1: {"step": 1}}, "param_groups": [{"params": [0, 1]}]}),
     ({"state": {"x": {}}, "param_groups": [{"params": ["w"]}]}, "holds state for 'x', which no param_group lists"),
     ({"state": {}, "param_groups": [{"params": ["w", "w"]}]}, "neither parameter names nor indices, each once"),
     ({"state": {}, "param_groups": [{"params": ["w", 1]}]}, "neither parameter names nor indices, each once"),

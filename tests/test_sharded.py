@@ -18,8 +18,9 @@ import json
 import os
 import shutil
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -210,7 +211,8 @@ BREAKS: dict[str, tuple[Callable[[Path, str, str], None], str]] = {
     "duplicate key": (_duplicate_key, "listed twice"),
     "listed key not in shard": (lambda out, ix, shard: _edit(out, ix, lambda wm: wm.update({"ghost.weight": shard})),
                                 "has no such tensor"),
-    "unlisted tensor in shard": (lambda out, ix, shard: _edit(out, ix, lambda wm: wm.pop(next(k for k, v in wm.items() if v == shard))),
+    "unlisted tensor in shard": (lambda out, ix, shard: _edit(out, ix,
+                                                              lambda wm: wm.pop(next(k for k, v in wm.items() if v == shard))),
                                  "does not list"),
 }
 

@@ -87,10 +87,12 @@ def test_by_order_maps_renamed_model(tmp_path: Path, fixtures_dir: Path, manifes
 
 def test_by_order_refuses_shape_disagreement(tmp_path: Path, fixtures_dir: Path) -> None:
     wrong = nn.Sequential(nn.Linear(13, 32), nn.Linear(32, 16), nn.Linear(16, 1))
-    with pytest.raises(ConversionError, match="tensor #0 '0.weight' has shape \\[16, 13\\] but the model's #0 '0.weight' has \\[32, 13\\]"):
+    with pytest.raises(ConversionError,
+                       match="tensor #0 '0.weight' has shape \\[16, 13\\] but the model's #0 '0.weight' has \\[32, 13\\]"):
         ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.pth", by_order=wrong)
     with pytest.raises(ConversionError, match="same number of tensors: checkpoint has 6, model has 4"):
-        ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.pth", by_order=nn.Sequential(nn.Linear(13, 16), nn.Linear(16, 1)))
+        ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.pth",
+                        by_order=nn.Sequential(nn.Linear(13, 16), nn.Linear(16, 1)))
     assert not (tmp_path / "o.pth").exists()
 
 

@@ -23,8 +23,8 @@ SHARDED_PTH = "sharded-pth"
 DCP = "dcp"
 DEEPSPEED = "deepspeed"
 SHARDED = (SHARDED_SAFETENSORS, SHARDED_PTH)
-#: formats whose structure read gives every storage's byte range, so conversions can stream
-STREAMABLE = (TORCH_ZIP, SAFETENSORS, *SHARDED, DEEPSPEED)
+#: formats whose structure read gives every storage's byte range(s), so conversions can stream
+STREAMABLE = (TORCH_ZIP, SAFETENSORS, *SHARDED, DEEPSPEED, DCP)
 
 WRITABLE = {"pth": TORCH_ZIP, "safetensors": SAFETENSORS, "dcp": DCP}
 _EXT_FORMAT = {".pth": TORCH_ZIP, ".pt": TORCH_ZIP, ".bin": TORCH_ZIP, ".ckpt": TORCH_ZIP,
@@ -45,6 +45,29 @@ class StorageRef:
     location: str  # saved device tag
     crc: int | None = None  # CRC-32 of the bytes, when the source records it
     key: str | None = None  # record key in a torch zip source
+
+
+class PiecedRef:
+    """A storage whose bytes lie in several files' byte ranges, one after another (a DCP tensor
+    sharded in dim-0 chunks): writers copy ``segments()`` in order; where it gives None (chunks that
+    don't tile the tensor row-major, or aren't plain bytes) they write ``materialize()`` instead."""
+
+    path = None  # not one byte range of one file
+    offset = 0
+    crc: int | None = None
+    key: str | None = None
+
+    def __init__(self, nbytes: int, location: str = "cpu"):
+        self.nbytes = nbytes
+        self.location = location
+
+    def segments(self) -> list[tuple[str, int, int]] | None:
+        """``[(path, offset, nbytes), …]`` whose concatenation is the storage's bytes, or None."""
+        raise NotImplementedError
+
+    def materialize(self) -> Any:
+        """The whole tensor on the CPU, contiguous, its storage exactly ``nbytes`` long."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -70,7 +93,7 @@ class CastRef:
         import torch
 
         src = torch.empty(0, dtype=self.before.dtype)
-        whole = (self.source.materialize().untyped_storage() if isinstance(self.source, CastRef)  # computed itself
+        whole = (self.source.materialize().untyped_storage() if isinstance(self.source, (CastRef, PiecedRef))  # computed
                  else mapped(self.source.path)[self.source.offset : self.source.offset + self.source.nbytes])
         src.set_(whole, self.before.storage_offset(), self.before.shape, self.before.stride())
         out = torch.empty_strided(self.after.shape, self.after.stride(), dtype=self.after.dtype)

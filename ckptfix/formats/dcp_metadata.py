@@ -12,7 +12,7 @@ import functools
 import os
 from typing import Any
 
-from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
+from ..errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
 
 METADATA = ".metadata"
 
@@ -84,8 +84,7 @@ def load_metadata(path: str, trust: bool) -> Any:
 
         if isinstance(e, Refused):
             raise UnsafeCheckpointError(
-                f"{meta_path}: refused: {e}. If you trust this checkpoint and its author, pass --trust "
-                "(library: trust=True).",
+                f"{meta_path}: refused: {e}. {trust_advice('checkpoint')}.",
                 [e.name] if e.name else [],
             ) from None
         raise FormatError(f"{meta_path}: is corrupt or truncated (the pickle can't be read: {e})") from None

@@ -21,7 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CkptfixError, DeepSpeedZeroError, FormatError
+from ..errors import CkptfixError, DeepSpeedZeroError, FormatError, trust_advice
+from ..render import dtype_name
 from . import TORCH_ZIP, CastRef, RawRead, StorageRef
 from .deepspeed_zero import Spec
 
@@ -182,7 +183,7 @@ def _explain_refusal(path: str, e: CkptfixError, allowed: frozenset[str]) -> Non
     if names:
         raise UnsafeCheckpointError(
             f"{path}: refused: loading it could run code: it references globals outside the safe allow-list: "
-            f"{', '.join(names)}. If you trust this file and its author, pass --trust (library: trust=True)", names
+            f"{', '.join(names)}. {trust_advice()}", names
         ) from None
     if isinstance(e.__context__, pickle.UnpicklingError):  # what the restricted unpickler refused
         raise _unpickling_error(path, e.__context__) from None
@@ -370,10 +371,11 @@ def _notes(path: str, layout: Layout, info: Any, stage: int, world: int, specs: 
     notes = [f"DeepSpeed ZeRO-{stage} checkpoint ({version}, {info.precision}, world size {world}, tag {layout.tag}): "
              f"the fp32 master weights, consolidated from {len(layout.optim_files)} *_optim_states.pt files as "
              f"zero_to_fp32.py does{where}"
-             + (f"; --select module takes the {info.precision} training copy instead" if stage < 3 and info.precision != "fp32" else "")]
+             + (f"; --select module takes the {info.precision} training copy instead"
+                if stage < 3 and info.precision != "fp32" else "")]
     upcast = [k for k, spec in specs.items() if isinstance(spec, Spec) and spec.pieces and spec.pieces[0][0].dtype != spec.dtype]
     if upcast:
-        saved = sorted({str(specs[k].pieces[0][0].dtype).replace("torch.", "") for k in upcast})
+        saved = sorted({dtype_name(specs[k].pieces[0][0].dtype) for k in upcast})
         notes.append(f"{len(upcast)} tensor(s) saved in {'/'.join(saved)} (buffers, frozen parameters) written as float32, "
                      f"as zero_to_fp32.py writes them: {', '.join(upcast[:5])}")
     missing = [k for k in first["module"] if k not in specs]

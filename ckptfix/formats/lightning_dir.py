@@ -50,7 +50,9 @@ def with_meta(raw: RawRead, path: str, plan: Any, trust: bool) -> RawRead:
     else:
         obj = {**raw.obj, **meta.obj}
         note = f"{META}'s entries ({', '.join(map(str, meta.obj)) or 'none'}) joined with the DCP entries (a Fabric checkpoint)"
-    return RawRead(obj=obj, format=raw.format, tags={**raw.tags, **meta.tags}, notes=[*raw.notes, note])
+    # a structure read (on meta) streams when every tensor of both has its bytes' place (refs)
+    refs = {**raw.refs, **meta.refs} if raw.refs and set(meta.tags) <= set(meta.refs) else {}
+    return RawRead(obj=obj, format=raw.format, tags={**raw.tags, **meta.tags}, notes=[*raw.notes, note], refs=refs)
 
 
 def _trainer_checkpoint(dcp: dict[str, Any], meta: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:

@@ -14,7 +14,8 @@ from collections import OrderedDict
 from typing import Any
 
 from ..errors import ConversionError, FormatError
-from . import SAFETENSORS, CastRef, RawRead, check_expansion, mapped, no_duplicate_keys
+from ..render import dtype_name
+from . import SAFETENSORS, CastRef, PiecedRef, RawRead, check_expansion, mapped, no_duplicate_keys
 
 META_KEY = "ckptfix"
 
@@ -73,7 +74,7 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
         if offs[1] > offs[0]:
             spans.append((offs[0], offs[1], key))
     spans.sort()
-    for (b0, e0, k0), (b1, _e1, k1) in zip(spans, spans[1:]):
+    for (_b0, e0, k0), (b1, _e1, k1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise FormatError(f"{path}: tensors {k0!r} and {k1!r} overlap in the file")
     return 8 + n, header, meta
@@ -88,16 +89,16 @@ def check_file(path: str) -> None:
 
 
 def _itemsize(dtype_name: str) -> int:
-    import torch
+    from ..torch_tables import DTYPE_ITEMSIZE  # frozen: validating a header needs no torch
 
-    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+    return DTYPE_ITEMSIZE[dtype_name]
 
 
 def read(path: str, plan: Any) -> RawRead:
     import torch
 
     start, header, meta = read_header(path)
-    extra = _ckptfix_meta(path, meta)
+    _ckptfix_meta(path, meta)  # a malformed entry is refused before anything is mapped
     dev = plan.target("cpu") if plan.user_fn is None else "cpu"
     size = os.path.getsize(path)
     whole = None
@@ -123,6 +124,15 @@ def read(path: str, plan: Any) -> RawRead:
             if dev != "cpu":
                 t = t.to(dev)
         tensors[key] = t
+    sd = assemble(path, header, meta, tensors)
+    tags = {storage_id(t): "cpu" for t in sd.values()}
+    return RawRead(obj=sd, format=SAFETENSORS, tags=tags, refs=refs)
+
+
+def assemble(path: str, header: dict[str, dict], meta: dict[str, str], tensors: dict[str, Any]) -> OrderedDict:
+    """The state dict from the stored ``tensors`` (tensors, or TensorInfo for the torch-free reader):
+    ckptfix's tied-weight aliases, key order and ``_metadata`` restored."""
+    extra = _ckptfix_meta(path, meta)
     aliases = _aliases(path, extra, header)
     order = [k for k in extra.get("order", []) if isinstance(k, str) and (k in tensors or k in aliases)]
     order = list(dict.fromkeys(order))
@@ -133,8 +143,7 @@ def read(path: str, plan: Any) -> RawRead:
         sd[k] = tensors[aliases.get(k, k)]
     if isinstance(extra.get("module_metadata"), dict):
         sd._metadata = OrderedDict(extra["module_metadata"])  # type: ignore[attr-defined]
-    tags = {storage_id(t): "cpu" for t in sd.values()}
-    return RawRead(obj=sd, format=SAFETENSORS, tags=tags, refs=refs)
+    return sd
 
 
 def _aliases(path: str, extra: dict, header: dict[str, dict]) -> dict[str, str]:
@@ -200,7 +209,7 @@ def write(state_dict: Any, path: str, refs: dict | None = None) -> list[str]:
             )
         if t.layout != torch.strided or t.is_quantized:
             raise ConversionError(f"{key!r}: {t.layout} tensors can't be stored in safetensors; write .pth instead")
-        name = str(t.dtype).replace("torch.", "")
+        name = dtype_name(t.dtype)
         if name not in _ST_NAMES:
             raise ConversionError(f"{key!r}: dtype {name} has no safetensors equivalent; write .pth instead")
         sid = storage_id(t)
@@ -222,7 +231,7 @@ def write(state_dict: Any, path: str, refs: dict | None = None) -> list[str]:
     offset = 0
     for key, t in tensors:
         n = t.numel() * t.element_size()
-        header[key] = {"dtype": _ST_NAMES[str(t.dtype).replace("torch.", "")], "shape": list(t.shape),
+        header[key] = {"dtype": _ST_NAMES[dtype_name(t.dtype)], "shape": list(t.shape),
                        "data_offsets": [offset, offset + n]}
         offset += n
     extra: dict[str, Any] = {"version": 1, "order": list(state_dict.keys())}
@@ -258,8 +267,19 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
             for _key, t in tensors:
                 n = t.numel() * t.element_size()
                 ref = refs.get(storage_id(t))
+                segments = ref.segments() if isinstance(ref, PiecedRef) else None
+                if segments is not None and t.is_contiguous() and t.storage_offset() == 0 and n == ref.nbytes:
+                    for src, _offset, _n in segments:  # a tensor in chunks: copied chunk after chunk
+                        if src not in fds:
+                            fds[src] = os.open(src, os.O_RDONLY)
+                    rawcopy.copy_segments([(fds[src], offset, k) for src, offset, k in segments], f.fileno(), pos)
+                    pos += n
+                    continue
                 if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
                     t, ref = ref.materialize(), None
+                elif isinstance(ref, PiecedRef):  # chunks to assemble (file-backed scratch), then t's view of them
+                    t, ref = torch.empty(0, dtype=t.dtype).set_(
+                        ref.materialize().untyped_storage(), t.storage_offset(), t.shape, t.stride()), None
                 if ref is not None and t.is_contiguous():
                     if ref.path not in fds:
                         fds[ref.path] = os.open(ref.path, os.O_RDONLY)

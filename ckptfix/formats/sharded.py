@@ -107,13 +107,14 @@ def load_index(index_path: str) -> dict[str, str]:
     return weight_map
 
 
-def read(index_path: str, plan: Any, trust: bool) -> RawRead:
+def read(index_path: str, plan: Any, trust: bool, read_file: Any = None) -> RawRead:
     """Validate the index, read every shard lazily (mapped, or structure only on meta), merge.
 
     The state dict follows the weight_map's order; ``refs`` (structure reads) are kept only when
     every shard gave them, so a writer either copies everything from the shards or nothing.
     """
-    from . import read as read_file
+    if read_file is None:  # the torch-free describer passes its own
+        from . import read as read_file
     from . import sniff
 
     root = os.path.dirname(os.path.abspath(index_path))

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
+from ..errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
 from . import TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, RawRead
 
 
@@ -114,7 +114,7 @@ def _refuse_torchscript(source: Any) -> None:
     if scripted:
         raise UnsafeCheckpointError(
             f"{getattr(source, 'name', 'the file')}: is a TorchScript archive (it has constants.pkl); loading it "
-            "runs the code inside it. If you trust this file and its author, pass --trust (library: trust=True)."
+            f"runs the code inside it. {trust_advice()}."
         )
 
 
@@ -139,8 +139,7 @@ def _unpickling_error(path: str, e: Exception) -> CkptfixError:
     if isinstance(e, Refused):
         names = [e.name] if e.name else []
         return UnsafeCheckpointError(
-            f"{path}: refused: {_first_line(e)}. If you trust this file and its author, pass --trust "
-            "(library: trust=True); `ckptfix scan` lists everything it references.",
+            f"{path}: refused: {_first_line(e)}. {trust_advice()}; `ckptfix scan` lists everything it references.",
             names,
         )
     return FormatError(f"{path}: is corrupt or truncated (the pickle can't be read: {_first_line(e)})")
@@ -160,7 +159,7 @@ def _read_torchscript(path: str, plan: Any, trust: bool) -> RawRead:
     if not trust:
         raise UnsafeCheckpointError(
             f"{path}: is a TorchScript archive; loading it runs the code inside it. "
-            "If you trust this file and its author, pass --trust (library: trust=True) to extract "
+            f"{trust_advice()} to extract "
             "its state dict; `ckptfix inspect` lists its tensors without running anything."
         )
     dev = "cpu" if plan.user_fn is not None or plan.mapping is not None else plan.target("cpu")

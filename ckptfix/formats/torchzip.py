@@ -1,7 +1,8 @@
 """torch zip files at the byte level: read the structure without tensor data, write by copying records.
 
-``read_structure`` unpickles ``data.pkl`` with ckptfix's restricted unpickler into tensors on ``meta`` and a ``StorageRef`` per storage: where its bytes sit in the
-file, their size, CRC and saved device. ``write_structure`` pickles a (renamed) object of such
+``read_structure`` unpickles ``data.pkl`` with ckptfix's restricted unpickler into tensors on ``meta`` and a
+``StorageRef`` per storage: where its bytes sit in the file, their size, CRC and saved device.
+``write_structure`` pickles a (renamed) object of such
 tensors and copies each referenced record into a new archive in the kernel — a prefix fix of a
 multi-GB file costs about what ``cp`` does.
 """
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
-from . import TORCH_ZIP, CastRef, RawRead, StorageRef, storage_bytes, zip_directory
+from . import TORCH_ZIP, CastRef, PiecedRef, RawRead, StorageRef, storage_bytes, zip_directory
 from .zipwriter import ZipWriter
 
 
@@ -98,7 +99,7 @@ class _LazyCrcs:
     while the kernel copies, so the copy and the checksum run on two cores."""
 
     def __init__(self, order: list[tuple[str, StorageRef]], fds: dict[str, int]):
-        self.order = [ref for _, ref in order if ref.crc is None and not isinstance(ref, CastRef)]
+        self.order = [ref for _, ref in order if ref.crc is None and not isinstance(ref, (CastRef, PiecedRef))]
         self.fds = fds
         self.workers: dict[int, Any] = {}
 
@@ -111,6 +112,17 @@ class _LazyCrcs:
             self.workers[fd] = CrcWorker(os.open(path, os.O_RDONLY), ranges)
         worker = self.workers[fd]
         return lambda: worker.get(offset, size)
+
+    def start_segments(self, jobs: list[tuple[tuple[int, int, int], ...]]) -> None:
+        """Start on the CRCs of members made of several ranges, ``((fd, offset, size), …)`` each."""
+        from ..rawcopy import SegmentsCrcWorker
+
+        if jobs:
+            self.workers[-1] = SegmentsCrcWorker(jobs)
+
+    def get_segments(self, job: tuple[tuple[int, int, int], ...]) -> Callable[[], int]:
+        worker = self.workers[-1]
+        return lambda: worker.result(job)
 
     def close(self) -> None:
         for w in self.workers.values():
@@ -200,12 +212,25 @@ def write_structure(
     fds: dict[str, int] = {}
     crcs = _LazyCrcs(order, fds)
     try:
+        pieces: dict[int, tuple[tuple[int, int, int], ...]] = {}  # id(PiecedRef) -> its (fd, offset, size)s
+        for _key, ref in order:
+            segments = ref.segments() if isinstance(ref, PiecedRef) else None
+            if segments is not None:
+                for path, _offset, _n in segments:
+                    if path not in fds:
+                        fds[path] = os.open(path, os.O_RDONLY)
+                pieces[id(ref)] = tuple((fds[path], offset, n) for path, offset, n in segments)
+        crcs.start_segments(list(pieces.values()))
         with open(dst, "wb") as f:
             z = ZipWriter(f)
             z.add_bytes(f"{archive}/data.pkl", buf.getvalue())
             z.add_bytes(f"{archive}/byteorder", b"little")
             for key, ref in order:
-                if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
+                if isinstance(ref, PiecedRef) and id(ref) in pieces:  # chunk after chunk, in the kernel
+                    z.add_segments(f"{archive}/data/{key}", list(pieces[id(ref)]), crcs.get_segments(pieces[id(ref)]))
+                    copied += ref.nbytes
+                    continue
+                if isinstance(ref, (CastRef, PiecedRef)):  # a dtype cast, chunks to assemble: one tensor at a time
                     z.add_tensor_data(f"{archive}/data/{key}", storage_bytes(ref.materialize()))
                     continue
                 if ref.path not in fds:

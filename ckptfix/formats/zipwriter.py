@@ -76,10 +76,19 @@ class ZipWriter:
         ``crc`` is the CRC-32 if known, or a function giving it once the copy is done (computed
         meanwhile on another thread); the local header is then patched in place.
         """
+        self.add_segments(name, [(src_fd, src_offset, size)], crc)
+
+    def add_segments(self, name: str, segments: list[tuple[int, int, int]], crc: int | Callable[[], int]) -> None:
+        """A member whose bytes are the file ranges ``[(src_fd, src_offset, size), …]`` one after
+        another (a tensor sharded in chunks); ``crc`` as for :meth:`add_copy`, over them all."""
+        size = sum(n for _fd, _offset, n in segments)
         self._start(name, size, crc if isinstance(crc, int) else 0)
         entry = self.entries[-1]
         self.f.flush()
-        rawcopy.copy_range(src_fd, self.f.fileno(), src_offset, self.pos, size)
+        if len(segments) == 1:
+            rawcopy.copy_range(segments[0][0], self.f.fileno(), segments[0][1], self.pos, size)
+        else:
+            rawcopy.copy_segments(segments, self.f.fileno(), self.pos)
         self.pos += size
         if not isinstance(crc, int):
             entry.crc = crc()

@@ -1,0 +1,303 @@
+"""Torch-free structure reads: a checkpoint's keys, shapes, dtypes, strides and byte ranges as
+:class:`~ckptfix.tensorinfo.TensorInfo`, without importing torch or constructing anything from the file.
+
+Covers the common files exactly: torch zips whose ``data.pkl`` holds (ordered) dicts, lists, tuples,
+sets, numbers, strings, dtypes and tensors/Parameters rebuilt by ``_rebuild_tensor_v2``/``_v3`` and
+``_rebuild_parameter``; safetensors files; Hugging Face sharded directories of either. The same
+safety check runs first (:func:`ckptfix.safety.ensure_safe`, as before every torch read), and the
+pickle goes through ckptfix's restricted unpickler with a policy whose globals are inert tokens.
+
+Anything else raises :class:`NotDescribable`, and the caller reads the file with torch
+(:func:`ckptfix.api.inspect`): legacy and tar files, TorchScript, DCP and DeepSpeed directories,
+big-endian data, tensor subclasses, sparse/quantized tensors, other globals — and every file the
+torch path would refuse for a reason found only while unpickling, so a refusal is always torch's own.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from collections import OrderedDict
+from typing import Any
+
+from ..tensorinfo import StorageInfo, TensorInfo
+from ..torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
+from . import SAFETENSORS, SHARDED, SHARDED_SAFETENSORS, TORCH_ZIP, RawRead
+
+#: Set to ``0`` to describe every file through torch (the differential tests compare both paths).
+ENV_SWITCH = "CKPTFIX_TORCH_FREE"
+
+
+class NotDescribable(Exception):
+    """This file needs torch to be described exactly (or the torch path gives its own refusal)."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip() not in ("0", "false", "no", "off")
+
+
+def read(path: str, fmt: str, select: str | None = "auto") -> RawRead:
+    """The torch-free counterpart of ``formats.read(path, fmt, DevicePlan('meta'), trust=False, select)``."""
+    if fmt == SAFETENSORS:
+        return read_safetensors(path)
+    if fmt == TORCH_ZIP:
+        from . import deepspeed
+
+        if select in ("auto", None) and deepspeed.beside(path):
+            raise NotDescribable("a DeepSpeed model_states file with optim_states beside it")
+        return read_torch_zip(path)
+    if fmt in SHARDED:
+        from . import sharded
+
+        return sharded.read(sharded.find_index(path), None, False, read_file=_read_shard)
+    raise NotDescribable(f"format {fmt}")
+
+
+def _read_shard(path: str, fmt: str, _plan: Any, _trust: bool) -> RawRead:
+    if fmt in SHARDED:
+        raise NotDescribable(f"a {fmt} shard")
+    return read(path, fmt)
+
+
+# -- safetensors ------------------------------------------------------------------------------------
+
+def read_safetensors(path: str) -> RawRead:
+    """The header only: one storage per stored tensor, ckptfix's aliases and key order restored."""
+    from .safetensors_file import _DTYPES, assemble, read_header
+
+    start, header, meta = read_header(path)
+    tensors: dict[str, Any] = {}
+    for key, e in header.items():
+        b, end = e["data_offsets"]
+        shape = tuple(e["shape"])
+        storage = StorageInfo(path, key, start + b, end - b, "cpu")
+        tensors[key] = TensorInfo(_DTYPES[e["dtype"]], shape, _contiguous(shape), 0, storage)
+    sd = assemble(path, header, meta, tensors)
+    tags = {id(t.storage): "cpu" for t in sd.values()}
+    return RawRead(obj=sd, format=SAFETENSORS, tags=tags)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+# -- torch zip --------------------------------------------------------------------------------------
+
+def read_torch_zip(path: str) -> RawRead:
+    """``data.pkl`` unpickled into TensorInfo; the zip read with ckptfix's reader (torch's view of it)."""
+    from ..safety import ensure_safe
+    from . import zip_directory
+
+    ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl")  # what the torch path runs first
+    try:
+        directory = zip_directory(path)
+    except Exception as e:  # noqa: BLE001 - torch's reader gives the refusal
+        raise NotDescribable(f"zip directory: {e}") from None
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        archive = _Archive(path, directory, buf)
+        order = archive.read("byteorder", must_exist=False)
+        if order is not None and order != b"little":
+            raise NotDescribable("big-endian data")
+        return _unpickle(path, archive.read("data.pkl"), archive)
+
+
+class _Archive:
+    """Records looked up as torch's reader does (under the first entry's folder, ASCII case folded)."""
+
+    def __init__(self, path: str, directory: Any, buf: Any):
+        self.path, self.directory, self.buf, self.size = path, directory, buf, len(buf)
+        self.prefix = directory.root + "/"
+
+    def entry(self, name: str, must_exist: bool = True) -> Any:
+        found = self.directory.lookup(self.prefix + name)
+        if len(found) != 1:
+            if not found and not must_exist:
+                return None
+            raise NotDescribable(f"record {name}: {len(found)} entries")
+        return found[0]
+
+    def where(self, entry: Any) -> int:
+        from ..zipfmt import data_start
+
+        try:
+            return data_start(self.buf, self.size, entry)[0]
+        except Exception as e:  # noqa: BLE001
+            raise NotDescribable(str(e)) from None
+
+    def read(self, name: str, must_exist: bool = True) -> bytes | None:
+        from .. import limits
+
+        e = self.entry(name, must_exist)
+        if e is None:
+            return None
+        start = self.where(e)
+        if e.method != 0 or e.flags & 1 or e.compress_size != e.file_size or start + e.file_size > self.size:
+            raise NotDescribable(f"record {name} is not stored plainly")
+        if e.file_size > limits.current().max_pickle_bytes:
+            raise NotDescribable(f"record {name} is over max_pickle_bytes")
+        return bytes(self.buf[start : start + e.file_size])
+
+
+class _Token:
+    """A global as the describing unpickler sees it: named, inert, never called with file data."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class dtype(_Token):  # noqa: N801 - named as torch's, so a dtype value renders as torch's does
+    """``torch.float32`` etc.: the dtype's name."""
+
+
+class _StorageType(_Token):
+    def __init__(self, name: str, dtype_name: str):
+        super().__init__(name)
+        self.dtype = dtype_name
+
+
+class _Typed:
+    """A storage as ``persistent_load`` hands it over: the bytes and the dtype the pickle names."""
+
+    def __init__(self, storage: StorageInfo, dtype_name: str):
+        self.storage, self.dtype = storage, dtype_name
+
+
+def _policy() -> Any:
+    from .. import guards
+    from ..unpickler import Policy, build_attributes
+
+    table: dict[str, Any] = {"collections.OrderedDict": OrderedDict, "builtins.set": set, "builtins.complex": complex}
+    for name in DTYPE_ITEMSIZE:
+        table[f"torch.{name}"] = dtype(name)
+    for cls, dtype_name in STORAGE_DTYPES.items():
+        if dtype_name in DTYPE_ITEMSIZE:  # quantized storages: torch's path
+            table[f"torch.{cls}"] = table[f"torch.cuda.{cls}"] = _StorageType(cls, dtype_name)
+    table["torch.storage.UntypedStorage"] = _StorageType("UntypedStorage", "uint8")
+    table["torch._utils._rebuild_tensor_v2"] = _rebuild_v2 = _Token("_rebuild_tensor_v2")
+    table["torch._utils._rebuild_tensor_v3"] = _rebuild_v3 = _Token("_rebuild_tensor_v3")
+    table["torch._utils._rebuild_parameter"] = _rebuild_param = _Token("_rebuild_parameter")
+    calls = {id(OrderedDict): guards._plain, id(set): guards._plain, id(complex): guards._plain,
+             id(_rebuild_v2): _guard_v2, id(_rebuild_v3): _guard_v3, id(_rebuild_param): _guard_parameter}
+    return Policy(table, calls, set(), {OrderedDict: build_attributes}, append=(list,), setitem=(dict, OrderedDict))
+
+
+def _view(u: Any, args: tuple, dtype_name: str) -> TensorInfo:
+    """``_rebuild_tensor``'s view, checked as :func:`ckptfix.guards.check_view` checks it."""
+    storage, offset, size, stride = args[:4]
+    if not isinstance(storage, _Typed) or dtype_name not in DTYPE_ITEMSIZE:
+        raise NotDescribable("a tensor of an unsupported kind")
+    if type(offset) is not int or type(size) is not tuple or type(stride) is not tuple or len(size) != len(stride) \
+            or len(size) > 64 or not all(type(n) is int for n in (*size, *stride)):
+        raise NotDescribable("malformed view")
+    if offset < 0 or any(n < 0 for n in (*size, *stride)):
+        raise NotDescribable("negative view")
+    itemsize = DTYPE_ITEMSIZE[dtype_name]
+    reach = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if 0 not in size and (reach + 1) * itemsize > storage.storage.nbytes:
+        raise NotDescribable("view out of bounds")
+    requires_grad, hooks = args[4], args[5]
+    if requires_grad is not False or not (type(hooks) in (dict, OrderedDict) and not hooks):
+        raise NotDescribable("requires_grad or hooks on a plain tensor")
+    u.charge(len(size) * 2, "_rebuild_tensor")
+    return TensorInfo(dtype_name, size, stride, offset, storage.storage)
+
+
+def _guard_v2(u: Any, f: Any, args: tuple, kwargs: dict) -> TensorInfo:
+    # _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, backward_hooks, metadata=None)
+    if kwargs or len(args) not in (6, 7) or len(args) == 7 and args[6] is not None and args[6] != {}:
+        raise NotDescribable("_rebuild_tensor_v2 with metadata")
+    storage = args[0]
+    return _view(u, args, storage.dtype if isinstance(storage, _Typed) else "")
+
+
+def _guard_v3(u: Any, f: Any, args: tuple, kwargs: dict) -> TensorInfo:
+    # _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None)
+    if kwargs or len(args) not in (7, 8) or len(args) == 8 and args[7] is not None and args[7] != {} \
+            or not isinstance(args[6], dtype):
+        raise NotDescribable("_rebuild_tensor_v3 with unexpected arguments")
+    return _view(u, args, args[6].name)
+
+
+def _guard_parameter(u: Any, f: Any, args: tuple, kwargs: dict) -> TensorInfo:
+    # _rebuild_parameter(data, requires_grad, backward_hooks)
+    if kwargs or len(args) != 3 or not isinstance(args[0], TensorInfo) or type(args[1]) is not bool:
+        raise NotDescribable("_rebuild_parameter with unexpected arguments")
+    data, requires_grad, hooks = args
+    if not (type(hooks) in (dict, OrderedDict) and not hooks) or requires_grad and data.dtype not in DIFFERENTIABLE:
+        raise NotDescribable("a Parameter torch would refuse")
+    return TensorInfo(data.dtype, data.shape, data.stride, data.storage_offset, data.storage, requires_grad, True)
+
+
+def _unpickle(path: str, data: bytes, archive: _Archive) -> RawRead:
+    from ..unpickler import SafePickle
+
+    storages: dict[str, StorageInfo] = {}
+    tags: dict[int, str] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] not in ("storage", b"storage"):
+            raise NotDescribable("unexpected persistent id")
+        _, storage_type, key, location, numel = saved_id
+        if type(key) is not str or type(numel) is not int or numel < 0 or not isinstance(storage_type, _StorageType):
+            raise NotDescribable("malformed storage id")
+        location = location.decode("ascii") if isinstance(location, bytes) else str(location)
+        nbytes = numel * DTYPE_ITEMSIZE[storage_type.dtype]
+        if key not in storages:
+            entry = archive.entry(f"data/{key}")
+            if entry.file_size < nbytes:
+                raise NotDescribable("record too small")
+            storages[key] = StorageInfo(path, key, archive.where(entry), nbytes, location)
+            tags[id(storages[key])] = location
+        return _Typed(storages[key], storage_type.dtype)
+
+    stream = io.BytesIO(data)
+    unpickler = SafePickle(_policy()).Unpickler(stream, encoding="utf-8")
+    unpickler.where = f"{path}: data.pkl"
+    unpickler.persistent_load = persistent_load
+    try:
+        obj = unpickler.load()
+    except Exception as e:  # noqa: BLE001 - the torch path refuses it its own way
+        raise NotDescribable(f"data.pkl: {type(e).__name__}: {e}") from None
+    if stream.tell() != len(data):
+        raise NotDescribable("bytes follow the pickle")
+    _check_plain(obj)
+    return RawRead(obj=obj, format=TORCH_ZIP, tags=tags)
+
+
+_ATOMS = (str, int, float, bool, complex, type(None), TensorInfo, dtype)
+
+
+def _check_plain(obj: Any) -> None:
+    """Only values that describe as torch's would: no bare storages or tokens, no DeepSpeed layout."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, _ATOMS) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if type(x) in (dict, OrderedDict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+            extra = vars(x) if type(x) is OrderedDict else {}
+            if set(extra) - {"_metadata"}:
+                raise NotDescribable("attributes on a dict")
+            stack.extend(extra.values())
+        elif type(x) in (list, tuple, set):
+            stack.extend(x)
+        else:
+            raise NotDescribable(f"a {type(x).__name__} value")
+    if isinstance(obj, dict) and isinstance(obj.get("module"), dict) and {"ds_config", "ds_version"} & set(obj):
+        raise NotDescribable("a DeepSpeed model_states file")  # (what layout.deepspeed_info recognises)
+
+
+__all__ = ["NotDescribable", "read", "read_safetensors", "read_torch_zip", "enabled", "ENV_SWITCH",
+           "SHARDED_SAFETENSORS"]

@@ -1,0 +1,312 @@
+"""The torch-free describe path (``ckptfix.formats.structure``) against the torch path (``inspect``).
+
+- ``ckptfix inspect --json`` (and the text) is the same through both, for every committed fixture,
+  generated layouts, sharded directories and hypothesis-generated checkpoints of every dtype;
+- every malformed, mutated or hostile file is refused by both with the same error class;
+- ``ckptfix inspect`` of a torch zip or a safetensors file, ``scan`` of either, and ``import ckptfix``
+  leave torch unimported;
+- the frozen tables in ``ckptfix.torch_tables`` are the installed torch's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+import ckptfix
+from ckptfix.cli import cli
+from ckptfix.formats import sniff, structure
+from ckptfix.tensorinfo import TensorInfo
+
+sys.path.insert(0, str(Path(__file__).parent))
+import adversarial  # noqa: E402
+from test_properties import state_dicts, tensors  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+ROOT = FIXTURES.parent
+pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+
+ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
+              torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,
+              torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+#: the formats the torch-free path describes itself (the rest go through torch by design)
+DESCRIBED = {"torch-zip", "safetensors", "sharded-safetensors", "sharded-pth"}
+
+
+def _outcome(path: Path, torch_free: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``inspect --json`` and the text output, or the error class, through one path."""
+    monkeypatch.setenv(structure.ENV_SWITCH, "1" if torch_free else "0")
+    try:
+        ckpt = ckptfix.describe(path)
+    except ckptfix.CkptfixError as e:
+        return type(e).__name__
+    from click.testing import CliRunner
+
+    text = CliRunner().invoke(cli, ["inspect", str(path)])
+    return json.dumps(ckpt.to_dict(), default=str, indent=1), text.output, text.exit_code
+
+
+def assert_same(path: Path, monkeypatch: pytest.MonkeyPatch, described: bool | None = None) -> Any:
+    fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
+    assert fast == slow, path
+    if described is not None:
+        monkeypatch.setenv(structure.ENV_SWITCH, "1")
+        took = not isinstance(fast, str) and all(isinstance(v, TensorInfo) or not _is_tensor(v)
+                                                for v in ckptfix.describe(path).state_dict.values())
+        assert took == described, f"{path}: torch-free path {'not ' if described else ''}taken"
+    return fast
+
+
+def _is_tensor(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, TensorInfo))
+
+
+# -- the committed fixtures and generated layouts ------------------------------------------------------
+
+def _fixtures() -> list[Path]:
+    return sorted(p for p in FIXTURES.iterdir() if p.suffix in (".pth", ".pt", ".ckpt", ".tar", ".safetensors")
+                  or p.is_dir() and not p.name.startswith(("_", ".")))
+
+
+@pytest.mark.parametrize("path", _fixtures(), ids=lambda p: p.name)
+def test_fixture_described_the_same_without_torch(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fmt = sniff(str(path))
+    # mmengine (HistoryBuffer) and timm (argparse.Namespace) hold objects only torch's path builds
+    expected = fmt in DESCRIBED and not any(n in path.name for n in ("mmengine", "timm"))
+    assert_same(path, monkeypatch, described=expected)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory, train: Any) -> Path:
+    out = tmp_path_factory.mktemp("generated")
+    train.generate(out, "resnet18", ["single", "lightning", "safetensors"])
+    sd = torch.load(out / "resnet18_single.pth", weights_only=True)
+    for fmt, size in (("safetensors", "20MB"), ("pth", "20MB")):
+        ckptfix.convert(out / "resnet18_single.pth", out / f"sharded_{fmt}", format=fmt, max_shard_size=size)
+    tied = OrderedDict(sd)
+    tied["head.weight"] = tied["fc.weight"]  # written once, restored as ckptfix's alias
+    torch.save(tied, out / "tied.pth")
+    ckptfix.convert(out / "tied.pth", out / "tied.safetensors")
+    ckptfix.convert(out / "tied.pth", out / "tied_sharded", max_shard_size="10MB")
+    return out
+
+
+def test_generated_layouts_described_the_same(generated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = 0
+    for path in sorted(generated.iterdir()):
+        if path.suffix in (".pth", ".ckpt", ".safetensors", ".pt") or path.is_dir():
+            assert_same(path, monkeypatch, described=sniff(str(path)) in DESCRIBED)
+            seen += 1
+    assert seen >= 7
+
+
+# -- hypothesis: every dtype, views, shared storages, nesting ----------------------------------------
+
+@st.composite
+def checkpoints(draw: Any) -> Any:
+    sd = draw(state_dicts())
+    for key in draw(st.lists(st.text("abcdefgh", min_size=1, max_size=4), max_size=4, unique=True)):
+        t = draw(tensors(draw(st.sampled_from(ALL_DTYPES))))
+        sd[f"extra.{key}"] = torch.nn.Parameter(t, requires_grad=False) if draw(st.booleans()) else t
+    if draw(st.booleans()):
+        sd._metadata = OrderedDict({"": {"version": 1}})  # type: ignore[attr-defined]
+    layout = draw(st.sampled_from(["bare", "nested", "training"]))
+    if layout == "bare":
+        return sd
+    if layout == "nested":
+        return {"state_dict": sd, "epoch": draw(st.integers(0, 10**6)), "note": draw(st.text(max_size=6))}
+    return {"model": sd, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+            "scores": [draw(st.floats(allow_nan=False)), None, True], "ids": {1, 2}, "c": complex(1, 2),
+            "dtype": torch.float16}
+
+
+def _safetensors_copy(sd: Any) -> dict[str, torch.Tensor]:
+    from ckptfix.formats.safetensors_file import _DTYPES
+
+    out, seen = {}, {}
+    for k, t in sd.items():
+        if isinstance(t, torch.Tensor) and str(t.dtype).removeprefix("torch.") in _DTYPES.values():
+            sid = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), t.shape)
+            out[k] = seen.setdefault(sid, t.detach().contiguous().clone()) if t.numel() else t.detach().clone()
+    unique: dict[str, torch.Tensor] = {}
+    taken: set[int] = set()
+    for k, t in out.items():  # safetensors refuses shared tensors: keep the first of each
+        if id(t) not in taken:
+            taken.add(id(t))
+            unique[k] = t
+    return unique
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(obj=checkpoints())
+def test_random_checkpoints_described_the_same(obj: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    d = tmp_path_factory.mktemp("rand")
+    torch.save(obj, d / "ckpt.pth")
+    sd = obj if "state_dict" not in obj and "model" not in obj else obj.get("state_dict", obj.get("model"))
+    save_file(_safetensors_copy(sd), d / "ckpt.safetensors")
+    with pytest.MonkeyPatch.context() as mp:
+        for path in (d / "ckpt.pth", d / "ckpt.safetensors"):
+            assert_same(path, mp, described=True)
+        mp.setenv(structure.ENV_SWITCH, "1")
+        fast = ckptfix.describe(d / "ckpt.pth").state_dict
+    for key, t in sd.items():  # each TensorInfo is the tensor's exact view
+        info = fast[key]
+        assert (info.dtype, info.shape, info.stride, info.storage_offset) == (
+            str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride(), t.storage_offset()), key
+        assert info.is_parameter == isinstance(t, torch.nn.Parameter)
+
+
+# -- malformed, mutated and hostile files: the same refusal ----------------------------------------
+
+def test_corpora_refused_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import test_hostile
+    import test_malformed
+    from test_readers_agree import _mutations
+
+    files = [c.path for c in adversarial.build_corpus(tmp_path / "corpus")]
+    for case in test_hostile.CASES:
+        if "nested" in case.name:
+            continue  # only torch's own weights_only unpickler (not used here) crashes on these
+        (tmp_path / case.name).mkdir()
+        files.append(case.make(tmp_path / case.name))
+    for name, (make, _says) in test_malformed.CASES.items():
+        (tmp_path / f"malformed-{name}").write_bytes(make(tmp_path))
+        files.append(tmp_path / f"malformed-{name}")
+    for label, data in _mutations(0, 60):
+        (tmp_path / f"mutation-{label}.pth").write_bytes(data)
+        files.append(tmp_path / f"mutation-{label}.pth")
+    refused = 0
+    for path in files:
+        fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
+        assert fast == slow, path
+        refused += isinstance(fast, str)
+    assert refused >= 40
+
+
+# -- no torch -----------------------------------------------------------------------------------------
+
+_PROBE = ("import atexit, sys\n"
+          "atexit.register(lambda: sys.stderr.write(f\"\\nTORCH={'torch' in sys.modules}\\n\"))\n"
+          "from ckptfix.cli import main\nsys.argv = ['ckptfix', *sys.argv[1:]]\nmain()\n")
+
+
+@pytest.mark.parametrize("command", ["inspect", "scan"])
+@pytest.mark.parametrize("name", ["mlp_ddp.pth", "mlp_lightning.ckpt", "mlp_safetensors.safetensors"])
+def test_short_commands_import_no_torch(command: str, name: str) -> None:
+    run = subprocess.run([sys.executable, "-c", _PROBE, command, str(FIXTURES / name)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT, env={**os.environ, structure.ENV_SWITCH: "1"})
+    assert run.returncode == 0, run.stderr
+    assert "TORCH=False" in run.stderr, f"ckptfix {command} {name} imported torch"
+
+
+def test_sharded_inspect_imports_no_torch(generated: Path) -> None:
+    for name in ("sharded_safetensors", "sharded_pth"):
+        run = subprocess.run([sys.executable, "-c", _PROBE, "inspect", str(generated / name)], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+        assert run.returncode == 0 and "TORCH=False" in run.stderr, (name, run.stderr)
+
+
+def test_import_ckptfix_is_lazy() -> None:
+    code = ("import sys, ckptfix\n"
+            "assert 'torch' not in sys.modules and 'ckptfix.verify' not in sys.modules "
+            "and 'ckptfix.diff' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('torch', 'ckptfix')))\n"
+            "from ckptfix.verify import VerifyReport\nfrom ckptfix.diff import DiffReport\n"
+            "import ckptfix.verify\n"
+            "assert callable(ckptfix.verify) and ckptfix.verify.__name__ == 'verify', ckptfix.verify\n"
+            "assert callable(ckptfix.diff) and ckptfix.diff.__name__ == 'diff', ckptfix.diff\n"
+            "assert ckptfix.VerifyReport is VerifyReport and ckptfix.DiffReport is DiffReport\n"
+            "assert 'torch' not in sys.modules\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+
+
+def test_function_names_survive_any_import_order() -> None:
+    import ckptfix.diff
+    import ckptfix.verify
+
+    assert ckptfix.verify.__module__ == "ckptfix.verify" and callable(ckptfix.verify)
+    assert ckptfix.diff.__module__ == "ckptfix.diff" and callable(ckptfix.diff)
+
+
+# -- the frozen tables are the installed torch's -----------------------------------------------------
+
+def _diff_message(what: str, frozen: set, live: set) -> str:
+    return (f"{what} differs from torch {torch.__version__}'s: add {sorted(live - frozen)}, "
+            f"remove {sorted(frozen - live)} (ckptfix/torch_tables.py)")
+
+
+def test_frozen_allow_list_is_torchs() -> None:
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    from ckptfix.torch_tables import TORCH_SAFE_GLOBALS, torch_series
+
+    series = torch_series()
+    assert series == ".".join(torch.__version__.split(".")[:2])
+    assert series in TORCH_SAFE_GLOBALS, (f"no frozen allow-list for torch {series}: add "
+                                          f'"{series}": frozenset({sorted(_get_allowed_globals())})')
+    frozen, live = set(TORCH_SAFE_GLOBALS[series]), set(_get_allowed_globals())
+    assert frozen == live, _diff_message(f"TORCH_SAFE_GLOBALS[{series!r}]", frozen, live)
+
+
+def test_frozen_dtype_tables_are_torchs() -> None:
+    from ckptfix.formats.safetensors_file import _DTYPES
+    from ckptfix.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
+
+    for name, size in DTYPE_ITEMSIZE.items():
+        assert torch._utils._element_size(getattr(torch, name)) == size, name
+    assert DIFFERENTIABLE == {n for n in DTYPE_ITEMSIZE if getattr(torch, n).is_floating_point
+                              or getattr(torch, n).is_complex}
+    live = {cls: str(dt).removeprefix("torch.") for dt, cls in torch.storage._dtype_to_storage_type_map().items()}
+    assert STORAGE_DTYPES == live, _diff_message("STORAGE_DTYPES", set(STORAGE_DTYPES.items()), set(live.items()))
+    assert set(_DTYPES.values()) <= set(DTYPE_ITEMSIZE)
+
+
+def test_tensor_info_byte_range_is_the_tensors_bytes(tmp_path: Path) -> None:
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    torch.save({"w": w, "row": w[2], "col": w[:, 1]}, tmp_path / "v.pth")
+    sd = structure.read(str(tmp_path / "v.pth"), "torch-zip").obj
+    data = (tmp_path / "v.pth").read_bytes()
+    start, end = sd["row"].byte_range
+    assert torch.equal(torch.frombuffer(bytearray(data[start:end]), dtype=torch.float32), w[2])
+    assert sd["col"].byte_range is None and sd["w"].storage is sd["row"].storage
+
+
+def _with_attribute() -> torch.Tensor:
+    t = torch.ones(2)
+    t.note = "x"  # type: ignore[attr-defined]  # pickled through _rebuild_from_type_v2
+    return t
+
+
+EDGE_CASES: dict[str, tuple[Any, bool]] = {  # name → (what torch.save writes, described without torch)
+    "parameter-requires-grad": (lambda: {"w": torch.nn.Parameter(torch.ones(3))}, True),
+    "int-parameter": (lambda: {"w": torch.nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)}, True),
+    "tensor-requires-grad": (lambda: {"w": torch.ones(3, requires_grad=True)}, False),
+    "tensor-with-attribute": (lambda: {"w": _with_attribute()}, False),
+    "sparse": (lambda: {"w": torch.eye(3).to_sparse()}, False),
+    "quantized": (lambda: {"w": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8)}, False),
+    "deepspeed-like": (lambda: {"module": {"w": torch.ones(2)}, "ds_config": {}, "ds_version": "0.19.8"}, False),
+    "torch-size": (lambda: {"w": torch.ones(2), "shape": torch.Size([2])}, False),
+    "empty-and-scalar": (lambda: {"e": torch.empty(0, 3), "s": torch.tensor(2.5), "b": torch.tensor(True)}, True),
+    "dtype-value": (lambda: {"w": torch.ones(2), "dtype": torch.bfloat16, "nested": [{"a": (1, 2.0, None)}]}, True),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning",
+                            "ignore:TypedStorage is deprecated:UserWarning")
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_edge_cases_fall_back_or_agree(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make, described = EDGE_CASES[name]
+    torch.save(make(), tmp_path / f"{name}.pth")
+    assert_same(tmp_path / f"{name}.pth", monkeypatch, described=described)

@@ -3,8 +3,9 @@
 Not a test. Creates a synthetic DDP checkpoint (keys ``module.layers.N.weight``) of --size-gb made
 of tensors of tens of MB, plus a variant with 20,000 small tensors, then runs every command side
 by side in alternating rounds and reports the median wall time and peak anonymous memory
-(RssAnon sampled from /proc/PID/status), as ratios to ``import torch`` + ``cp`` measured in the
-same run. Writes bench/RESULTS.md.
+(RssAnon sampled from /proc/PID/status), as ratios to ``import torch`` + ``cp`` + fsync measured in
+the same run, each command after a ``sync`` and a 1 s pause so one command's writeback doesn't land on
+the next. Replaces the first section of bench/RESULTS.md (the sections after it are other benches').
 
     python bench/convert.py --size-gb 2 --rounds 3 --dir /tmp/ckptfix-bench
 """
@@ -37,6 +38,14 @@ from safetensors.torch import save_file
 sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
 save_file({k.replace("module.", ""): v.contiguous() for k, v in sd.items()}, sys.argv[2])
 """
+USER_MMAP = """
+import os, sys, torch
+from safetensors.torch import save_file
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True, mmap=True)
+save_file({k.replace("module.", ""): v.contiguous() for k, v in sd.items()}, sys.argv[2])
+fd = os.open(sys.argv[2], os.O_RDONLY); os.fsync(fd); os.close(fd)
+"""
+CP_FSYNC = 'cp "$1" "$2" && sync "$2"'
 
 
 def make_checkpoints(workdir: Path, size_gb: float, small: int) -> dict[str, Path]:
@@ -89,8 +98,10 @@ def measure(cmd: list[str], env: dict[str, str] | None = None, settle: float = 0
 def commands(files: dict[str, Path], out: Path) -> dict[str, list[str]]:
     big, many, st = str(files["big"]), str(files["many"]), str(files["st"])
     return {
-        "cp": ["cp", big, str(out / "copy.pth")],
+        "python -c pass": [PY, "-c", "pass"],
+        "cp + fsync": ["sh", "-c", CP_FSYNC, "sh", big, str(out / "copy.pth")],
         "import torch": [PY, "-c", "import torch"],
+        "user: torch.load(mmap)+replace+save_file+fsync": [PY, "-c", USER_MMAP, big, str(out / "user_mmap.safetensors")],
         "user: torch.load+replace+torch.save": [PY, "-c", USER_PTH, big, str(out / "user.pth")],
         "user: torch.load+replace+save_file": [PY, "-c", USER_ST, big, str(out / "user.safetensors")],
         "ckptfix convert pth->pth": [*CKPTFIX, "convert", big, str(out / "c.pth"), "--force", "--quiet"],
@@ -125,11 +136,13 @@ def main() -> None:
         for r in range(args.rounds):
             names = list(cmds) if r % 2 == 0 else list(reversed(cmds))  # alternate the order
             for name in names:
-                runs[name].append(measure(cmds[name]))
+                runs[name].append(measure(cmds[name], settle=1.0))
                 print(f"round {r + 1}: {name}: {runs[name][-1][0]:.2f} s", file=sys.stderr)
         report = render(runs, files, args)
         print(report)
-        args.results.write_text(report)
+        old = args.results.read_text() if args.results.exists() else ""
+        later = old[old.index("\n## "):] if "\n## " in old else ""  # other benches' sections stay
+        args.results.write_text(report.rstrip("\n") + "\n" + later)
     finally:
         if args.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -138,7 +151,8 @@ def main() -> None:
 def render(runs: dict[str, list[tuple[float, int]]], files: dict[str, Path], args: argparse.Namespace) -> str:
     med = {n: statistics.median(w for w, _ in v) for n, v in runs.items()}
     peak = {n: max(m for _, m in v) for n, v in runs.items()}
-    base = med["import torch"] + med["cp"]
+    base = med["import torch"] + med["cp + fsync"]
+    bare = peak["python -c pass"]
     torch_mem = peak["import torch"]
     size = files["big"].stat().st_size
     lines = [
@@ -148,16 +162,17 @@ def render(runs: dict[str, list[tuple[float, int]]], files: dict[str, Path], arg
         f"{os.cpu_count()} cores, Python {platform.python_version()}; checkpoint {size / 2**30:.2f} GiB "
         f"({len(list(runs))} commands × {args.rounds} alternating rounds, median wall, max peak RssAnon; page cache warm).",
         "",
-        f"Baseline = `import torch` + `cp` = {base:.2f} s; memory column is peak RssAnon minus a bare "
-        f"`import torch` process ({torch_mem / 2**20:.0f} MiB).",
+        f"Baseline = `import torch` + `cp` + fsync = {base:.2f} s; each command after `sync` + 1 s pause. Memory: "
+        f"peak RssAnon minus a bare `import torch` process ({torch_mem / 2**20:.0f} MiB) and minus `python -c pass` "
+        f"({bare / 2**20:.0f} MiB).",
         "",
-        "| command | wall (s) | × (import torch + cp) | peak RssAnon − import torch (MiB) |",
-        "|---|---:|---:|---:|",
+        "| command | wall (s) | × (import torch + cp + fsync) | RssAnon − import torch (MiB) | RssAnon − python (MiB) |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name in runs:
         ratio = med[name] / base
-        extra = (peak[name] - torch_mem) / 2**20
-        lines.append(f"| {name} | {med[name]:.2f} | {ratio:.2f} | {extra:.0f} |")
+        extra, over_python = (peak[name] - torch_mem) / 2**20, (peak[name] - bare) / 2**20
+        lines.append(f"| {name} | {med[name]:.2f} | {ratio:.2f} | {extra:.0f} | {over_python:.0f} |")
     inspect_ratio = med["ckptfix inspect"] / med["import torch"]
     lines += ["", f"`ckptfix inspect` / `import torch` = {inspect_ratio:.2f}.", ""]
     return "\n".join(lines)

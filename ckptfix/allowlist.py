@@ -28,6 +28,7 @@ from . import limits as _limits
 from . import numpy_safe, standins
 from .pickle_ops import Refused, type_name
 from .standins import short_args
+from .torch_tables import torch_safe_names
 
 SAFE, ALLOWED, UNSAFE = "safe", "allowed", "unsafe"
 
@@ -129,8 +130,6 @@ def allowed_table() -> dict[str, Any]:
 def _torch_safe_names() -> frozenset[str]:
     """torch's weights_only defaults (less the rebuilds ckptfix refuses): the frozen table for the
     installed torch series (no torch import), else torch's own list."""
-    from .torch_tables import torch_safe_names
-
     names = torch_safe_names()
     if names is None:
         from torch._weights_only_unpickler import _get_allowed_globals

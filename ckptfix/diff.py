@@ -13,8 +13,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .api import load, read
 from .errors import DeviceError
 from .render import dtype_name
+from .repair import group_keys
 
 
 def tensor_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> tuple[float, bool]:
@@ -62,8 +64,6 @@ class DiffReport:
         return {"identical": self.identical, **asdict(self)}
 
     def format_text(self) -> str:
-        from .repair import group_keys
-
         c = self.counts
         head = "identical" if self.identical else "DIFFER"
         tol = "exact" if not (self.atol or self.rtol) else f"atol={self.atol:g}, rtol={self.rtol:g}"
@@ -100,8 +100,6 @@ def diff(
     import os
 
     import torch
-
-    from .api import load, read
 
     if str(map_location).strip().lower() == "meta":
         raise DeviceError("diff compares tensor values; map_location='meta' reads none (use cpu)")

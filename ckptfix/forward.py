@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .diff import tensor_diff
 from .errors import ForwardError
 from .render import dtype_name
 
@@ -139,8 +140,6 @@ def compare_outputs(what: str, where: str, got: dict[str, Any], want: dict[str, 
     """One ``forward.against`` row comparing named outputs (:func:`named_outputs`) made from ``recipe``'s
     input, matched by name (a file's order is its own); ``max_abs_diff`` is None when the names or
     shapes differ. ``default``: see :func:`pick_tolerance`."""
-    from .diff import tensor_diff
-
     tol = pick_tolerance(got, atol, rtol, default)
     row: dict[str, Any] = {"what": what, "path": where, "input_shape": list(recipe.shape) if recipe.shape else None,
                            "seed": recipe.seed, "input": recipe.to_dict(), "max_abs_diff": None, "ok": False, **tol}

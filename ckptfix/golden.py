@@ -16,8 +16,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import formats
+from .atomic import atomic_path
+from .devices import DevicePlan
 from .errors import FormatError
 from .render import dtype_name
+from .safetensors_header import read_header
 
 META_KEY = "ckptfix.golden"
 VERSION = 1
@@ -36,15 +40,11 @@ class Golden:
 
 def read_golden(path: Any) -> Golden:
     """Read a golden file with ckptfix's own safetensors reader (validated, no code runs)."""
-    from . import formats
-    from .devices import DevicePlan
-    from .formats import safetensors_file
-
     path = os.fspath(path)
     fmt = formats.sniff(path)
     if fmt != formats.SAFETENSORS:
         raise FormatError(f"{path}: is a {fmt} file; golden outputs are a .safetensors file that verify --golden records")
-    _, _, meta = safetensors_file.read_header(path)
+    _, _, meta = read_header(path)
     try:
         info = json.loads(meta[META_KEY])
         recipe, dtype = info["input"], str(info["dtype"])
@@ -63,8 +63,6 @@ def write_golden(path: Any, outputs: dict[str, Any], recipe: dict[str, Any], dty
     """Write ``outputs`` (name → tensor) and the recipe atomically: a failed write leaves no file."""
     import torch
     from safetensors.torch import save_file
-
-    from .atomic import atomic_path
 
     path = os.fspath(path)
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in outputs.items()}

@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import models
+from . import formats, models
+from .devices import DevicePlan
 from .errors import GoldenError, InputError
 from .forward import INPUT_SEED, seeded_input
 from .render import dtype_name
@@ -131,9 +132,6 @@ def parse_range(text: str) -> tuple[float, float]:
 def read_input_file(path: Any) -> Any:
     """A tensor or a dict of tensors from ``path`` (torch file or safetensors), read the safe way
     (no code runs; the same reader as checkpoints)."""
-    from . import formats
-    from .devices import DevicePlan
-
     path = os.fspath(path)
     fmt = formats.sniff(path)
     obj = formats.read(path, fmt, DevicePlan("cpu", source=path), trust=False).obj

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConversionError, DeepSpeedZeroError, SelectError
+from .tensorinfo import is_tensor as _is_tensor
 
 KNOWN_KEYS = ("state_dict", "model_state_dict", "model", "net", "network", "module", "params")
 EMA_KEYS = ("state_dict_ema", "model_ema", "ema", "ema_state_dict", "model_ema_state_dict", "ema_model")
@@ -31,8 +32,6 @@ class Selection:
 
 def is_tensor(v: Any) -> bool:
     """A tensor, or a TensorInfo from a torch-free structure read (no torch import for either)."""
-    from .tensorinfo import is_tensor as _is_tensor
-
     return _is_tensor(v)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from .errors import CkptfixError, InputError, ModelSpecError
 from .render import dtype_name
+from .transforms import parse_dtype
 
 #: torchvision.models subpackages whose models are not 3×224×224 image classifiers.
 _NOT_CLASSIFIERS = ("detection", "segmentation", "video", "optical_flow")
@@ -210,8 +211,6 @@ class ModelSource:
 
     def __init__(self, model: Any, args: dict[str, Any] | None, dtype: Any = None):
         import torch
-
-        from .transforms import parse_dtype
 
         self.model, self.args = model, args or {}
         self.dtype = dtype if dtype is None or isinstance(dtype, torch.dtype) else parse_dtype(str(dtype))

@@ -15,15 +15,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .pickle_ops import Refused
 from .standins import note_made, short_args
+from .unpickler import build_setstate, type_name
 
 _NUMPY_CODE = re.compile(r"^[<>|=]?(b1|\?|[iu][1248]|f[248]|c(8|16))$")
 _NUMPY_ENDIAN = frozenset("<>|=")
 
 
 def _refuse(message: str) -> Exception:
-    from .pickle_ops import Refused
-
     return Refused(message)
 
 
@@ -175,8 +175,6 @@ def numpy_entries() -> list[tuple[str, Any]]:
 
 def numpy_guards() -> dict[str, Any]:
     """Guards for the numpy callables (numpy's dtype classes are called only without arguments)."""
-    from .unpickler import type_name
-
     def plain(u: Any, f: Any, args: tuple, kwargs: dict) -> Any:
         u.charge(sum(len(a) for a in args if isinstance(a, (bytes, str, tuple))), type_name(f))
         return f(*args, **kwargs)
@@ -190,8 +188,6 @@ def numpy_guards() -> dict[str, Any]:
 
 
 def numpy_builds() -> dict[type, Any]:
-    from .unpickler import build_setstate
-
     return {NumpyDType: build_setstate, NumpyArray: build_setstate}
 
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import limits as _limits
+from .errors import LimitError
 from .pickle_ops import decode_name as resolve_name
+from .unpickler import check_depth
 
 # pickletools and the simulation raise these on a malformed or truncated stream.
 _PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, EOFError, OverflowError, struct.error,
@@ -117,9 +119,6 @@ def walk(buf: Any, start: int = 0, where: str = "pickle") -> Walk:
 
 def _check_depth(result: Walk) -> None:
     """A value nested past the limit max_depth: the loader refuses it, so the scan reports it."""
-    from .errors import LimitError
-    from .unpickler import check_depth
-
     try:
         check_depth(result.value, _limits.current().max_depth, result.where)
     except LimitError as e:

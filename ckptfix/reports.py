@@ -10,6 +10,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .devices import storage_id
+from .layout import common_prefix, detect_framework
+from .tensorinfo import TensorInfo, is_tensor, shape_and_dtype
+from .wrappers import strip_wrappers
+
 
 @dataclass
 class TensorStats:
@@ -27,8 +32,6 @@ def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default
     """Count tensors, elements, bytes, dtypes and saved devices (from ``tags``: storage id → tag).
 
     Tensors or :class:`~ckptfix.tensorinfo.TensorInfo` (whose storage id is ``id(info.storage)``)."""
-    from .tensorinfo import TensorInfo, is_tensor
-
     stats = TensorStats()
     dtypes: Counter = Counter()
     devices: Counter = Counter()
@@ -42,8 +45,6 @@ def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default
             sid, dtype, device = id(t.storage), t.dtype, t.device
             view = (sid, t.storage_offset, t.shape, t.stride, dtype)
         else:
-            from .devices import storage_id
-
             sid, dtype, device = storage_id(t), str(t.dtype).replace("torch.", ""), str(t.device)
             view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), dtype)
         dtypes[dtype] += 1
@@ -59,8 +60,6 @@ def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default
 
 def describe_value(v: Any) -> str:
     """A short description of a non-state-dict entry: ``dict (2 entries)``, ``int 3``."""
-    from .tensorinfo import is_tensor, shape_and_dtype
-
     if is_tensor(v):
         shape, dtype = shape_and_dtype(v)
         return f"tensor {shape} {dtype}"
@@ -76,8 +75,6 @@ def describe_value(v: Any) -> str:
 
 
 def _shape_row(key: str, t: Any) -> dict[str, Any]:
-    from .tensorinfo import is_tensor, shape_and_dtype
-
     if is_tensor(t):
         shape, dtype = shape_and_dtype(t)
         return {"key": key, "shape": shape, "dtype": dtype}
@@ -107,16 +104,11 @@ class Checkpoint:
     @property
     def framework(self) -> str | None:
         """The training framework whose layout the file has (lightning, timm, mmengine, …)."""
-        from .layout import detect_framework
-
         return detect_framework(self.raw)
 
     @property
     def common_prefix(self) -> str | None:
         """The leading segment all keys share after wrappers (e.g. Lightning's ``model.``)."""
-        from .layout import common_prefix
-        from .wrappers import strip_wrappers
-
         return common_prefix([strip_wrappers(k) for k in self.state_dict])
 
     @property

@@ -18,13 +18,16 @@ import mmap
 import os
 from typing import Any
 
+from . import dcp_metadata, pickle_scan
 from . import limits as _limits
-from . import pickle_scan
 from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals
+from .checkpoint_dirs import find_index, load_index, locate, member_path
+from .deepspeed_pickle import optim_names
 from .errors import FormatError, UnsafeCheckpointError, trust_advice
-from .formats import DCP, DEEPSPEED, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff
+from .safetensors_header import check_file
 from .scan_files import (PICKLE, Collector, Finding, GlobalRef, ScanReport, scan_legacy, scan_tar, scan_zip,
                          starts_with_magic)
+from .sniff import DCP, DEEPSPEED, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff
 
 __all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe", "allowed_globals", "SAFE", "ALLOWED", "UNSAFE"]
 
@@ -51,8 +54,6 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
                           f"sharded checkpoints and DCP directories, not {fmt}")
     c = Collector(path, fmt)
     if fmt == SAFETENSORS:
-        from .formats.safetensors_file import check_file
-
         check_file(path)  # no pickle inside; a malformed header or contradicting aliases raise FormatError
         return c.finish()
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -71,13 +72,11 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
 
 def _scan_sharded(path: str, fmt: str, check_crc: bool) -> ScanReport:
     """Every shard an index lists, scanned as a file of its own; ``where`` names the shard."""
-    from .formats import sharded
-
-    index = sharded.find_index(path) or path
+    index = find_index(path) or path
     root = os.path.dirname(os.path.abspath(index))
     c = Collector(path, fmt)
-    for shard in dict.fromkeys(sharded.load_index(index).values()):
-        c.merge_report(shard, scan(sharded.member_path(root, shard, index), check_crc=check_crc))
+    for shard in dict.fromkeys(load_index(index).values()):
+        c.merge_report(shard, scan(member_path(root, shard, index), check_crc=check_crc))
     return c.finish()
 
 
@@ -85,10 +84,7 @@ def _scan_deepspeed(path: str, check_crc: bool) -> ScanReport:
     """A DeepSpeed checkpoint's tag directory: every model_states and optim_states file as a torch zip of
     its own, DeepSpeed's loss scaler, ZeRO stage and fragment address allowed in the optim_states files
     (ckptfix loads them as inert stand-ins; DeepSpeed's zero_to_fp32.py unpickles them fully)."""
-    from .formats import deepspeed
-    from .formats.deepspeed_pickle import optim_names
-
-    layout = deepspeed.locate(path)
+    layout = locate(path)
     c = Collector(path, DEEPSPEED)
     for file in [*layout.model_files, *layout.optim_files]:
         part = Collector(os.path.basename(file), TORCH_ZIP)
@@ -103,9 +99,6 @@ def _scan_dcp(path: str, check_crc: bool) -> ScanReport:
     """A DCP directory: ``.metadata`` (which torch's own DCP loader unpickles with plain pickle) walked
     with DCP's metadata classes allowed, then every record it lists (torch.save zips inside the
     ``.distcp`` files) checked and walked like a torch zip of its own."""
-    from .formats import dcp_metadata
-    from .formats.dcp import record_ranges
-
     c = Collector(path, DCP)
     meta_path = os.path.join(path, dcp_metadata.METADATA)
     data = dcp_metadata.read_bytes(meta_path)
@@ -120,7 +113,7 @@ def _scan_dcp(path: str, check_crc: bool) -> ScanReport:
         c.merge_report("meta.pt", scan(meta_pt, check_crc=check_crc))
     if c.findings or any(g.category == UNSAFE for g in c.globals.values()):
         return c.finish()  # the records' places come from .metadata: not read unless it is clean
-    for file, ranges in record_ranges(path).items():
+    for file, ranges in dcp_metadata.record_ranges(path).items():
         with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             for what, start, length in ranges:
                 record = Collector(f"{os.path.basename(file)} [{what}]", TORCH_ZIP)

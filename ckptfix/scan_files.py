@@ -15,7 +15,7 @@ from . import limits as _limits
 from . import pickle_scan, zip_check
 from .allowlist import ALLOWED, UNSAFE, classify, refused_build, refused_call, storage_itemsize
 from .errors import FormatError, LimitError
-from .formats import LEGACY_MAGIC
+from .sniff import LEGACY_MAGIC
 
 PICKLE = "pickle"  # a plain pickle file: not a checkpoint, but scan reads it
 _LEGACY_PICKLES = ("pickle 1 (magic number)", "pickle 2 (protocol version)", "pickle 3 (system info)",

@@ -17,12 +17,15 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import api, safety
 from . import forward as fwd
 from . import golden as gold
 from . import models, repair, wrappers
 from .atomic import sha256_file
+from .devices import storage_id
 from .errors import GoldenError, LoadError
 from .inputs import InputRecipe, describe_recipe, resolve_input
+from .safetensors_header import read_header
 
 #: What the serving code loads each single-file format with (``--exact``).
 _EXACT_LOADERS = {"torch-zip": "torch.load(weights_only=True)", "torch-legacy": "torch.load(weights_only=True)",
@@ -160,8 +163,6 @@ def verify(
     recorded-value default for its dtype with ``golden``'s (recorded elsewhere); given, they apply to
     every comparison. Each ``forward['against']`` row says the atol/rtol it used and why.
     """
-    from .api import read
-
     if record_golden and golden is None:
         raise GoldenError("record_golden needs golden=PATH (--golden PATH): where to write the outputs")
     path = os.fspath(path)
@@ -169,7 +170,7 @@ def verify(
     request = fwd.ForwardRequest(reference, golden, record_golden, atol, rtol, input_shape, input_dtype, input_range,
                                  inputs, seed)
     source = models.ModelSource(model, model_args, dtype)
-    ckpt = read(path, map_location=map_location if forward else "meta", trust=trust, select=select)
+    ckpt = api.read(path, map_location=map_location if forward else "meta", trust=trust, select=select)
     structure, is_fresh = source.structure(meta=not forward)
     target = repair.describe_target(structure, float_dtype=source.dtype)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
@@ -207,8 +208,6 @@ def _check_values(report: VerifyReport, fit: repair.Fit, target: repair.Target, 
     """NaN/Inf per tensor, and tied parameters that arrive as different tensors."""
     import torch
 
-    from .devices import storage_id
-
     sd = fit.state_dict
     if has_data:
         report.nonfinite = repair.nonfinite_keys(sd, target.shapes)
@@ -231,7 +230,6 @@ def crc_failures(path: str, fmt: str) -> list[str]:
     was written. Reads every byte once (safetensors, legacy and DCP files carry no checksums)."""
     if fmt not in ("torch-zip", "torchscript", "sharded-pth"):
         return []
-    from . import safety
 
     report = safety.scan(path, check_crc=True)
     return [f"integrity: {f.where}: its CRC-32 does not match its bytes: the file was damaged or altered after "
@@ -295,7 +293,6 @@ def _as_plainly_loaded(ckpt: Any) -> Any:
     ``_metadata`` (ckptfix's tied-weight aliases and module metadata are ckptfix's reader's, not load_file's)."""
     if ckpt.format != "safetensors":
         return ckpt.state_dict
-    from .formats.safetensors_file import read_header
 
     _, entries, _ = read_header(ckpt.path)
     return {k: v for k, v in ckpt.state_dict.items() if k in entries}
@@ -377,9 +374,7 @@ def _record_golden(report: VerifyReport, where: str, out: dict[str, Any], recipe
 
 
 def _load_reference(reference: Any, source: models.ModelSource, map_location: Any, trust: bool) -> Any:
-    from .api import read
-
-    ref = read(reference, map_location=map_location, trust=trust)
+    ref = api.read(reference, map_location=map_location, trust=trust)
     net = source.fresh()
     target = repair.describe_target(net)
     _, fit = repair.fit_to_model(ref.state_dict, target, source=ref.path)

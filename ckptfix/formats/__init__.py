@@ -1,38 +1,33 @@
 """On-disk formats: sniff by content (never by extension), then read or write.
 
 Each format module knows bytes, not wrappers: it returns the unpickled object with the saved
-device tag of every storage, or writes a state dict it is handed.
+device tag of every storage, or writes a state dict it is handed. Sniffing (:mod:`ckptfix.sniff`) and the
+directory layouts (:mod:`ckptfix.checkpoint_dirs`) sit below the safety scan, which needs them too; the
+names are re-exported here.
 """
 
 from __future__ import annotations
 
 import os
-import pickletools
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FormatError, MissingFileError
+from .. import limits, safety
+from ..checkpoint_dirs import no_duplicate_keys
+from ..devices import storage_id
+from ..errors import FormatError
+from ..sniff import (DCP, DEEPSPEED, LEGACY_MAGIC, SAFETENSORS, SHARDED, SHARDED_PTH, SHARDED_SAFETENSORS,
+                     TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff, zip_directory)
 
-TORCH_ZIP = "torch-zip"
-TORCH_LEGACY = "torch-legacy"
-SAFETENSORS = "safetensors"
-TORCHSCRIPT = "torchscript"
-SHARDED_SAFETENSORS = "sharded-safetensors"
-SHARDED_PTH = "sharded-pth"
-DCP = "dcp"
-DEEPSPEED = "deepspeed"
-SHARDED = (SHARDED_SAFETENSORS, SHARDED_PTH)
+__all__ = ["DCP", "DEEPSPEED", "LEGACY_MAGIC", "SAFETENSORS", "SHARDED", "SHARDED_PTH", "SHARDED_SAFETENSORS",
+           "TORCH_LEGACY", "TORCH_ZIP", "TORCHSCRIPT", "no_duplicate_keys", "opens_as_tar", "sniff", "zip_directory"]
+
 #: formats whose structure read gives every storage's byte range(s), so conversions can stream
 STREAMABLE = (TORCH_ZIP, SAFETENSORS, *SHARDED, DEEPSPEED, DCP)
 
 WRITABLE = {"pth": TORCH_ZIP, "safetensors": SAFETENSORS, "dcp": DCP}
 _EXT_FORMAT = {".pth": TORCH_ZIP, ".pt": TORCH_ZIP, ".bin": TORCH_ZIP, ".ckpt": TORCH_ZIP,
                ".tar": TORCH_ZIP, ".safetensors": SAFETENSORS}
-
-# torch.serialization.MAGIC_NUMBER: the first pickle of every legacy (non-zip) torch file.
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LFS_PREFIX = b"version https://git-lfs.github.com/spec/"
 
 
 @dataclass
@@ -122,9 +117,6 @@ def check_expansion(tensors: Any, refs: dict | None, where: str) -> None:
 
     ``tensors``: (key, tensor) pairs about to be materialised; ``refs``: storage id → StorageRef/CastRef.
     """
-    from .. import limits
-    from ..devices import storage_id
-
     expanded, worst = 0, None
     for key, t in tensors:
         ref = (refs or {}).get(storage_id(t))
@@ -163,174 +155,6 @@ class RawRead:
     tags: dict[int, str] = field(default_factory=dict)  # storage id -> saved location tag
     notes: list[str] = field(default_factory=list)
     refs: dict[int, StorageRef] = field(default_factory=dict)
-
-
-def no_duplicate_keys(what: str) -> Any:
-    """A ``json`` ``object_pairs_hook`` refusing a key listed twice (JSON allows it; a checkpoint
-    index or header must not: which of the two would a reader take?)."""
-
-    def hook(pairs: list[tuple[str, Any]]) -> dict:
-        seen: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in seen:
-                raise FormatError(f"{what}: duplicate key {k!r}: it is listed twice")
-            seen[k] = v
-        return seen
-
-    return hook
-
-
-def sniff(path: str) -> str:
-    """Name the format of ``path`` from its bytes, or raise a FormatError that says what it is."""
-    if not os.path.exists(path):
-        raise MissingFileError(f"{path}: no such file", path)
-    if os.path.isdir(path) or path.endswith(".index.json"):
-        return _sniff_dir(path)
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError as e:
-        raise FormatError(f"{path}: can't be read: {e.strerror or e}") from None
-    if size == 0:
-        raise FormatError(f"{path}: is empty (0 bytes): the save or the download did not finish")
-    if head.startswith(b"PK\x03\x04"):
-        return _zip_kind(path)
-    if head.startswith(_LFS_PREFIX):
-        raise FormatError(f"{path}: this is a Git LFS pointer file, not the checkpoint; run `git lfs pull`")
-    if head[8:9] == b"{":
-        n = struct.unpack("<Q", head[:8])[0]
-        if n == 0 or n + 8 > size:
-            raise FormatError(
-                f"{path}: looks like safetensors but its header length ({n} bytes) runs past the "
-                f"end of the file ({size} bytes): truncated or corrupt"
-            )
-        return SAFETENSORS
-    if head[:1] == b"\x80" and _first_pickle_is_magic(head):
-        return TORCH_LEGACY
-    if opens_as_tar(path):
-        return TORCH_LEGACY  # torch < 0.4 tar layout (torch.load tries tarfile before the pickle stream)
-    low = head.removeprefix(b"\xef\xbb\xbf").lstrip()[:64].lower()  # (a UTF-8 byte order mark first)
-    if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<!--")):
-        raise FormatError(
-            f"{path}: is an HTML page, not a checkpoint (a failed or login-walled download?); "
-            "download the file itself"
-        )
-    if low[:1] in (b"{", b"["):
-        raise FormatError(
-            f"{path}: is a JSON document (starts with {low[:24]!r}), not a checkpoint: a server's error "
-            "response saved in its place?"
-        )
-    if head[:1] == b"\x80":
-        raise FormatError(f"{path}: is a plain pickle, not a torch checkpoint (no torch magic number)")
-    raise FormatError(
-        f"{path}: unknown format (starts with {head[:8]!r}): not a torch zip, torch legacy "
-        "or safetensors file"
-    )
-
-
-def opens_as_tar(path: str) -> bool:
-    """Whether ``tarfile.open(mode="r:")`` takes the file, exactly as torch.load's legacy path tries it
-    first (an old-style tar needs no ``ustar`` magic: a header block with a valid checksum is enough)."""
-    import tarfile
-
-    from .. import limits
-
-    try:
-        with open(path, "rb") as f:
-            block = f.read(512)
-            if block.count(0) == 512:
-                return False  # all zeros: an empty tar to tarfile, but torch then fails (no 'storages')
-            try:
-                first = tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
-            except tarfile.HeaderError:
-                return False  # tarfile refuses the first block: torch goes on to the pickle stream
-            if first.type in _TAR_EXTENDED and first.size > limits.current().max_pickle_bytes:
-                return True  # a header extension tarfile would read whole: a tar, refused unread
-            f.seek(0)
-            with tarfile.open(fileobj=f, mode="r:"):
-                return True
-    except (tarfile.TarError, OSError, ValueError, EOFError):
-        return False
-
-
-_TAR_EXTENDED = (b"L", b"K", b"x", b"g", b"X")  # GNU long names/links, pax headers: data read into memory
-
-
-def _sniff_dir(path: str) -> str:
-    """A torch.distributed.checkpoint directory, a DeepSpeed one, or a Hugging Face sharded one (or its index)."""
-    from . import dcp, deepspeed, sharded
-
-    if os.path.isdir(path) and dcp.is_dcp_dir(path):
-        return DCP
-    if deepspeed.is_deepspeed_dir(path):
-        return DEEPSPEED
-    index = sharded.find_index(path)
-    if index is not None:
-        return SHARDED_SAFETENSORS if index.endswith("safetensors.index.json") else SHARDED_PTH
-    if not os.path.isdir(path):
-        raise FormatError(f"{path}: is not a sharded-checkpoint index (expected a JSON file with a weight_map)")
-    singles = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, n))]
-    hint = f"; give the file inside it: {os.path.join(path, singles[0])}" if singles else ""
-    raise FormatError(
-        f"{path}: is a directory but neither a torch.distributed.checkpoint (no .metadata), a DeepSpeed checkpoint "
-        f"(no latest) nor a sharded checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json){hint}"
-    )
-
-
-def _first_pickle_is_magic(head: bytes) -> bool:
-    import io
-
-    try:
-        for op, arg, _pos in pickletools.genops(io.BytesIO(head)):
-            if op.name in ("PROTO", "FRAME"):
-                continue
-            return op.name in ("LONG1", "LONG", "LONG4") and arg == LEGACY_MAGIC
-    except Exception:  # noqa: BLE001 - any parse failure means "not a legacy torch file"
-        return False
-    return False
-
-
-_ZIP_CACHE: dict[tuple, Any] = {}
-
-
-def zip_directory(path: str) -> Any:
-    """The zip's central directory as torch reads it (:class:`ckptfix.zipfmt.Directory`), parsed once
-    per file version: sniffing, the safety checks and the structure reader all need it, and for a
-    checkpoint of 20,000 tensors parsing it costs a noticeable fraction of a second.
-    Raises ``zipfmt.ZipFormatError`` (a ValueError) where torch's reader would fail."""
-    import mmap
-
-    from ..zipfmt import read_directory
-
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _ZIP_CACHE:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            directory = read_directory(buf, len(buf))
-        _ZIP_CACHE.clear()  # keep only the latest file: conversions read one source at a time
-        _ZIP_CACHE[key] = directory
-    return _ZIP_CACHE[key]
-
-
-def _zip_kind(path: str) -> str:
-    import struct
-
-    try:
-        names = [e.name for e in zip_directory(path).entries]
-    except (ValueError, OSError, struct.error) as e:
-        import zipfile
-
-        try:  # torch can't read it; if Python's zipfile can, the safety check reports the disagreement
-            with zipfile.ZipFile(path) as z:
-                names = z.namelist()
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError):
-            raise FormatError(f"{path}: is a truncated or corrupt zip archive ({e})") from None
-    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
-        return TORCHSCRIPT
-    if any(n.lower().endswith("data.pkl") for n in names):
-        return TORCH_ZIP
-    raise FormatError(f"{path}: is a zip archive but not a torch checkpoint (no data.pkl inside)")
 
 
 def format_for_destination(dst: str, format: str | None, sharded: bool = False) -> str:
@@ -389,9 +213,7 @@ def read_torch(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     if fmt == TORCH_ZIP and plan.is_meta and not trust:
         from . import torchzip
 
-        from ..safety import ensure_safe
-
-        ensure_safe(path, fmt, unpickled_by_caller="data.pkl")  # read_structure checks data.pkl itself
+        safety.ensure_safe(path, fmt, unpickled_by_caller="data.pkl")  # read_structure checks data.pkl itself
         try:
             return torchzip.read_structure(path)
         except torchzip.Unsupported:
@@ -399,12 +221,17 @@ def read_torch(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     return torchfile.read(path, fmt, plan, trust)
 
 
-def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive") -> list[str]:
+def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive",
+          plan: Any = None) -> list[str]:
     """Write ``obj`` to ``path`` in ``fmt``; returns notes for the report.
 
     With ``refs`` (from a structure read) tensor bytes are copied from the source file in the
-    kernel instead of being loaded; without, tensors are written from memory.
+    kernel instead of being loaded; without, tensors are written from memory. With ``plan``
+    (:func:`ckptfix.formats.torchfree.prepare`'s, for TensorInfo values) the plan writes ``path``
+    and torch is never imported.
     """
+    if plan is not None:
+        return plan(path)
     if fmt == SAFETENSORS:
         from . import safetensors_file
 

@@ -14,26 +14,25 @@ beside the DCP files joins them into one checkpoint (``lightning_dir``). Writing
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from collections import OrderedDict
 from typing import Any
 
-from ..atomic import DirOutput
+from .. import interrupts
+from ..atomic import DirOutput, atomic_dir
+from ..checkpoint_dirs import is_dcp_dir as is_dcp_dir  # re-exported: sniff needs it below the formats
+from ..dcp_metadata import METADATA, load_metadata
+from ..dcp_metadata import record_ranges as record_ranges  # re-exported: the scanner needs it below the formats
+from ..devices import storage_id
 from ..errors import CkptfixError, ConversionError, FormatError
 from . import PiecedRef, RawRead
 from .dcp_chunks import Chunks, Scratch, TensorRef, aligned, tensor_nbytes, whole
-from .dcp_metadata import METADATA, load_metadata
+from .lightning_dir import with_meta
 
 DCP = "dcp"
 # what a DCP output consists of (FileSystemWriter, single_file_per_rank): all that --force replaces
 DIR_OUTPUT = DirOutput("DCP", re.compile(r"\.metadata|__\d+_\d+\.distcp"), METADATA)
-
-
-def is_dcp_dir(path: str) -> bool:
-    """A directory holding a DCP ``.metadata`` file."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
 
 
 def read(path: str, plan: Any, trust: bool) -> RawRead:
@@ -59,38 +58,14 @@ def read(path: str, plan: Any, trust: bool) -> RawRead:
         refs = {}  # tensors inside plain values have no byte ranges: a conversion loads them all instead
     raw = RawRead(obj=_unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes,
                   refs=refs)
-    from .lightning_dir import with_meta
 
     return with_meta(raw, path, plan, trust)  # Lightning's meta.pt beside the DCP files, if there is one
-
-
-def record_ranges(path: str) -> dict[str, list[tuple[str, int, int]]]:
-    """Every record the DCP directory's ``.metadata`` lists: file → [(entry, offset, length)], each
-    inside its file (for the scanner; ``.metadata`` is read with the restricted unpickler)."""
-    meta = load_metadata(path, trust=False)
-    chunks = Chunks(path, meta)
-    out: dict[str, list[tuple[str, int, int]]] = {}
-    try:
-        for index, info in meta.storage_data.items():
-            file = chunks.files[info.relative_path]
-            size = os.path.getsize(file)
-            if not (isinstance(info.offset, int) and isinstance(info.length, int) and 0 <= info.offset
-                    and 0 <= info.length and info.offset + info.length <= size):
-                raise FormatError(f"{file}: a record of {getattr(index, 'fqn', '?')!r} lies outside the file")
-            offsets = getattr(index, "offset", None)
-            what = f"{getattr(index, 'fqn', '?')}" + (f" @ {list(offsets)}" if offsets is not None else "")
-            out.setdefault(file, []).append((what, info.offset, info.length))
-    finally:
-        chunks.close()
-    return out
 
 
 def _consolidate(meta: Any, source: Chunks, plan: Any, trust: bool,
                  refs: dict[int, PiecedRef]) -> tuple[dict[str, Any], dict[int, str], int]:
     """Every entry, nested keys still flat; on meta ``refs`` gets a :class:`TensorRef` per tensor."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
-    from ..devices import storage_id
 
     dev = "cpu" if plan.user_fn is not None else plan.target("cpu")
     entries = meta.state_dict_metadata
@@ -170,8 +145,6 @@ def write(state_dict: Any, dst_dir: str, force: bool = False, key: str | None = 
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..atomic import atomic_dir
-
     if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in _leaves(state_dict)):
         raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a DCP checkpoint")
     notes = []
@@ -198,8 +171,6 @@ def _unwrap(e: Any) -> BaseException:
     itself, an OSError (a full disk) as itself for the atomic writer to report, anything else as
     a one-line ConversionError.
     """
-    from .. import interrupts
-
     failures = [exc for exc, _trace in getattr(e, "failures", {}).values()]
     for exc in failures:
         interrupt = interrupts.cause(exc)

@@ -16,11 +16,12 @@ import os
 import tempfile
 from typing import Any
 
+from .. import limits
+from ..checkpoint_dirs import METADATA, member_path
 from ..errors import CkptfixError, ConversionError, FormatError
 from ..zipfmt import RangeFile
 from . import PiecedRef
-from .dcp_metadata import METADATA
-from .sharded import member_path
+from .torchfile import torch_load, translate_load_error
 
 DCP = "dcp"
 
@@ -196,7 +197,6 @@ class Chunks:
         blob = self._blob(fqn, info)
         if blob.read(4) != b"PK\x03\x04":
             raise FormatError(f"{file}: {fqn!r} is not a torch.save record (another DCP serialization format?)")
-        from .torchfile import torch_load, translate_load_error
 
         try:
             blob.seek(0)
@@ -221,8 +221,6 @@ class Chunks:
 
         info, file, shell, offset = self._shell(fqn, chunk, dtype)
         if offset is None:  # load it for real
-            from .torchfile import torch_load, translate_load_error
-
             try:
                 return torch_load(self._blob(fqn, info), "cpu", trust=False)
             except CkptfixError:
@@ -241,9 +239,6 @@ class Chunks:
 
     def value(self, fqn: str, plan: Any, trust: bool, tags: dict[int, str]) -> Any:
         """A non-tensor entry (torch.save bytes) under the same safe policy as a torch file."""
-        from .. import limits
-        from .torchfile import torch_load, translate_load_error
-
         info = self.record(fqn)
         if info.length > limits.current().max_pickle_bytes:
             raise limits.exceeded("max_pickle_bytes", f"entry {fqn!r}'s size", info.length, self.path)

@@ -16,99 +16,28 @@ The optim_states files pickle three DeepSpeed classes; they load as inert stand-
 from __future__ import annotations
 
 import os
-import re
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CkptfixError, DeepSpeedZeroError, FormatError, trust_advice
+from .. import safety
+from ..checkpoint_dirs import DEEPSPEED_MODEL, DEEPSPEED_OPTIM, Layout, locate, names_matching
+from ..checkpoint_dirs import is_deepspeed_dir as is_deepspeed_dir  # re-exported: sniff needs it below the formats
+from ..deepspeed_pickle import optim_names, optim_policy
+from ..devices import DevicePlan, storage_id
+from ..errors import CkptfixError, DeepSpeedZeroError, FormatError, UnsafeCheckpointError, trust_advice
+from ..layout import ZeroWeights, deepspeed_info
 from ..render import dtype_name
-from . import TORCH_ZIP, CastRef, RawRead, StorageRef
+from . import TORCH_ZIP, CastRef, RawRead, StorageRef, deepspeed_zero, read_torch, torchzip
 from .deepspeed_zero import Spec
+from .torchfile import _unpickling_error, torch_load, translate_load_error
 
 DEEPSPEED = "deepspeed"
-LATEST = "latest"
-_MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
-_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
-
-
-@dataclass
-class Layout:
-    """One checkpoint tag's files, each list in rank order."""
-
-    tag_dir: str
-    tag: str
-    model_files: list[str]
-    optim_files: list[str]
-
-
-def _names(directory: str, pattern: re.Pattern) -> list[str]:
-    try:
-        return sorted(n for n in os.listdir(directory) if pattern.fullmatch(n))
-    except OSError:
-        return []
-
-
-def is_deepspeed_dir(path: str) -> bool:
-    """A directory holding DeepSpeed's ``latest`` file or model_states files."""
-    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, LATEST)) or bool(_names(path, _MODEL)))
 
 
 def beside(path: str) -> bool:
     """Whether ``path`` is named as a DeepSpeed model_states file with optim_states files beside it."""
-    return bool(_MODEL.fullmatch(os.path.basename(path))) and bool(_names(os.path.dirname(os.path.abspath(path)), _OPTIM))
-
-
-def locate(path: str) -> Layout:
-    """The tag directory ``path`` means (the checkpoint directory via ``latest``, a tag directory, or a
-    model_states file in one) and its files; DeepSpeedZeroError saying what is missing."""
-    if os.path.isfile(path):
-        tag_dir = os.path.dirname(os.path.abspath(path))
-    elif os.path.isfile(os.path.join(path, LATEST)):
-        tag_dir = os.path.join(path, _read_tag(path))
-    else:
-        tag_dir = path
-    models = _names(tag_dir, _MODEL)
-    if not models:
-        raise DeepSpeedZeroError(f"{path}: no DeepSpeed *_model_states.pt files in {tag_dir}; give the checkpoint "
-                                 "directory (the one holding `latest`) or one of its tag directories")
-    optims = _names(tag_dir, _OPTIM)
-    if any(m.group(2) != "00" for m in map(_MODEL.fullmatch, models)) or \
-            any(m.group(3) != "00" for m in map(_OPTIM.fullmatch, optims)):
-        raise DeepSpeedZeroError(f"{tag_dir}: holds model-parallel ranks other than mp_rank_00: ckptfix (like "
-                                 "zero_to_fp32.py) consolidates data-parallel ZeRO checkpoints only")
-    if len({_OPTIM.fullmatch(n).group(1) for n in optims}) > 1:
-        raise DeepSpeedZeroError(f"{tag_dir}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optim_states files "
-                                 "(two runs saved into one tag?); keep one set")
-    return Layout(tag_dir, os.path.basename(os.path.normpath(tag_dir)),
-                  [os.path.join(tag_dir, n) for n in _by_rank(models, _MODEL, 1, tag_dir)],
-                  [os.path.join(tag_dir, n) for n in _by_rank(optims, _OPTIM, 2, tag_dir)])
-
-
-def _read_tag(path: str) -> str:
-    latest = os.path.join(path, LATEST)
-    try:
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read(4096).strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise FormatError(f"{latest}: can't be read: {e}") from None
-    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
-        raise DeepSpeedZeroError(f"{latest}: names {tag!r}, not a tag directory inside {path}; give the tag directory itself")
-    tag_dir = os.path.join(path, tag)
-    if not os.path.isdir(tag_dir):
-        raise DeepSpeedZeroError(f"{latest}: names tag {tag!r} but {tag_dir} is not a directory; give an existing tag directory")
-    if os.path.dirname(os.path.realpath(tag_dir)) != os.path.realpath(path):
-        raise DeepSpeedZeroError(f"{tag_dir}: is a symlink out of {path}; give the directory it points to yourself")
-    return tag
-
-
-def _by_rank(names: list[str], pattern: re.Pattern, group: int, where: str) -> list[str]:
-    """The names in rank order, refusing gaps (zero_pp_rank_0, _2 without _1)."""
-    ranked = sorted((int(pattern.fullmatch(n).group(group) or 0), n) for n in names)
-    if [r for r, _ in ranked] != list(range(len(ranked))):
-        raise DeepSpeedZeroError(f"{where}: rank files {', '.join(n for _, n in ranked)} are not ranks 0..{len(ranked) - 1}: "
-                                 "a rank's file is missing (the save did not finish?)")
-    return [n for _, n in ranked]
+    return bool(DEEPSPEED_MODEL.fullmatch(os.path.basename(path))) and \
+        bool(names_matching(os.path.dirname(os.path.abspath(path)), DEEPSPEED_OPTIM))
 
 
 class _Source:
@@ -121,17 +50,12 @@ class _Source:
         self.maps: dict[str, Any] = {}
 
     def load(self, path: str, policy: Any = None) -> Any:
-        from ..devices import DevicePlan
-        from .torchfile import torch_load, translate_load_error
-
         if self.trust:  # full unpickling: DeepSpeed's own classes (deepspeed must be importable)
             try:
                 return torch_load(path, DevicePlan("meta" if self.meta else "cpu").torch_map_location(self.tags),
                                   trust=True, mmap=True)
             except Exception as e:  # noqa: BLE001 - torch raises many types for bad files
                 raise translate_load_error(path, TORCH_ZIP, e) from None
-        from .. import safety
-        from . import torchzip
 
         safety.ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl")  # data.pkl: the restricted unpickler
         try:
@@ -139,8 +63,6 @@ class _Source:
         except torchzip.Unsupported as e:
             raise FormatError(f"{path}: can't be read structure-only ({e}); pass --trust to load it whole") from None
         except CkptfixError as e:
-            from .deepspeed_pickle import optim_names
-
             if policy is not None:
                 _explain_refusal(path, e, optim_names())
             raise
@@ -152,8 +74,6 @@ class _Source:
         """``t`` with its values: itself, or its view of the file's bytes (mapped, not read)."""
         import torch
 
-        from ..devices import storage_id
-
         if t.device.type != "meta":
             return t
         ref = self.refs[storage_id(t)]
@@ -164,8 +84,6 @@ class _Source:
         return out
 
     def tag(self, t: Any) -> str:
-        from ..devices import storage_id
-
         return self.tags.get(storage_id(t), "cpu")
 
 
@@ -173,9 +91,6 @@ def _explain_refusal(path: str, e: CkptfixError, allowed: frozenset[str]) -> Non
     """A refused optim_states file: the generic scan that names every offending global doesn't know
     DeepSpeed's classes are allowed here, so name only the others, or else the unpickler's own reason."""
     import pickle
-
-    from ..errors import UnsafeCheckpointError
-    from .torchfile import _unpickling_error
 
     if not isinstance(e, UnsafeCheckpointError):
         return
@@ -226,8 +141,6 @@ def read(path: str, plan: Any, trust: bool, select: str | None = "auto") -> RawR
     """The DeepSpeed checkpoint at ``path`` (its directory, a tag directory or a model_states file):
     the consolidated fp32 master weights for ``select='auto'``; otherwise, or with no optim_states
     files to consolidate from, rank 0's model_states file as it is (``module``: the training copy)."""
-    from . import read_torch
-
     layout = locate(path)
     if select in ("auto", None) and layout.optim_files:
         raw = _consolidate(path, layout, plan, trust)
@@ -243,10 +156,6 @@ def read(path: str, plan: Any, trust: bool, select: str | None = "auto") -> RawR
 
 
 def _consolidate(path: str, layout: Layout, plan: Any, trust: bool) -> RawRead | None:
-    from ..layout import ZeroWeights, deepspeed_info
-    from . import deepspeed_zero
-    from .deepspeed_pickle import optim_policy
-
     source = _Source(plan, trust)
     first = source.load(layout.model_files[0])
     info = deepspeed_info(first)
@@ -317,8 +226,6 @@ def _realize(specs: OrderedDict, module: Any, source: _Source, plan: Any) -> tup
     meta tensors with a byte range or a GatherRef each, or the tensors themselves on the plan's devices."""
     import torch
 
-    from ..devices import storage_id
-
     refs: dict[int, Any] = {}
     tags: dict[int, str] = {}
     restore = None if plan.is_meta else plan.torch_map_location(tags)
@@ -344,8 +251,6 @@ def _realize(specs: OrderedDict, module: Any, source: _Source, plan: Any) -> tup
 
 def _ref(spec: Any, source: _Source, key: str, out: Any) -> Any:
     """The byte range of a weight that lies in one file as it is, else a GatherRef."""
-    from ..devices import storage_id
-
     if len(spec.pieces) == 1:
         t, start, n = spec.pieces[0]
         ref = source.refs.get(storage_id(t))

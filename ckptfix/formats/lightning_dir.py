@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import FormatError
-from . import TORCH_LEGACY, TORCH_ZIP, RawRead
+from . import TORCH_LEGACY, TORCH_ZIP, RawRead, read_torch, sniff
 
 META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 WEIGHTS_KEYS = {"model": "FSDPStrategy", "state_dict": "ModelParallelStrategy"}  # the DCP entry each saves under
@@ -34,7 +34,6 @@ def with_meta(raw: RawRead, path: str, plan: Any, trust: bool) -> RawRead:
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
         return raw
-    from . import read_torch, sniff
 
     fmt = sniff(meta_path)
     if fmt not in (TORCH_ZIP, TORCH_LEGACY):

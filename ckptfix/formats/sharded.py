@@ -20,32 +20,22 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from ..atomic import DirOutput
-from ..errors import ConversionError, FormatError, MissingFileError
-from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead, no_duplicate_keys
+from .. import formats  # the package's read and write, looked up when called (tests replace them)
+from ..atomic import DirOutput, atomic_dir
+from ..checkpoint_dirs import INDEX_NAMES, load_index, member_path
+from ..checkpoint_dirs import find_index as find_index  # re-exported: the sharded-index API lives there now
+from ..devices import storage_id
+from ..errors import ConversionError, FormatError
+from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead, sniff
+from .safetensors_file import read_header
 
 SHARDED_SAFETENSORS = "sharded-safetensors"
 SHARDED_PTH = "sharded-pth"
-INDEX_NAMES = {SAFETENSORS: "model.safetensors.index.json", TORCH_ZIP: "pytorch_model.bin.index.json"}
 SHARD_PATTERNS = {SAFETENSORS: "model{suffix}.safetensors", TORCH_ZIP: "pytorch_model{suffix}.bin"}
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def find_index(path: str) -> str | None:
-    """The index json for ``path``: ``path`` itself if it is one (``*.index.json``), else the
-    safetensors or torch index in the directory ``path`` (safetensors when both); else None."""
-    if os.path.isfile(path):
-        return path if path.endswith(".index.json") else None
-    if not os.path.isdir(path):
-        return None
-    for fmt in (SAFETENSORS, TORCH_ZIP):
-        candidate = os.path.join(path, INDEX_NAMES[fmt])
-        if os.path.isfile(candidate):
-            return candidate
-    return None
 
 
 def parse_size(text: str | int) -> int:
@@ -66,57 +56,13 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-def member_path(root: str, rel: Any, source: str, what: str = "shard") -> str:
-    """``root/rel`` after checking it stays inside ``root``: not absolute, no ``..``, no symlink
-    leading out. Shared by the directory formats (sharded index, DCP)."""
-    if not isinstance(rel, str) or not rel:
-        raise FormatError(f"{source}: {what} name {rel!r} is not a file name")
-    parts = re.split(r"[/\\]", rel)
-    if os.path.isabs(rel) or rel.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", rel):
-        raise FormatError(f"{source}: {what} path {rel!r} is absolute; shards must sit inside {root}")
-    if ".." in parts:
-        raise FormatError(f"{source}: {what} path {rel!r} leaves the directory ('..'); shards must sit inside {root}")
-    path = os.path.join(root, rel)
-    real_root = os.path.realpath(root)
-    if not os.path.realpath(path).startswith(real_root.rstrip(os.sep) + os.sep):
-        raise FormatError(
-            f"{source}: {what} {rel!r} is a symlink to {os.path.realpath(path)}, outside {root}; "
-            "copy the file into the directory"
-        )
-    if not os.path.isfile(path):
-        raise MissingFileError(f"{source}: {what} {rel!r} is missing from {root} (the download or save did not finish?)",
-                               path)
-    return path
-
-
-def load_index(index_path: str) -> dict[str, str]:
-    """The validated ``weight_map`` (key → shard file name, in file order) of an index json."""
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f, object_pairs_hook=no_duplicate_keys(index_path))
-    except OSError as e:
-        raise FormatError(f"{index_path}: can't be read: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise FormatError(f"{index_path}: is not valid JSON ({e})") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise FormatError(f"{index_path}: has no \"weight_map\" object: not a sharded-checkpoint index")
-    for key, shard in weight_map.items():
-        if not isinstance(shard, str):
-            raise FormatError(f"{index_path}: key {key!r} maps to {shard!r}, not a shard file name")
-    return weight_map
-
-
 def read(index_path: str, plan: Any, trust: bool, read_file: Any = None) -> RawRead:
     """Validate the index, read every shard lazily (mapped, or structure only on meta), merge.
 
     The state dict follows the weight_map's order; ``refs`` (structure reads) are kept only when
     every shard gave them, so a writer either copies everything from the shards or nothing.
     """
-    if read_file is None:  # the torch-free describer passes its own
-        from . import read as read_file
-    from . import sniff
-
+    read_file = read_file or formats.read  # the torch-free describer passes its own
     root = os.path.dirname(os.path.abspath(index_path))
     weight_map = load_index(index_path)
     by_shard: dict[str, list[str]] = {}
@@ -179,7 +125,6 @@ def _stored_keys(path: str, kind: str, sd: dict) -> list[str]:
     """Keys a shard physically stores (safetensors aliases written by ckptfix are not)."""
     if kind != SAFETENSORS:
         return list(sd)
-    from .safetensors_file import read_header
 
     return list(read_header(path)[1])
 
@@ -209,8 +154,6 @@ def plan_shards(state_dict: Any, max_shard_size: int, refs: dict | None = None) 
     computes them: keys in order, a new shard when the next tensor would pass the limit, a tensor
     larger than the limit alone, keys sharing a storage in the shard of the first, counted once."""
     import torch
-
-    from ..devices import storage_id
 
     shards: list[list[str]] = []
     current: list[str] = []
@@ -275,10 +218,6 @@ def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: b
     from their source file), one shard at a time. The state dict's ``_metadata`` rides in the
     first shard.
     """
-    from ..atomic import atomic_dir
-    from . import write as write_file
-    from .safetensors_file import read_header
-
     if fmt not in SHARD_PATTERNS:
         raise ConversionError(f"sharded output is safetensors or pth, not {fmt}")
     if max_shard_size <= 0:
@@ -294,7 +233,7 @@ def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: b
             if i == 0 and meta is not None:
                 part._metadata = meta  # type: ignore[attr-defined]
             path = os.path.join(tmp, name)
-            notes += write_file(part, path, fmt, refs=refs or None, archive=os.path.splitext(name)[0])
+            notes += formats.write(part, path, fmt, refs=refs or None, archive=os.path.splitext(name)[0])
             stored = set(read_header(path)[1]) if fmt == SAFETENSORS else set(keys)
             shard_of.update((k, name) for k in keys if k in stored)
         if len(shards) > 1:  # weight_map in the state dict's order, which reading restores

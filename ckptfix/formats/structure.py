@@ -23,6 +23,7 @@ from typing import Any
 
 from ..tensorinfo import StorageInfo, TensorInfo
 from ..torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
+from ..zipfmt import fold
 from . import SAFETENSORS, SHARDED, SHARDED_SAFETENSORS, TORCH_ZIP, RawRead
 
 #: Set to ``0`` to describe every file through torch (the differential tests compare both paths).
@@ -112,9 +113,12 @@ class _Archive:
     def __init__(self, path: str, directory: Any, buf: Any):
         self.path, self.directory, self.buf, self.size = path, directory, buf, len(buf)
         self.prefix = directory.root + "/"
+        self.index: dict[bytes, list[Any]] = {}  # directory.lookup's answers, found in one pass, not one per record
+        for e in directory.entries:
+            self.index.setdefault(fold(e.raw_name), []).append(e)
 
     def entry(self, name: str, must_exist: bool = True) -> Any:
-        found = self.directory.lookup(self.prefix + name)
+        found = self.index.get(fold((self.prefix + name).encode("utf-8")), [])
         if len(found) != 1:
             if not found and not must_exist:
                 return None

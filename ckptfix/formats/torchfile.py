@@ -14,13 +14,14 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from .. import guards, safety
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
-from . import TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, RawRead
+from ..standins import pickle_module_for
+from ..unpickler import Refused, SafePickle
+from . import TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, RawRead, torchscript
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
-    from .. import safety
-
     if fmt == TORCHSCRIPT:
         return _read_torchscript(path, plan, trust)
     if not trust:
@@ -48,9 +49,6 @@ def torch_load(source: Any, map_location: Any, trust: bool, mmap: bool = False, 
     without its tensor bytes. Errors are torch's or the unpickler's; callers translate them.
     """
     import torch
-
-    from .. import guards
-    from ..unpickler import SafePickle
 
     kwargs: dict[str, Any] = {"map_location": map_location}
     if mmap:
@@ -134,8 +132,6 @@ def _first_line(e: BaseException) -> str:
 
 def _unpickling_error(path: str, e: Exception) -> CkptfixError:
     """A pickle the restricted unpickler refused (UnsafeCheckpointError), or a broken one (FormatError)."""
-    from ..unpickler import Refused
-
     if isinstance(e, Refused):
         names = [e.name] if e.name else []
         return UnsafeCheckpointError(
@@ -149,8 +145,6 @@ def _read_torchscript(path: str, plan: Any, trust: bool) -> RawRead:
     import torch
 
     if plan.is_meta:
-        from . import torchscript
-
         try:
             return torchscript.read_meta(path)  # runs none of the archive's code
         except CkptfixError:
@@ -178,8 +172,6 @@ def _read_torchscript(path: str, plan: Any, trust: bool) -> RawRead:
 def write(obj: Any, path: str) -> list[str]:
     """``torch.save`` in the zip format, which plain ``torch.load(weights_only=True)`` reads."""
     import torch
-
-    from ..standins import pickle_module_for
 
     # Through a file object: given a path, torch names the archive's root folder after the file,
     # which here is the atomic writer's temp name. Stand-ins are written under their original names.

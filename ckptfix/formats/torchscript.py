@@ -15,7 +15,11 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+from .. import pickle_scan, safety, zip_check
+from ..devices import storage_id
 from ..errors import FormatError
+from ..pickle_scan import Call, Persistent, Ref
+from ..zip_check import read_member
 from . import TORCHSCRIPT, RawRead
 
 _TENSOR = {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor"}
@@ -26,8 +30,6 @@ _DECLARED = re.compile(r"^\s+__(?:parameters|buffers)__ = (\[.*\])\s*$")
 
 def read_meta(path: str) -> RawRead:
     """The archive's state dict on ``meta``, with each storage's saved device as its tag."""
-    from .. import pickle_scan, safety, zip_check
-
     safety.ensure_safe(path, TORCHSCRIPT, structure_only=True)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         layout = zip_check.check_zip(path, buf, len(buf), torchscript=True, check_crc=False)
@@ -50,8 +52,6 @@ def read_meta(path: str) -> RawRead:
 
 def _declared_state(layout: Any, buf: Any) -> dict[str, set[str]]:
     """``__torch__.pkg.Class`` → the parameter and buffer names its code declares."""
-    from ..zip_check import read_member
-
     code = f"{layout.root}/code/"
     out: dict[str, set[str]] = {}
     for m in layout.members:
@@ -82,8 +82,6 @@ class _Builder:
         self.seen: set[int] = set()
 
     def visit(self, value: Any, prefix: str, depth: int) -> None:
-        from ..pickle_scan import Call, Ref
-
         if depth > 200 or id(value) in self.seen:
             return
         self.seen.add(id(value))
@@ -108,15 +106,10 @@ class _Builder:
 
     @staticmethod
     def is_tensor(call: Any) -> bool:
-        from ..pickle_scan import Ref
-
         return isinstance(call.func, Ref) and call.func.full in _TENSOR | _PARAMETER
 
     def add(self, key: str, call: Any) -> None:
         import torch
-
-        from ..devices import storage_id
-        from ..pickle_scan import Call, Persistent
 
         if call.func.full in _PARAMETER and call.args and isinstance(call.args[0], Call):
             call = call.args[0]

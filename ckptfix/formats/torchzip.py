@@ -142,6 +142,8 @@ def _meta_tensor_reducer(storage_of: Callable[[Any], Any]) -> Callable[[Any], An
             return (torch._utils._rebuild_parameter, (inner, obj.requires_grad, OrderedDict()))
         if type(obj) is not torch.Tensor:
             raise FormatError(f"tensor subclass {type(obj).__name__} can't be rewritten in place; use --trust")
+        if obj.dtype in torch.storage._new_dtypes():  # no legacy storage class (uint16, float8 …): as torch.save
+            return (torch._utils._rebuild_tensor_v3, (obj.untyped_storage(), *args[1:], obj.dtype))
         return (torch._utils._rebuild_tensor_v2, args)
 
     return reduce
@@ -206,7 +208,12 @@ def write_structure(
 
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(obj)
+    return write_archive(buf.getvalue(), order, dst, archive)
 
+
+def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str, archive: str = "archive") -> int:
+    """A torch zip at ``dst``: ``data_pkl`` and, for each ``(key, ref)`` of ``order``, record ``data/KEY``
+    copied from the ref's byte range (in the kernel) or computed (CastRef, PiecedRef); returns bytes copied."""
     archive = "".join(c if c.isalnum() or c in "_-" else "_" for c in archive) or "archive"
     copied = 0
     fds: dict[str, int] = {}
@@ -223,7 +230,7 @@ def write_structure(
         crcs.start_segments(list(pieces.values()))
         with open(dst, "wb") as f:
             z = ZipWriter(f)
-            z.add_bytes(f"{archive}/data.pkl", buf.getvalue())
+            z.add_bytes(f"{archive}/data.pkl", data_pkl)
             z.add_bytes(f"{archive}/byteorder", b"little")
             for key, ref in order:
                 if isinstance(ref, PiecedRef) and id(ref) in pieces:  # chunk after chunk, in the kernel

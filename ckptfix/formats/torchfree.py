@@ -1,0 +1,236 @@
+"""Writers for checkpoints described without torch (:class:`~ckptfix.tensorinfo.TensorInfo` values):
+a torch zip or a safetensors file whose tensor bytes are copied from the source in the kernel.
+
+``data.pkl`` is written by Python's own pickler (protocol 2) with the opcodes torch's pickler
+produces: ``GLOBAL torch._utils _rebuild_tensor_v2`` / ``_rebuild_parameter`` + REDUCE for each
+tensor, a persistent id ``('storage', GLOBAL torch.FloatStorage, key, 'cpu', numel)`` for each
+storage, OrderedDicts with their ``_metadata`` set by BUILD. The globals are written by name
+(:class:`_Global`), never imported, so torch stays out of the process.
+
+Dtypes without a legacy storage class (uint16, float8 …) are written as torch writes them:
+``_rebuild_tensor_v3`` with an ``UntypedStorage`` id and the dtype. Anything these writers can't
+reproduce exactly (a non-contiguous view bound for safetensors, a value that isn't plain data) raises :class:`NeedsTorch`
+from :func:`prepare`, before a byte is written, and the caller converts through torch instead.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from .. import rawcopy
+from ..tensorinfo import StorageInfo, TensorInfo
+from ..torch_tables import DTYPE_ITEMSIZE, STORAGE_DTYPES
+from . import SAFETENSORS, TORCH_ZIP, StorageRef, zip_directory
+from .safetensors_file import _ST_NAMES, encode_header
+from .structure import dtype as DtypeToken
+from .torchzip import write_archive
+
+
+class NeedsTorch(Exception):
+    """This output needs torch's writers (the caller falls back to the torch path)."""
+
+
+class _Global:
+    """A global written into the pickle by name (``GLOBAL module\\nname``), never imported."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Any:  # save_reduce requires a callable
+        raise TypeError(f"{self.module}.{self.name} is a name to write, not a function")
+
+
+_REBUILD_TENSOR = _Global("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_TENSOR_V3 = _Global("torch._utils", "_rebuild_tensor_v3")
+_UNTYPED = _Global("torch.storage", "UntypedStorage")
+_REBUILD_PARAMETER = _Global("torch._utils", "_rebuild_parameter")
+#: dtype name → its legacy storage class (what ``TypedStorage._pickle_storage_type`` names)
+_STORAGE_CLASS = {dtype: _Global("torch", cls) for cls, dtype in STORAGE_DTYPES.items() if dtype in DTYPE_ITEMSIZE}
+_DTYPES = {name: _Global("torch", name) for name in DTYPE_ITEMSIZE}
+
+
+class _StorageArg:
+    """A tensor's storage in its ``_rebuild_tensor_v2`` arguments: pickled as a persistent id."""
+
+    __slots__ = ("storage", "dtype")
+
+    def __init__(self, storage: StorageInfo, dtype: str | None):  # None: an untyped storage
+        self.storage, self.dtype = storage, dtype
+
+
+class _Records:
+    """The ``data/KEY`` records to copy, in first-use order, as torch's streamed writer numbers them:
+    a torch zip source's record key where it is still free, else the next index."""
+
+    def __init__(self, keep_keys: bool):
+        self.keep_keys = keep_keys
+        self.order: list[tuple[str, StorageRef]] = []
+        self.key_of: dict[int, str] = {}
+        self.used: set[str] = set()
+        self._crcs: dict[str, dict[str, int]] = {}
+
+    def persistent_id(self, arg: _StorageArg) -> tuple:
+        st = arg.storage
+        if id(st) not in self.key_of:
+            key = st.key if self.keep_keys and st.key not in self.used else str(len(self.order))
+            while key in self.used:
+                key = f"{key}_"
+            self.used.add(key)
+            self.key_of[id(st)] = key
+            crc = self._crc(st) if self.keep_keys else None
+            self.order.append((key, StorageRef(st.path, st.offset, st.nbytes, st.location, crc, st.key)))
+        if arg.dtype is None:
+            return ("storage", _UNTYPED, self.key_of[id(st)], "cpu", st.nbytes)
+        return ("storage", _STORAGE_CLASS[arg.dtype], self.key_of[id(st)], "cpu", st.nbytes // DTYPE_ITEMSIZE[arg.dtype])
+
+    def _crc(self, st: StorageInfo) -> int | None:
+        if st.path not in self._crcs:
+            self._crcs[st.path] = {e.name.split("/", 1)[-1]: e.crc for e in zip_directory(st.path).entries}
+        return self._crcs[st.path].get(f"data/{st.key}")
+
+
+def _save_token(pickler: Any, token: _Global) -> None:
+    found = pickler.memo.get(id(token))
+    if found is not None:
+        pickler.write(pickler.get(found[0]))
+        return
+    pickler.write(pickle.GLOBAL + f"{token.module}\n{token.name}\n".encode("ascii"))
+    pickler.memoize(token)
+
+
+class _InfoPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """Python's pickler writing TensorInfo as torch writes tensors, and torch's globals by name."""
+
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[_Global] = _save_token
+    dispatch[DtypeToken] = lambda pickler, obj: _save_token(pickler, _DTYPES[obj.name])  # torch.float32 …
+
+    def __init__(self, file: Any, records: _Records):
+        super().__init__(file, protocol=2)
+        self.records = records
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self.records.persistent_id(obj) if type(obj) is _StorageArg else None
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _reduce_tensor(obj) if type(obj) is TensorInfo else NotImplemented
+
+
+def _reduce_tensor(t: TensorInfo) -> tuple:
+    if t.is_parameter:  # torch: Parameter.__reduce_ex__ → _rebuild_parameter(plain data, requires_grad, hooks)
+        inner = TensorInfo(t.dtype, t.shape, t.stride, t.storage_offset, t.storage)
+        return _REBUILD_PARAMETER, (inner, t.requires_grad, OrderedDict())
+    if t.dtype not in _STORAGE_CLASS:  # no legacy storage class (uint16, float8 …): torch writes v3
+        args = (_StorageArg(t.storage, None), t.storage_offset, t.shape, t.stride, t.requires_grad, OrderedDict(),
+                _DTYPES[t.dtype])
+        return _REBUILD_TENSOR_V3, args
+    args = (_StorageArg(t.storage, t.dtype), t.storage_offset, t.shape, t.stride, t.requires_grad, OrderedDict())
+    return _REBUILD_TENSOR, args
+
+
+_PLAIN = (str, int, float, bool, complex, type(None), bytes)
+
+
+def _check_plain(obj: Any) -> None:
+    """Only values the structure reader produces: containers, atoms, dtypes, TensorInfo."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, _PLAIN) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        cls = type(x)
+        if cls in (TensorInfo, DtypeToken):
+            continue
+        if cls in (dict, OrderedDict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+            stack.extend(vars(x).values() if cls is OrderedDict else ())
+        elif cls in (list, tuple, set, frozenset):
+            stack.extend(x)
+        else:
+            raise NeedsTorch(f"a {cls.__name__} value")
+
+
+def pickle_structure(obj: Any, keep_keys: bool) -> tuple[bytes, list[tuple[str, StorageRef]]]:
+    """``data.pkl`` for ``obj`` and the records it names, ``[(key, StorageRef), …]``."""
+    _check_plain(obj)
+    records = _Records(keep_keys)
+    buf = io.BytesIO()
+    _InfoPickler(buf, records).dump(obj)
+    return buf.getvalue(), records.order
+
+
+# -- safetensors ------------------------------------------------------------------------------------
+
+def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorInfo]], list[str]]:
+    """Header, tensors to copy and notes, as :func:`ckptfix.formats.safetensors_file.write` makes them."""
+    notes: list[str] = []
+    canonical: dict[tuple, str] = {}
+    aliases: dict[str, dict] = {}
+    tensors: list[tuple[str, TensorInfo]] = []
+    for key, t in state_dict.items():
+        if type(t) is not TensorInfo or t.dtype not in _ST_NAMES:
+            raise NeedsTorch(f"{key!r}: not a tensor safetensors holds")
+        view = (id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype)
+        if view in canonical and t.numel() > 0:
+            aliases[key] = {"of": canonical[view], "dtype": _ST_NAMES[t.dtype], "shape": list(t.shape)}
+            continue
+        canonical[view] = key
+        if not t.is_contiguous():
+            raise NeedsTorch(f"{key!r} is not contiguous")
+        tensors.append((key, t))
+    raw = encode_header(state_dict, tensors, aliases, notes)
+    return raw, tensors, notes
+
+
+def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
+    fds: dict[str, int] = {}
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            f.flush()
+            pos = 8 + len(header)
+            for _key, t in tensors:
+                st = t.storage
+                if st.path not in fds:
+                    fds[st.path] = os.open(st.path, os.O_RDONLY)
+                rawcopy.copy_range(fds[st.path], f.fileno(), st.offset + t.storage_offset * t.element_size(), pos, t.nbytes)
+                pos += t.nbytes
+            f.seek(pos)
+            f.truncate(pos)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+# -- entry point ------------------------------------------------------------------------------------
+
+def prepare(obj: Any, fmt: str, archive: str = "archive", keep_keys: bool = True) -> Callable[[str], list[str]]:
+    """Plan writing ``obj`` as ``fmt``; returns ``write(path) -> notes``. Raises NeedsTorch (nothing
+    written) for what only torch's writers reproduce. ``keep_keys``: the source is a torch zip whose
+    record keys the output keeps (as the torch path does)."""
+    if fmt == SAFETENSORS:
+        header, tensors, notes = _safetensors_layout(obj)
+
+        def write_safetensors(path: str) -> list[str]:
+            _write_safetensors(path, header, tensors)
+            return notes
+
+        return write_safetensors
+    if fmt != TORCH_ZIP:
+        raise NeedsTorch(f"output format {fmt}")
+    data, order = pickle_structure(obj, keep_keys)
+
+    def write_zip(path: str) -> list[str]:
+        write_archive(data, order, path, archive)
+        return []
+
+    return write_zip

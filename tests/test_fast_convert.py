@@ -1,0 +1,178 @@
+"""The torch-free convert path (``ckptfix.formats.torchfree``) against the torch path (``CKPTFIX_TORCH_FREE=0``).
+
+- for every committed fixture the torch-free reader describes, and hypothesis-generated checkpoints
+  (views, shared storages, offsets, non-contiguous tensors, every dtype, Parameters, ``_metadata``,
+  nested training dicts with ``keep_extra``), both paths write the same output: safetensors files
+  byte for byte, torch zips member for member (``data.pkl`` included; only the random
+  ``serialization_id`` differs) and loading to the same objects under ``torch.load(weights_only=True)``;
+- ``ckptfix convert a.pth b.pth`` / ``b.safetensors`` leaves torch unimported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+import ckptfix
+from ckptfix import conversion
+from ckptfix.formats import sniff, structure
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_fast_path import DESCRIBED, _PROBE, _safetensors_copy, checkpoints  # noqa: E402
+from test_properties import _bits  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+ROOT = FIXTURES.parent
+pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+
+
+def _convert(src: Path, dst: Path, torch_free: bool, mp: pytest.MonkeyPatch, **options: Any) -> Any:
+    """``convert`` through one path: (whether the torch-free writer wrote it, the report), or the error class."""
+    mp.setenv(structure.ENV_SWITCH, "1" if torch_free else "0")
+    took: list[bool] = []
+    real = conversion.write_torch_free
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        notes = real(*args, **kwargs)
+        took.append(True)
+        return notes
+
+    mp.setattr(conversion, "write_torch_free", spy)
+    try:
+        report = ckptfix.convert(src, dst, force=True, **options)
+    except ckptfix.CkptfixError as e:
+        return type(e).__name__
+    finally:
+        mp.setattr(conversion, "write_torch_free", real)
+    return bool(took), report
+
+
+def assert_same_output(fast: Path, slow: Path, loads: bool) -> None:
+    if fast.suffix == ".safetensors":
+        assert fast.read_bytes() == slow.read_bytes()
+        return
+    with zipfile.ZipFile(fast) as zf, zipfile.ZipFile(slow) as zs:
+        names_f, names_s = zf.namelist(), zs.namelist()
+        assert [n.split("/", 1)[1] for n in names_f] == [n.split("/", 1)[1] for n in names_s]
+        for nf, ns in zip(names_f, names_s):
+            if not nf.endswith("serialization_id"):
+                assert zf.read(nf) == zs.read(ns), nf
+    if not loads:  # torch's own output of objects weights_only refuses (mmengine's, with keep_extra)
+        return
+    got = torch.load(fast, weights_only=True, map_location="cpu")
+    want = torch.load(slow, weights_only=True, map_location="cpu")
+    storages_f: list[int] = []
+    storages_s: list[int] = []
+    assert_same_objects(got, want, storages_f, storages_s)
+    # the same storage sharing: equal partitions of the tensors by storage
+    assert [storages_f.index(p) for p in storages_f] == [storages_s.index(p) for p in storages_s]
+
+
+def assert_same_objects(got: Any, want: Any, storages_f: list[int], storages_s: list[int]) -> None:
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert (got.dtype, got.shape, got.stride(), got.storage_offset(), got.requires_grad) == \
+            (want.dtype, want.shape, want.stride(), want.storage_offset(), want.requires_grad)
+        assert torch.equal(_bits(got), _bits(want))
+        storages_f.append(got.untyped_storage().data_ptr())
+        storages_s.append(want.untyped_storage().data_ptr())
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        assert getattr(got, "_metadata", None) == getattr(want, "_metadata", None)
+        for k in want:
+            assert_same_objects(got[k], want[k], storages_f, storages_s)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same_objects(g, w, storages_f, storages_s)
+    else:
+        assert got == want
+
+
+def assert_same_convert(src: Path, out: Path, mp: pytest.MonkeyPatch, suffix: str, **options: Any) -> bool:
+    """Convert ``src`` both ways; the outputs agree. Returns whether the torch-free writer was taken."""
+    fast_dst, slow_dst = out / f"fast{suffix}", out / f"slow{suffix}"
+    fast = _convert(src, fast_dst, True, mp, **options)
+    slow = _convert(src, slow_dst, False, mp, **options)
+    if isinstance(slow, str) or isinstance(fast, str):
+        assert fast == slow, src
+        return False
+    assert slow[0] is False
+    took, report = fast
+    assert report.to_dict() | {"seconds": 0, "peak_rss": 0, "dst": ""} == \
+        slow[1].to_dict() | {"seconds": 0, "peak_rss": 0, "dst": ""}
+    assert_same_output(fast_dst, slow_dst, loads=took)
+    return took
+
+
+# -- the committed fixtures ---------------------------------------------------------------------------
+
+def _describable_fixtures() -> list[Path]:
+    return sorted(p for p in FIXTURES.iterdir() if (p.is_file() or p.is_dir() and not p.name.startswith(("_", ".")))
+                  and p.suffix != ".py" and p.name != "manifest.json" and sniff(str(p)) in DESCRIBED)
+
+
+@pytest.mark.parametrize("suffix,options", [(".pth", {}), (".safetensors", {}), (".pth", {"keep_extra": True}),
+                                            (".pth", {"to": "ddp", "rename": ["(.*)bias=\\1b"]})],
+                         ids=["pth", "safetensors", "keep-extra", "renamed"])
+def test_fixtures_convert_the_same(suffix: str, options: dict, tmp_path: Path) -> None:
+    taken = []
+    with pytest.MonkeyPatch.context() as mp:
+        for src in _describable_fixtures():
+            out = tmp_path / src.name
+            out.mkdir()
+            if assert_same_convert(src, out, mp, suffix, **options):
+                taken.append(src.name)
+    assert {"mlp_ddp.pth", "mlp_single.pth", "mlp_cuda1.pth", "mlp_safetensors.safetensors"} <= set(taken), taken
+
+
+def test_gpu_saved_file_with_a_mapping(tmp_path: Path) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        assert assert_same_convert(FIXTURES / "mlp_cuda1.pth", tmp_path, mp, ".pth", map_location={"cuda:1": "cpu"})
+        assert assert_same_convert(FIXTURES / "mlp_cuda1.pth", tmp_path, mp, ".safetensors", map_location=None) \
+            is False  # saved on cuda:1, asked to stay there: torch's path (and its refusal on this machine)
+
+
+# -- hypothesis --------------------------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(obj=checkpoints(), prefix=st.sampled_from([None, "module", "model._orig_mod"]))
+def test_random_checkpoints_convert_the_same(obj: Any, prefix: str | None,
+                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    d = tmp_path_factory.mktemp("rand")
+    torch.save(obj, d / "ckpt.pth")
+    sd = obj if "state_dict" not in obj and "model" not in obj else obj.get("state_dict", obj.get("model"))
+    save_file(_safetensors_copy(sd), d / "ckpt.safetensors")
+    with pytest.MonkeyPatch.context() as mp:
+        for src in (d / "ckpt.pth", d / "ckpt.safetensors"):
+            for suffix, options in ((".pth", {"keep_extra": src.suffix == ".pth"}), (".safetensors", {})):
+                out = d / f"{src.suffix[1:]}-{suffix[1:]}-{len(options)}"
+                out.mkdir()
+                took = assert_same_convert(src, out, mp, suffix, add_prefix=prefix, **options)
+                if src.suffix == ".safetensors" and suffix == ".pth":
+                    assert took  # nothing in a safetensors file needs torch to be rewritten as .pth
+
+
+# -- no torch -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("src", ["mlp_ddp.pth", "mlp_safetensors.safetensors"])
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_convert_imports_no_torch(src: str, suffix: str, tmp_path: Path) -> None:
+    dst = tmp_path / f"out{suffix}"
+    run = subprocess.run([sys.executable, "-c", _PROBE, "convert", str(FIXTURES / src), str(dst)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, structure.ENV_SWITCH: "1"})
+    assert run.returncode == 0, run.stderr
+    assert "TORCH=False" in run.stderr, f"ckptfix convert {src} {dst.name} imported torch"
+    assert list(torch.load(dst, weights_only=True)) if suffix == ".pth" else dst.stat().st_size > 0

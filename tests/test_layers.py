@@ -1,0 +1,186 @@
+"""The package's layers import one way only: each module imports from its own layer or the ones below.
+
+Parsed with ``ast``, nothing imported: every ``import ckptfix…`` / ``from . import …`` at module level and
+inside functions. A module-level import of a higher layer, or a cycle of module-level imports, is what
+used to force ~150 imports into function bodies; a function-level import of a higher layer is the same
+dependency hidden. ``import torch`` (and what imports it) stays deferred by design and is not internal.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ckptfix"
+
+#: bottom to top; a module may import from its own layer and every layer before it
+LAYERS: list[tuple[str, set[str]]] = [
+    # no policy, no format knowledge: errors, limits, the device plan, writing files atomically
+    ("core", {"errors", "limits", "render", "torch_tables", "interrupts", "devices", "rawcopy", "progress", "atomic",
+              "tensorinfo"}),
+    # pure-Python parsing: zip directories, pickle opcodes, the restricted unpickler, sniffing, headers
+    ("parsing", {"zipfmt", "zip_check", "pickle_ops", "pickle_scan", "unpickler", "standins", "numpy_safe",
+                 "checkpoint_dirs", "sniff", "safetensors_header"}),
+    # the safety policy: what may be unpickled (guards builds the unpickler's policy from the allow-list;
+    # the DCP and DeepSpeed pickle policies sit here so the scanner needs no format reader) and the scan
+    ("policy", {"allowlist", "guards", "dcp_metadata", "deepspeed_pickle", "scan_files", "safety"}),
+    # key strings, not files: wrapper prefixes, where the state dict sits, renames and casts
+    ("statedict", {"wrappers", "layout", "transforms", "repair"}),
+    # format readers and writers (formats/__init__ and every formats.* module)
+    ("formats", {"formats"}),
+    ("api", {"api", "reading", "conversion", "reports"}),
+    # commands built on the API: diff, verify and what verify needs
+    ("commands", {"diff", "forward", "models", "inputs", "golden", "verify"}),
+    # click, and the package itself (its lazy __getattr__ reaches every layer through importlib)
+    ("cli", {"cli", "__main__", ""}),
+]
+
+#: (importer, imported) -> why it may point up; keep this short, and empty where possible
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+#: modules that may still import ckptfix modules inside functions, and why (everything else imports at the top)
+DEFERRED: dict[str, str] = {
+    "cli": "`ckptfix --help` stays instant: the library (and through it torch) is imported by the command run",
+    "formats": "read()/write() dispatch to the format modules, which import the package's shared types",
+    "formats.structure": "owned by the concurrent api/torch-free split; hoist when it lands",
+    "formats.torchzip": "owned by the concurrent api/torch-free split; hoist when it lands",
+    "api": "owned by the concurrent api/torch-free split; hoist when it lands",
+    "standins": "owned by the concurrent api/torch-free split; hoist when it lands",
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name below ``ckptfix`` ('' for the package, 'formats.dcp') → file."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    for i, (_name, members) in enumerate(LAYERS):
+        if module in members or module.startswith("formats.") and "formats" in members:
+            return i
+    raise AssertionError(f"ckptfix.{module} has no layer: add it to LAYERS in {__file__}")
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The ckptfix modules an import statement runs (the named module, and the parent packages it imports)."""
+    is_package = MODULES[module].name == "__init__.py"
+    found: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names if a.name == "ckptfix" or a.name.startswith("ckptfix.")]
+        found = [n.removeprefix("ckptfix").lstrip(".") for n in names]
+    else:
+        if node.level == 0:
+            if not (node.module == "ckptfix" or (node.module or "").startswith("ckptfix.")):
+                return []
+            base = (node.module or "").removeprefix("ckptfix").lstrip(".")
+        else:
+            here = module.split(".") if module else []
+            if not is_package:
+                here = here[:-1]
+            here = here[: len(here) - (node.level - 1)]
+            base = ".".join(here + ([node.module] if node.module else []))
+        for alias in node.names:  # `from . import safety` imports the submodule safety
+            sub = f"{base}.{alias.name}".lstrip(".")
+            found.append(sub if sub in MODULES else base)
+    out = []
+    for name in found:
+        parts = name.split(".") if name else []
+        out += [".".join(parts[:i]) for i in range(1, len(parts) + 1)]  # importing a.b runs a first
+    return [n for n in dict.fromkeys(out) if n != module]
+
+
+def _imports() -> list[tuple[str, str, bool, int]]:
+    """(importer, imported, at module level, line) for every internal import in the package."""
+    edges = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+        def visit(node: ast.AST, in_function: bool, module: str = module) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    edges.extend((module, t, not in_function, child.lineno) for t in _targets(module, child))
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+        visit(tree, False)
+    return edges
+
+
+EDGES = _imports()
+
+
+def _name(module: str) -> str:
+    return f"ckptfix.{module}".rstrip(".")
+
+
+def _edge(importer: str, imported: str, line: int, top: bool) -> str:
+    where = "module level" if top else "inside a function"
+    return (f"{_name(importer)} ({LAYERS[_layer(importer)][0]}) imports {_name(imported)} "
+            f"({LAYERS[_layer(imported)][0]}) at {MODULES[importer].relative_to(PACKAGE.parent)}:{line}, {where}")
+
+
+def test_every_module_has_a_layer() -> None:
+    for m in MODULES:
+        _layer(m)  # names the module missing from LAYERS
+    listed = set().union(*(s for _, s in LAYERS))
+    assert listed <= set(MODULES), f"LAYERS names modules that don't exist: {sorted(listed - set(MODULES))}"
+
+
+def test_no_module_imports_from_a_higher_layer() -> None:
+    upward = [_edge(a, b, line, top) for a, b, top, line in EDGES
+              if _layer(b) > _layer(a) and (a, b) not in ALLOWED_UPWARD]
+    assert not upward, "imports pointing up a layer (move the shared piece down instead):\n  " + "\n  ".join(upward)
+
+
+def test_allowed_upward_edges_still_exist() -> None:
+    present = {(a, b) for a, b, _top, _line in EDGES}
+    stale = [f"{_name(a)} -> {_name(b)}" for a, b in ALLOWED_UPWARD if (a, b) not in present]
+    assert not stale, f"remove from ALLOWED_UPWARD, no longer imported: {stale}"
+
+
+def test_module_level_imports_form_no_cycle() -> None:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for a, b, top, _line in EDGES:
+        if top:
+            graph[a].add(b)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            pytest.fail("module-level import cycle: " + " -> ".join(map(_name, cycle)))
+
+
+def test_internal_imports_sit_at_module_top() -> None:
+    """Outside DEFERRED, a ckptfix module imports its siblings at the top, where the layering is visible."""
+    deferred = sorted({f"{_name(a)}:{line} imports {_name(b)}" for a, b, top, line in EDGES
+                       if not top and a not in DEFERRED})
+    assert not deferred, "move these imports to the module top (or say why in DEFERRED):\n  " + "\n  ".join(deferred)
+
+
+def test_cli_imports_no_library_at_module_level() -> None:
+    """``ckptfix --help`` stays instant: cli.py imports the lazy package, errors and render, nothing else."""
+    top = {b for a, b, at_top, _line in EDGES if a == "cli" and at_top}
+    assert top <= {"", "errors", "render"}, sorted(map(_name, top))

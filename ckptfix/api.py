@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
-from . import conversion, formats, transforms
+from . import conversion, formats, repair, transforms
 from .conversion import normalise_keys
 from .errors import LoadError
 from .formats import structure
@@ -47,7 +48,8 @@ def inspect(path: Any, trust: bool = False, select: str = "auto") -> Checkpoint:
 def describe(path: Any, select: str = "auto") -> Checkpoint:
     """``inspect`` without importing torch where the file allows it: tensors come back as
     :class:`~ckptfix.tensorinfo.TensorInfo` (plain data: dtype, shape, stride, byte range); a file only
-    torch can describe exactly (legacy, TorchScript, DCP, DeepSpeed, tensor subclasses …) goes through
+    torch can describe exactly (legacy, TorchScript, DeepSpeed, DCP directories holding non-tensor values,
+    tensor subclasses …) goes through
     ``inspect``, so the summary, and any refusal, is the same either way."""
     path = _fspath(path)
     fmt = formats.sniff(path)
@@ -154,10 +156,6 @@ def load_into(
     NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's
     ``nonfinite``); with ``strict_values=True`` they raise LoadError and nothing is loaded.
     """
-    import warnings
-
-    from . import repair
-
     ckpt = read(path, map_location=map_location, trust=trust, select=select)
     target = repair.describe_target(model)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)

@@ -19,7 +19,6 @@ import click
 
 from . import __version__
 from .errors import NOTHING_WRITTEN, CkptfixError
-from .render import human_size
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FINDING = 0, 1, 2, 3
 _JSON = "ckptfix.json"  # ctx.meta key: --json was on the command line
@@ -117,14 +116,6 @@ def _emit_json(obj: dict[str, Any]) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
-def _counts(d: dict[str, int]) -> str:
-    return ", ".join(f"{k} ×{v}" for k, v in d.items()) or "-"
-
-
-def _stack(stack: list[str]) -> str:
-    return ".".join(stack) + "." if stack else "none"
-
-
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]},
              epilog="Exit codes: 0 ok, 1 error (one 'Error:' line; CKPTFIX_DEBUG=1 shows the traceback), "
                     "2 usage, 3 a finding (verify failed, diff differs, scan found unsafe content); "
@@ -167,6 +158,7 @@ def convert(src: str, dst: str, to: str, map_location: tuple[str, ...], select: 
             model_spec: str | None, model_args: tuple[str, ...], dtype: str | None, allow_overflow: bool,
             add_hash: bool, force: bool, quiet: bool, trust: bool, as_json: bool) -> None:
     """Convert SRC to DST: normalise wrapper prefixes, remap devices, rename, cast, change format."""
+    from . import text
     from .api import convert as do_convert
 
     if by_order != bool(model_spec):
@@ -183,13 +175,7 @@ def convert(src: str, dst: str, to: str, map_location: tuple[str, ...], select: 
     if as_json:
         _emit_json(report.to_dict())
         return
-    where = f" from {report.state_dict_key!r}" if report.state_dict_key else ""
-    cast = f" (cast from {human_size(report.nbytes_in)})" if report.nbytes != report.nbytes_in else ""
-    click.echo(f"Wrote {report.dst} ({report.format_out}): {report.num_tensors} tensors, "
-               f"{human_size(report.nbytes)}{cast}{where}")
-    click.echo(f"  wrappers: {_stack(report.wrappers_before)} -> {_stack(report.wrappers_after)} ({report.renamed} keys renamed)")
-    for note in report.notes:
-        click.echo(f"  note: {note}")
+    click.echo(text.convert_text(report))
 
 
 @cli.command()
@@ -199,6 +185,7 @@ def convert(src: str, dst: str, to: str, map_location: tuple[str, ...], select: 
 @json_option
 def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
     """Summarise a checkpoint without reading its tensor data."""
+    from . import text
     from .api import describe, inspect as do_inspect
 
     # Without --trust, torch is imported only for files that need it (see ckptfix.formats.structure).
@@ -206,39 +193,7 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
     if as_json:
         _emit_json(info)
         return
-    whole = "the whole checkpoint" if os.path.isdir(info["path"]) else "the whole file"
-    where = f"at {info['state_dict_key']!r}" if info["state_dict_key"] else whole
-    rows = [
-        ("path", info["path"]),
-        ("format", info["format"]),
-        ("state dict", where + (f" (EMA weights also at: {', '.join(info['ema_keys'])})" if info["ema_keys"] else "")),
-        ("layout", (f"{info['framework']} checkpoint" if info["framework"] else
-                    "TorchScript archive (tensors listed without running its code)" if info["format"] == "torchscript"
-                    else "plain")
-         + (f"; every key starts with {info['common_prefix']!r} (--strip-prefix {info['common_prefix']})"
-            if info["common_prefix"] else "")),
-        ("wrappers", _stack(info["wrappers"])
-         + (f"; inner: {', '.join(info['inner_wrappers'])}" if info["inner_wrappers"] else "")),
-        ("tensors", f"{info['num_tensors']} ({info['num_params']:,} elements, {human_size(info['nbytes'])})"),
-        ("dtypes", _counts(info["dtypes"])),
-        ("devices", _counts(info["devices"]) + " (as saved)"),
-    ]
-    if info["extra"]:
-        rows.append(("other entries", "; ".join(f"{k}: {v}" for k, v in info["extra"].items())))
-    if info["non_tensor_keys"]:
-        rows.append(("non-tensor keys", ", ".join(info["non_tensor_keys"][:10])))
-    for name, value in rows:
-        click.echo(f"{name + ':':<16}{value}")
-    click.echo(f"keys ({info['num_keys']}):")
-    shown = info["keys"]
-    width = max((len(row["key"]) for row in shown), default=0)
-    for i, row in enumerate(shown):
-        if i == len(shown) // 2 and info["num_keys"] > len(shown):
-            click.echo("  …")
-        shape = "x".join(map(str, row["shape"])) if row["shape"] is not None else "-"
-        click.echo(f"  {row['key']:<{width}}  [{shape}]  {row['dtype']}")
-    for note in info["notes"]:
-        click.echo(f"note: {note}")
+    click.echo(text.inspect_text(info))
 
 
 def tolerance_options(forward: bool = False) -> Callable:
@@ -355,23 +310,14 @@ def diff(ctx: click.Context, a: str, b: str, raw: bool, atol: float, rtol: float
 @click.pass_context
 def scan(ctx: click.Context, path: str, as_json: bool) -> None:
     """Statically check PATH for code it would run when loaded; nothing is executed (exit 3: unsafe)."""
+    from . import text
     from .safety import scan as do_scan
 
     report = do_scan(path)
     if as_json:
         _emit_json(report.to_dict())
     else:
-        verdict = "clean" if report.ok else f"UNSAFE ({len(report.findings)} findings)"
-        click.echo(f"{report.path} ({report.format}): {verdict}; {len(report.pickles)} pickle(s) walked")
-        if report.globals:
-            click.echo("globals:")
-            width = max(len(g.name) for g in report.globals)
-            for g in sorted(report.globals, key=lambda g: (g.category != "unsafe", g.name, g.where)):
-                click.echo(f"  {g.category:<8} {g.name:<{width}}  {g.where}  ({', '.join(g.ops)})")
-        if report.findings:
-            click.echo("findings:")
-            for f in report.findings:
-                click.echo(f"  - {f.message}")
+        click.echo(text.scan_text(report))
     if not report.ok:
         ctx.exit(EXIT_FINDING)
 

@@ -4,7 +4,7 @@ The read is one of three, chosen before any tensor byte is touched:
 
 - ``torch-free``: the file is describable without torch (torch zip, safetensors, HF sharded) and
   the request needs no tensor computation (no dtype cast, no by-order, no ``trust``, every storage
-  bound for the CPU, output a single .pth or .safetensors): the structure is read as
+  bound for the CPU, output .pth or .safetensors, one file or HF shards): the structure is read as
   :class:`~ckptfix.tensorinfo.TensorInfo` and written by :mod:`ckptfix.formats.torchfree`; torch
   is never imported. Whatever that writer can't reproduce exactly falls back to ``streamed``.
 - ``streamed``: the structure on torch's ``meta`` device; tensor bytes copied in the kernel.
@@ -27,6 +27,7 @@ from .reading import read_checkpoint, summarise
 from .formats import dcp, sharded, structure, torchfree
 from .reports import Checkpoint, ConvertReport, tensor_stats
 from .standins import contains_stand_ins
+from .tensorinfo import TensorInfo
 
 TORCH_FREE, STREAMED, LOADED = "torch-free", "streamed", "loaded"
 _DESCRIBABLE = (formats.TORCH_ZIP, formats.SAFETENSORS, *formats.SHARDED)
@@ -124,7 +125,7 @@ def _load(req: Request) -> Checkpoint:
 
 
 def _needs_no_torch(req: Request) -> bool:
-    return (structure.enabled() and req.dtype is None and req.by_order is None and req.shard_size is None
+    return (structure.enabled() and req.dtype is None and req.by_order is None
             and req.fmt_in in _DESCRIBABLE and req.fmt_out in (formats.TORCH_ZIP, formats.SAFETENSORS)
             and (req.plan.fixed == "cpu" or req.plan.mapping is not None))
 
@@ -221,21 +222,33 @@ class _Finalizer:
     """Called by ``atomic_path`` on the finished temp file: hashes it, picks the hashed name."""
 
     def __init__(self, req: Request):
-        self.req, self.dst, self.sha256 = req, req.dst, None
+        self.req, self.dst = req, req.dst
+        self.sha256: str | None = None
 
     def __call__(self, tmp: str) -> str:
         if self.req.hashed or self.req.checksums:
             self.sha256 = sha256_file(tmp)
         if self.req.hashed:
+            assert self.sha256 is not None
             self.dst = hashed_name(self.req.dst, self.sha256)
             check_destination(self.req.src, self.dst, self.req.force)
         return self.dst
 
 
 def write_torch_free(req: Request, ckpt: Checkpoint, out: Output, final: _Finalizer) -> list[str]:
-    """Write TensorInfo values without torch; raises NeedsTorch before writing what it can't reproduce."""
-    write = torchfree.prepare(out.obj, req.fmt_out, archive=_archive_name(req.dst),
-                              keep_keys=req.fmt_in in (formats.TORCH_ZIP, formats.SHARDED_PTH))
+    """Write TensorInfo values without torch, one file or a sharded directory; raises NeedsTorch
+    before writing what it can't reproduce."""
+    keep_keys = req.fmt_in in (formats.TORCH_ZIP, formats.SHARDED_PTH)
+    if req.shard_size is not None:
+        if not all(type(v) is TensorInfo for v in out.obj.values()):
+            raise torchfree.NeedsTorch("a value that is not a tensor")  # torch's path gives its error
+
+        def prepare(part: Any, archive: str) -> Any:
+            return torchfree.prepare(part, req.fmt_out, archive=archive, keep_keys=keep_keys)
+
+        with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
+            return sharded.write(out.obj, req.dst, req.fmt_out, req.shard_size, force=req.force, prepare=prepare)
+    write = torchfree.prepare(out.obj, req.fmt_out, archive=_archive_name(req.dst), keep_keys=keep_keys)
     notes: list[str] = []
     with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
         with atomic_path(req.dst, finalize=final, notes=notes) as tmp:  # formats.write: the one writer entry

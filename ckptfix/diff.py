@@ -9,34 +9,14 @@ True
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import text
 from .api import load, read
 from .errors import DeviceError
+from .forward import tensor_diff
 from .render import dtype_name
-from .repair import group_keys
-
-
-def tensor_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> tuple[float, bool]:
-    """``(max |a - b|, all close)`` for same-shaped tensors; NaN equals NaN, exact when atol=rtol=0."""
-    import torch
-
-    if a.dtype == b.dtype and torch.equal(a, b):
-        return 0.0, True
-    if not any(t.is_floating_point() or t.is_complex() for t in (a, b)):  # integers, bools: exact in int64
-        x, y = (t.detach().cpu().to(torch.int64) for t in (a, b))
-        d = (x - y).abs()
-        return (float(d.max()) if d.numel() else 0.0), bool((d <= atol + rtol * y.abs()).all())
-    if a.is_complex() or b.is_complex():
-        x, y = (torch.view_as_real(t.detach().cpu().to(torch.complex128)) for t in (a, b))
-    else:
-        x, y = (t.detach().cpu().to(torch.float64) for t in (a, b))
-    same = (x == y) | (x.isnan() & y.isnan())
-    d = torch.where(same, torch.zeros_like(x), (x - y).abs()).nan_to_num(nan=math.inf)
-    close = bool(torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True).all())
-    return (float(d.max()) if d.numel() else 0.0), close
 
 
 @dataclass
@@ -64,26 +44,7 @@ class DiffReport:
         return {"identical": self.identical, **asdict(self)}
 
     def format_text(self) -> str:
-        c = self.counts
-        head = "identical" if self.identical else "DIFFER"
-        tol = "exact" if not (self.atol or self.rtol) else f"atol={self.atol:g}, rtol={self.rtol:g}"
-        lines = [f"{head}: {self.a} vs {self.b} ({'raw keys' if self.raw else 'single form'}, {tol})",
-                 f"  {c['common']} common keys: {c['equal']} equal{' within tolerance' if self.atol or self.rtol else ''}, "
-                 f"{c['values']} values differ, "
-                 f"{c['shape']} shape, {c['dtype']} dtype; {c['only_a']} only in A, {c['only_b']} only in B"]
-        for name, keys in (("only in A", self.only_a), ("only in B", self.only_b)):
-            if keys:
-                lines.append(f"  {name} ({len(keys)}):")
-                lines += [f"    {g}" for g in group_keys(keys)]
-        for name, rows in (("shape", self.shape_mismatch), ("dtype", self.dtype_mismatch)):
-            if rows:
-                lines.append(f"  {name} differs ({len(rows)}):")
-                lines += [f"    {r['key']}: {r['a']} vs {r['b']}" for r in rows[:20]]
-        if self.value_mismatch:
-            lines.append(f"  values differ ({len(self.value_mismatch)}), largest first:")
-            rows = sorted(self.value_mismatch, key=lambda r: -(r["max_abs_diff"] if r["max_abs_diff"] is not None else math.inf))
-            lines += [f"    {r['key']}: max abs diff {r['max_abs_diff']}" for r in rows[:20]]
-        return "\n".join(lines)
+        return text.diff_text(self)
 
 
 def diff(

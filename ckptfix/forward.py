@@ -7,10 +7,10 @@ inputs (token IDs, files) are :mod:`ckptfix.inputs`' recipes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from .diff import tensor_diff
 from .errors import ForwardError
 from .render import dtype_name
 
@@ -51,6 +51,26 @@ class ForwardRequest:
         """``; --reference, --golden ignored`` for the notes of a run without the forward check."""
         names = [n for n, v in (("--reference", self.reference), ("--golden", self.golden)) if v is not None]
         return f"; {', '.join(names)} ignored" if names else ""
+
+
+def tensor_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> tuple[float, bool]:
+    """``(max |a - b|, all close)`` for same-shaped tensors; NaN equals NaN, exact when atol=rtol=0."""
+    import torch
+
+    if a.dtype == b.dtype and torch.equal(a, b):
+        return 0.0, True
+    if not any(t.is_floating_point() or t.is_complex() for t in (a, b)):  # integers, bools: exact in int64
+        x, y = (t.detach().cpu().to(torch.int64) for t in (a, b))
+        d = (x - y).abs()
+        return (float(d.max()) if d.numel() else 0.0), bool((d <= atol + rtol * y.abs()).all())
+    if a.is_complex() or b.is_complex():
+        x, y = (torch.view_as_real(t.detach().cpu().to(torch.complex128)) for t in (a, b))
+    else:
+        x, y = (t.detach().cpu().to(torch.float64) for t in (a, b))
+    same = (x == y) | (x.isnan() & y.isnan())
+    d = torch.where(same, torch.zeros_like(x), (x - y).abs()).nan_to_num(nan=math.inf)
+    close = bool(torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True).all())
+    return (float(d.max()) if d.numel() else 0.0), close
 
 
 def seeded_input(shape: tuple[int, ...], seed: int = INPUT_SEED) -> Any:

@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+from .pickle_ops import Refused
+
 HISTORY_BUFFER = "mmengine.logging.history_buffer.HistoryBuffer"
 _made = [0]  # stand-ins unpickled in this process: none, and no object can hold one (writers skip the walk)
 #: getattr(HistoryBuffer, name) in a HistoryBuffer's statistics_methods: its four default statistics
@@ -183,6 +185,4 @@ def short_args(args: Any) -> str:
 
 
 def _refused(message: str) -> Exception:
-    from .pickle_ops import Refused
-
     return Refused(message)

@@ -20,16 +20,14 @@ from typing import Any
 from . import api, safety
 from . import forward as fwd
 from . import golden as gold
-from . import models, repair, wrappers
+from . import models, repair, text, wrappers
 from .atomic import sha256_file
 from .devices import storage_id
 from .errors import GoldenError, LoadError
-from .inputs import InputRecipe, describe_recipe, resolve_input
+from .inputs import InputRecipe, resolve_input
 from .safetensors_header import read_header
+from .text import EXACT_LOADERS
 
-#: What the serving code loads each single-file format with (``--exact``).
-_EXACT_LOADERS = {"torch-zip": "torch.load(weights_only=True)", "torch-legacy": "torch.load(weights_only=True)",
-                  "safetensors": "safetensors.torch.load_file"}
 _SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # convert --dtype names
 
 
@@ -69,51 +67,7 @@ class VerifyReport:
 
     def format_text(self) -> str:
         """The readable summary: verdict, repair, then each problem with its keys, counts first."""
-        loader = _EXACT_LOADERS.get(self.format, "torch.load(weights_only=True)")
-        mode = f"--exact: as {loader} + strict load_state_dict would load it" if self.exact else "repairs allowed"
-        mode += f"; model in {self.model_dtype}" if self.model_dtype else ""
-        lines = [f"{'VERIFIED' if self.ok else 'FAILED'}: {self.checkpoint} against {self.model} ({mode})",
-                 f"  keys: {self.fix or 'as saved'}: {self.matched}/{self.total} keys match"]
-        if self.convert_command:
-            lines.append(f"  fix the file with: {self.convert_command}")
-        for name, keys in (("missing", self.missing), ("unexpected", self.unexpected),
-                           ("not a tensor", self.non_tensor), ("NaN/Inf", self.nonfinite or [])):
-            if keys:
-                lines.append(f"  {name} ({len(keys)}):")
-                lines += [f"    {g}" for g in repair.group_keys(keys)]
-        if self.shape_mismatch:
-            rows = self.shape_mismatch
-            lines.append(f"  shape mismatch ({len(rows)}):")
-            lines += [f"    {r['key']}: checkpoint {r['checkpoint']}, model {r['model']}" for r in rows[:20]]
-            lines += [f"    … and {len(rows) - 20} more"] if len(rows) > 20 else []
-        if self.dtype_mismatch:
-            lines.append(f"  dtype mismatch ({len(self.dtype_mismatch)}){'' if self.exact else ' (warning: cast on load)'}:")
-            by_cast: dict[str, list[str]] = {}
-            for r in self.dtype_mismatch:
-                by_cast.setdefault(f"checkpoint {r['checkpoint']}, model {r['model']}", []).append(r["key"])
-            for cast, keys in by_cast.items():
-                lines.append(f"    {cast} ({len(keys)}):")
-                lines += [f"      {g}" for g in repair.group_keys(keys)]
-        for row in self.shared_mismatch:
-            lines.append(f"  tied weights arrive as different tensors: {', '.join(row['keys'])} ({row['reason']})")
-        nbt = [r["key"] for r in self.tolerated if r["kind"] == "num_batches_tracked"]
-        if nbt:
-            lines.append(f"  tolerated ({len(nbt)}): missing num_batches_tracked (old BatchNorm checkpoint), set to 0: "
-                         + ", ".join(nbt[:3]) + (" …" if len(nbt) > 3 else ""))
-        lines += [f"  tolerated: {r['key']}: {r['reason']}" for r in self.tolerated if r["kind"] != "num_batches_tracked"]
-        for c in (self.forward or {}).get("against", []):
-            diff = "output structure differs" if c["max_abs_diff"] is None else f"max abs diff {c['max_abs_diff']:.3g}"
-            lines.append(f"  forward vs {c['what']} {c['path']}: {diff} ({'ok' if c['ok'] else 'DIFFERS'}; "
-                         f"{fwd.describe_tolerance(c)}; {describe_recipe(c['input'])})")
-        if self.golden and self.golden["action"] == "recorded":
-            outs = ", ".join(f"{k} {v['dtype']} {'x'.join(map(str, v['shape']))}" for k, v in self.golden["outputs"].items())
-            lines.append(f"  golden: recorded {outs} to {self.golden['path']} ({describe_recipe(self.golden['input'])})")
-        lines += [f"  FAIL: {f}" for f in self.failures]
-        lines += [f"  warning: {w}" for w in self.warnings]
-        lines += [f"  suggestion: {s['text']}" for s in self.suggestions]
-        lines += [f"  note: {n}" for n in self.notes]
-        lines += [f"  sha256: {self.sha256}"] if self.sha256 else []
-        return "\n".join(lines)
+        return text.verify_text(self)
 
 
 def verify(
@@ -183,7 +137,7 @@ def verify(
         non_tensor=fit.non_tensor, tolerated=fit.tolerated, notes=list(ckpt.notes), model_dtype=source.dtype_name,
     )
     cast = _cast_to(fit, target) if exact else None
-    if chosen.description or cast or (exact and (ckpt.state_dict_key is not None or ckpt.format not in _EXACT_LOADERS)):
+    if chosen.description or cast or (exact and (ckpt.state_dict_key is not None or ckpt.format not in EXACT_LOADERS)):
         ext = ".safetensors" if "safetensors" in ckpt.format else ".pth"  # a safetensors release stays one
         report.convert_command = repair.convert_command(path, list(ckpt.state_dict), chosen, target,
                                                         ckpt.state_dict_key, dtype=cast, ext=ext)
@@ -268,7 +222,7 @@ def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> l
     — followed by ``load_state_dict(…, strict=True)`` would not take the file as is."""
     out = []
     how = f" (the repair: {report.fix})" if report.fix else ""
-    if ckpt.format not in _EXACT_LOADERS:
+    if ckpt.format not in EXACT_LOADERS:
         what = "directory" if os.path.isdir(ckpt.path) else "file"
         out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
     if ckpt.state_dict_key is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -84,8 +85,25 @@ def _worker(rank: int, out: Path, variants: list[str], width: int, layers: int, 
 
 
 def make(out: str | os.PathLike[str], variants: tuple[str, ...] = VARIANTS, width: int = 256, layers: int = 1,
-         optim: bool = True, timeout: float = 600) -> dict[str, Path]:
-    """Run the two ranks; returns variant → its DCP directory (``optim``: Adam's state saved too)."""
+         optim: bool = True, timeout: float = 600, attempts: int = 3) -> dict[str, Path]:
+    """Run the two ranks; returns variant → its DCP directory (``optim``: Adam's state saved too).
+
+    A gloo rendezvous can lose its port to another process between picking it and binding it (the
+    workers then abort): a failed run is retried on a fresh port, its partial variant directories
+    removed first (they are this function's own output)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _run(out, variants, width, layers, optim, timeout)
+        except RuntimeError:
+            if attempt == attempts:
+                raise
+            for v in variants:
+                shutil.rmtree(Path(out) / v, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def _run(out: str | os.PathLike[str], variants: tuple[str, ...], width: int, layers: int, optim: bool,
+         timeout: float) -> dict[str, Path]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -96,7 +114,9 @@ def make(out: str | os.PathLike[str], variants: tuple[str, ...] = VARIANTS, widt
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # not retried: a hang would only hang again
+                raise TimeoutError(f"FSDP2 workers still running after {timeout:.0f} s")
+            if any(p.poll() not in (None, 0) for p in procs):
                 raise RuntimeError(f"FSDP2 workers failed: return codes {[p.poll() for p in procs]}")
             time.sleep(0.1)
     finally:

@@ -326,6 +326,14 @@ RECIPES: dict[str, Entry] = {
     "ckptfix diff a.pth b.pth --raw --atol 1e-6 --json": Entry(
         {"a.pth": "fixture:mlp_single.pth", "b.pth": "mlp, noisy"},
         check=_json("identical", True)),
+    # inline in the prose of docs/formats.md, docs/security.md, docs/verify.md
+    "ckptfix convert --trust model.pt weights.safetensors": Entry(
+        {"model.pt": "fixture:mlp_torchscript.pt"}, check=_safetensors_at("weights.safetensors")),
+    "ckptfix convert --trust run.pth run.safetensors": Entry(
+        {"run.pth": "fixture:mlp_ddp.pth"}, check=_safetensors_at("run.safetensors")),
+    "ckptfix diff release/model.pth runs/best.ckpt": Entry(
+        {"release": "dir", "release/model.pth": "fixture:mlp_single.pth", "runs": "dir", "runs/best.ckpt": "mlp, noisy"},
+        code=3, check=_output_has("max abs diff")),
     # docs/library.md (the Python blocks: the first line that isn't an import)
     'sd = ckptfix.load("ddp_compiled.pth")': Entry({
         "ddp_compiled.pth": "fixture:mlp_ddp_compile.pth", "ddp_run.pth": "fixture:mlp_ddp.pth",

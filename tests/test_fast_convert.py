@@ -5,7 +5,10 @@
   nested training dicts with ``keep_extra``), both paths write the same output: safetensors files
   byte for byte, torch zips member for member (``data.pkl`` included; only the random
   ``serialization_id`` differs) and loading to the same objects under ``torch.load(weights_only=True)``;
-- ``ckptfix convert a.pth b.pth`` / ``b.safetensors`` leaves torch unimported.
+- the same for sharded output (``max_shard_size``): the same shard files, each as above, and the same
+  index JSON byte for byte;
+- ``ckptfix convert a.pth b.pth`` / ``b.safetensors`` / ``--max-shard-size`` into a directory leaves
+  torch unimported.
 """
 
 from __future__ import annotations
@@ -21,14 +24,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix import conversion
 from ckptfix.formats import sniff, structure
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_fast_path import DESCRIBED, _PROBE, _safetensors_copy, checkpoints  # noqa: E402
+from test_fast_path import DESCRIBED, _PROBE, _safetensors_copy, checkpoints, save_both  # noqa: E402
 from test_properties import _bits  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -58,7 +60,13 @@ def _convert(src: Path, dst: Path, torch_free: bool, mp: pytest.MonkeyPatch, **o
 
 
 def assert_same_output(fast: Path, slow: Path, loads: bool) -> None:
-    if fast.suffix == ".safetensors":
+    if slow.is_dir():  # sharded: the same files, each the same
+        names = sorted(p.name for p in slow.iterdir())
+        assert sorted(p.name for p in fast.iterdir()) == names
+        for name in names:
+            assert_same_output(fast / name, slow / name, loads)
+        return
+    if fast.suffix in (".safetensors", ".json"):
         assert fast.read_bytes() == slow.read_bytes()
         return
     with zipfile.ZipFile(fast) as zf, zipfile.ZipFile(slow) as zs:
@@ -136,6 +144,19 @@ def test_fixtures_convert_the_same(suffix: str, options: dict, tmp_path: Path) -
     assert {"mlp_ddp.pth", "mlp_single.pth", "mlp_cuda1.pth", "mlp_safetensors.safetensors"} <= set(taken), taken
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "pth"])
+@pytest.mark.parametrize("max_shard_size", [1, 1000, "1GB"], ids=["one-per-tensor", "several", "one-shard"])
+def test_fixtures_shard_the_same(fmt: str, max_shard_size: int | str, tmp_path: Path) -> None:
+    taken = []
+    with pytest.MonkeyPatch.context() as mp:
+        for src in _describable_fixtures():
+            out = tmp_path / src.name
+            out.mkdir()
+            if assert_same_convert(src, out, mp, "", format=fmt, max_shard_size=max_shard_size):
+                taken.append(src.name)
+    assert {"mlp_ddp.pth", "mlp_single.pth", "mlp_cuda1.pth", "mlp_safetensors.safetensors"} <= set(taken), taken
+
+
 def test_gpu_saved_file_with_a_mapping(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         assert assert_same_convert(FIXTURES / "mlp_cuda1.pth", tmp_path, mp, ".pth", map_location={"cuda:1": "cpu"})
@@ -151,9 +172,7 @@ def test_gpu_saved_file_with_a_mapping(tmp_path: Path) -> None:
 def test_random_checkpoints_convert_the_same(obj: Any, prefix: str | None,
                                              tmp_path_factory: pytest.TempPathFactory) -> None:
     d = tmp_path_factory.mktemp("rand")
-    torch.save(obj, d / "ckpt.pth")
-    sd = obj if "state_dict" not in obj and "model" not in obj else obj.get("state_dict", obj.get("model"))
-    save_file(_safetensors_copy(sd), d / "ckpt.safetensors")
+    save_both(obj, d)
     with pytest.MonkeyPatch.context() as mp:
         for src in (d / "ckpt.pth", d / "ckpt.safetensors"):
             for suffix, options in ((".pth", {"keep_extra": src.suffix == ".pth"}), (".safetensors", {})):
@@ -162,6 +181,23 @@ def test_random_checkpoints_convert_the_same(obj: Any, prefix: str | None,
                 took = assert_same_convert(src, out, mp, suffix, add_prefix=prefix, **options)
                 if src.suffix == ".safetensors" and suffix == ".pth":
                     assert took  # nothing in a safetensors file needs torch to be rewritten as .pth
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(obj=checkpoints(), max_shard_size=st.sampled_from([1, 64, 256, 10**9]))
+def test_random_checkpoints_shard_the_same(obj: Any, max_shard_size: int,
+                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    d = tmp_path_factory.mktemp("shard")
+    sd = save_both(obj, d)
+    with pytest.MonkeyPatch.context() as mp:
+        for src in (d / "ckpt.pth", d / "ckpt.safetensors"):
+            for fmt in ("pth", "safetensors"):
+                out = d / f"{src.suffix[1:]}-{fmt}"
+                out.mkdir()
+                took = assert_same_convert(src, out, mp, "", format=fmt, max_shard_size=max_shard_size)
+                if src.suffix == ".safetensors" and fmt == "pth" and _safetensors_copy(sd):
+                    assert took  # nothing in a safetensors file needs torch to be rewritten as .pth shards
 
 
 # -- no torch -----------------------------------------------------------------------------------------
@@ -176,3 +212,19 @@ def test_convert_imports_no_torch(src: str, suffix: str, tmp_path: Path) -> None
     assert run.returncode == 0, run.stderr
     assert "TORCH=False" in run.stderr, f"ckptfix convert {src} {dst.name} imported torch"
     assert list(torch.load(dst, weights_only=True)) if suffix == ".pth" else dst.stat().st_size > 0
+
+
+@pytest.mark.parametrize("src", ["mlp_ddp.pth", "mlp_safetensors.safetensors"])
+@pytest.mark.parametrize("fmt,index", [("safetensors", "model.safetensors.index.json"),
+                                       ("pth", "pytorch_model.bin.index.json")])
+def test_sharded_convert_imports_no_torch(src: str, fmt: str, index: str, tmp_path: Path) -> None:
+    dst = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-c", _PROBE, "convert", str(FIXTURES / src), str(dst),
+                          "--max-shard-size", "1000", "--format", fmt],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, structure.ENV_SWITCH: "1"})
+    assert run.returncode == 0, run.stderr
+    assert "TORCH=False" in run.stderr, f"ckptfix convert {src} --max-shard-size into a directory imported torch"
+    assert (dst / index).is_file() and len(list(dst.iterdir())) > 2
+    loaded = ckptfix.read(dst)
+    assert loaded.stats.num_tensors == ckptfix.read(FIXTURES / src).stats.num_tensors

@@ -3,8 +3,10 @@
 - ``ckptfix inspect --json`` (and the text) is the same through both, for every committed fixture,
   generated layouts, sharded directories and hypothesis-generated checkpoints of every dtype;
 - every malformed, mutated or hostile file is refused by both with the same error class;
-- ``ckptfix inspect`` of a torch zip or a safetensors file, ``scan`` of either, and ``import ckptfix``
-  leave torch unimported;
+- DCP directories of tensors alone (real FSDP2 saves) are described from ``.metadata`` the same way,
+  and malformed ``.metadata`` is refused by both with the same error class;
+- ``ckptfix inspect`` of a torch zip, a safetensors file or a tensors-only DCP directory, ``scan`` of a
+  torch zip or safetensors file, and ``import ckptfix`` leave torch unimported;
 - the frozen tables in ``ckptfix.torch_tables`` are the installed torch's own.
 """
 
@@ -131,6 +133,14 @@ def checkpoints(draw: Any) -> Any:
             "dtype": torch.float16}
 
 
+def save_both(obj: Any, d: Path) -> Any:
+    """``obj`` as d/ckpt.pth (torch.save) and its state dict as d/ckpt.safetensors; returns the state dict."""
+    torch.save(obj, d / "ckpt.pth")
+    sd = obj if "state_dict" not in obj and "model" not in obj else obj.get("state_dict", obj.get("model"))
+    save_file(_safetensors_copy(sd), d / "ckpt.safetensors")
+    return sd
+
+
 def _safetensors_copy(sd: Any) -> dict[str, torch.Tensor]:
     from ckptfix.formats.safetensors_file import _DTYPES
 
@@ -153,9 +163,7 @@ def _safetensors_copy(sd: Any) -> dict[str, torch.Tensor]:
 @given(obj=checkpoints())
 def test_random_checkpoints_described_the_same(obj: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
     d = tmp_path_factory.mktemp("rand")
-    torch.save(obj, d / "ckpt.pth")
-    sd = obj if "state_dict" not in obj and "model" not in obj else obj.get("state_dict", obj.get("model"))
-    save_file(_safetensors_copy(sd), d / "ckpt.safetensors")
+    sd = save_both(obj, d)
     with pytest.MonkeyPatch.context() as mp:
         for path in (d / "ckpt.pth", d / "ckpt.safetensors"):
             assert_same(path, mp, described=True)
@@ -310,3 +318,103 @@ def test_edge_cases_fall_back_or_agree(name: str, tmp_path: Path, monkeypatch: p
     make, described = EDGE_CASES[name]
     torch.save(make(), tmp_path / f"{name}.pth")
     assert_same(tmp_path / f"{name}.pth", monkeypatch, described=described)
+
+
+# -- DCP directories: tensors described from .metadata alone ------------------------------------------
+
+@pytest.fixture(scope="module")
+def fsdp2_model_only(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real 2-rank FSDP2 saves (rows, rows_bf16, cols) of the model alone: every entry a tensor."""
+    import fsdp2_dirs
+
+    return fsdp2_dirs.make(tmp_path_factory.mktemp("fsdp2"), optim=False)
+
+
+def test_dcp_described_the_same(fsdp2_model_only: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert set(fsdp2_model_only) == {"rows", "rows_bf16", "cols"}
+    for path in fsdp2_model_only.values():
+        assert_same(path, monkeypatch, described=True)
+    assert_same(FIXTURES / "mlp_fsdp2", monkeypatch, described=False)  # optimizer values: bytes entries
+
+
+def test_dcp_inspect_imports_no_torch(fsdp2_model_only: dict[str, Path]) -> None:
+    run = subprocess.run([sys.executable, "-c", _PROBE, "inspect", str(fsdp2_model_only["cols"])],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ,
+                                                                                   structure.ENV_SWITCH: "1"})
+    assert run.returncode == 0 and "TORCH=False" in run.stderr, run.stderr
+
+
+def _meta_edits() -> dict[str, Any]:
+    """Named edits of a loaded DCP ``Metadata`` (real torch objects), each re-pickled as torch pickles it."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def sharded(meta: Any) -> tuple[str, Any]:
+        return next((k, v) for k, v in meta.state_dict_metadata.items() if len(v.chunks) > 1)
+
+    def drop_chunk(meta: Any) -> None:
+        sharded(meta)[1].chunks.pop()
+
+    def grow_chunk(meta: Any) -> None:
+        md = sharded(meta)[1]
+        c = md.chunks[0]
+        md.chunks[0] = ChunkStorageMetadata(c.offsets, torch.Size([c.sizes[0] + 100, *c.sizes[1:]]))
+
+    def negative_offset(meta: Any) -> None:
+        md = sharded(meta)[1]
+        c = md.chunks[-1]
+        md.chunks[-1] = ChunkStorageMetadata(torch.Size([-1, *c.offsets[1:]]), c.sizes)
+
+    def drop_record(meta: Any) -> None:
+        meta.storage_data.pop(next(iter(meta.storage_data)))
+
+    def absolute_file(meta: Any) -> None:
+        next(iter(meta.storage_data.values())).relative_path = "/etc/passwd"
+
+    def transforms(meta: Any) -> None:
+        next(iter(meta.storage_data.values())).transform_descriptors = ["zstd"]
+
+    def bad_planner_path(meta: Any) -> None:
+        meta.planner_data[next(iter(meta.planner_data))] = ("model", 3.5)
+
+    def into_a_value(meta: Any) -> None:
+        keys = list(meta.planner_data)
+        meta.planner_data[keys[1]] = (*meta.planner_data[keys[0]], "x")
+
+    def quantized_dtype(meta: Any) -> None:
+        sharded(meta)[1].properties.dtype = torch.qint8
+
+    def no_storage_data(meta: Any) -> None:
+        meta.storage_data = None
+
+    def a_dict(meta: Any) -> Any:
+        return {"state_dict_metadata": meta.state_dict_metadata}
+
+    return {f.__name__: f for f in (drop_chunk, grow_chunk, negative_offset, drop_record, absolute_file, transforms,
+                                     bad_planner_path, into_a_value, quantized_dtype, no_storage_data, a_dict)}
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
+def test_dcp_malformed_metadata_refused_the_same_way(fsdp2_model_only: dict[str, Path], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+    import shutil
+
+    source = fsdp2_model_only["cols"]
+    original = (source / ".metadata").read_bytes()
+    cases: dict[str, bytes] = {"truncated": original[: len(original) // 2],
+                               "unknown-class": original.replace(b"MetadataIndex", b"MetadataIndeX", 1),
+                               "os-global": original.replace(b"\x8c\x05torch\x94\x8c\x04Size",
+                                                             b"\x8c\x05posix\x94\x8c\x04Size", 1)}
+    for name, edit in _meta_edits().items():
+        meta = pickle.loads(original)  # noqa: S301 - written by this test's own dcp.save
+        replaced = edit(meta)
+        cases[name] = pickle.dumps(meta if replaced is None else replaced, protocol=4)
+    refused = 0
+    for name, data in cases.items():
+        assert data != original, name
+        path = Path(shutil.copytree(source, tmp_path / name))
+        (path / ".metadata").write_bytes(data)
+        fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
+        assert fast == slow, name
+        refused += isinstance(fast, str)
+    assert refused >= len(cases) - 1  # all but the quantized dtype, which torch describes

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("formats", {"formats"}),
     ("api", {"api", "reading", "conversion", "reports"}),
     # commands built on the API: diff, verify and what verify needs
-    ("commands", {"diff", "forward", "models", "inputs", "golden", "verify"}),
+    ("commands", {"diff", "forward", "models", "inputs", "golden", "text", "verify"}),
     # click, and the package itself (its lazy __getattr__ reaches every layer through importlib)
     ("cli", {"cli", "__main__", ""}),
 ]
@@ -44,10 +44,6 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 DEFERRED: dict[str, str] = {
     "cli": "`ckptfix --help` stays instant: the library (and through it torch) is imported by the command run",
     "formats": "read()/write() dispatch to the format modules, which import the package's shared types",
-    "formats.structure": "owned by the concurrent api/torch-free split; hoist when it lands",
-    "formats.torchzip": "owned by the concurrent api/torch-free split; hoist when it lands",
-    "api": "owned by the concurrent api/torch-free split; hoist when it lands",
-    "standins": "owned by the concurrent api/torch-free split; hoist when it lands",
 }
 
 

@@ -1,7 +1,8 @@
 """Every recipe README.md and docs/*.md show runs, on real files, and ends as documented.
 
 The shell lines of their code blocks (``ckptfix …``, ``$ ckptfix …``, ``make …``), the ``run:`` script
-of a CI example and the Python library examples are read from the documents themselves; each runs in
+of a CI example, the Python library examples and the ``ckptfix …`` commands their prose shows inline
+(real arguments, not a synopsis with PATH or […]) are read from the documents themselves; each runs in
 a fresh directory holding the files it names, made from the committed fixtures or generated here (the
 table RECIPES in readme_recipes.py: placeholder → how it is made, expected exit code, what else to
 check). A command shown in README or docs but missing from the table fails (a recipe nobody executes is
@@ -98,7 +99,29 @@ def readme_recipes(text: str | None = None, doc: str = "README.md") -> list[Reci
             recipes += _ci_scripts(body, start)
         elif lang in SHELLS:
             recipes += _shell_lines(body, start)
+    recipes += _inline_commands(text)
     return [Recipe(r.key, r.text, r.line, r.kind, r.shown_output, doc) for r in recipes]
+
+
+_PLACEHOLDER = re.compile(r"…|\[|\b[A-Z][A-Z_]{1,}\b")  # a synopsis (PATH, SRC, [--json], …), not a command
+
+
+def _inline_commands(text: str) -> list[Recipe]:
+    """``ckptfix …`` commands shown inline in prose (outside fenced blocks) with real arguments: run too.
+    A bare subcommand name (`ckptfix scan`) or a synopsis with placeholders is a name, not a recipe."""
+    out: list[Recipe] = []
+    fenced = False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        for m in re.finditer(r"`(ckptfix [^`]+)`", line):
+            command = m.group(1)
+            if len(shlex.split(command)) > 2 and not _PLACEHOLDER.search(command):
+                out.append(Recipe(" ".join(shlex.split(command)), command, n, "ckptfix"))
+    return out
 
 
 def all_recipes() -> list[Recipe]:

@@ -56,7 +56,7 @@ def read(path: str, plan: Any, trust: bool) -> RawRead:
     notes = [f"consolidated {len(flat)} DCP entries ({sharded} tensors sharded in chunks) from {len(files)} file(s)"]
     if set(tags) - set(refs):
         refs = {}  # tensors inside plain values have no byte ranges: a conversion loads them all instead
-    raw = RawRead(obj=_unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes,
+    raw = RawRead(obj=unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes,
                   refs=refs)
 
     return with_meta(raw, path, plan, trust)  # Lightning's meta.pt beside the DCP files, if there is one
@@ -92,7 +92,7 @@ def _consolidate(meta: Any, source: Chunks, plan: Any, trust: bool,
     return flat, tags, len(sharded)
 
 
-def _unflatten(flat: dict[str, Any], planner_data: Any, source: str) -> OrderedDict:
+def unflatten(flat: dict[str, Any], planner_data: Any, source: str) -> OrderedDict:
     """Nest DCP's flat keys again with its planner data (fqn → path of dict keys / list indices).
 
     The planner data also keeps the saved state dict's key order (the metadata lists entries rank by

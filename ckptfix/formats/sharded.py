@@ -18,6 +18,7 @@ import json
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from .. import formats  # the package's read and write, looked up when called (tests replace them)
@@ -26,6 +27,7 @@ from ..checkpoint_dirs import INDEX_NAMES, load_index, member_path
 from ..checkpoint_dirs import find_index as find_index  # re-exported: the sharded-index API lives there now
 from ..devices import storage_id
 from ..errors import ConversionError, FormatError
+from ..tensorinfo import TensorInfo
 from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead, sniff
 from .safetensors_file import read_header
 
@@ -152,27 +154,22 @@ def _in_order(weight_map: dict[str, str], merged: dict[str, Any],
 def plan_shards(state_dict: Any, max_shard_size: int, refs: dict | None = None) -> tuple[list[list[str]], int]:
     """Keys per shard and total_size as huggingface_hub's ``split_state_dict_into_shards_factory``
     computes them: keys in order, a new shard when the next tensor would pass the limit, a tensor
-    larger than the limit alone, keys sharing a storage in the shard of the first, counted once."""
-    import torch
-
+    larger than the limit alone, keys sharing a storage in the shard of the first, counted once.
+    Values are torch tensors or :class:`~ckptfix.tensorinfo.TensorInfo` (planned without torch)."""
     shards: list[list[str]] = []
     current: list[str] = []
     current_size = total = 0
     first_of: dict[int, str] = {}
     followers: dict[str, list[str]] = {}
     for key, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise ConversionError(
-                f"{key!r} is a {type(t).__name__}, not a tensor: shards hold tensors only; write a single .pth"
-            )
-        sid = storage_id(t)
-        if t.device.type == "meta" and sid not in (refs or {}):
-            raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
+        if type(t) is TensorInfo:
+            sid, size = id(t.storage), t.nbytes
+        else:
+            sid, size = _torch_storage_and_size(key, t, refs)
         if sid in first_of:
             followers[first_of[sid]].append(key)
             continue
         first_of[sid], followers[key] = key, []
-        size = t.numel() * t.element_size()
         total += size
         if size > max_shard_size:
             shards.append([key])
@@ -187,6 +184,20 @@ def plan_shards(state_dict: Any, max_shard_size: int, refs: dict | None = None) 
     if not shards:
         raise ConversionError("the state dict holds no tensors: nothing to write")
     return [[k for key in shard for k in (key, *followers[key])] for shard in shards], total
+
+
+def _torch_storage_and_size(key: str, t: Any, refs: dict | None) -> tuple[int, int]:
+    """A torch tensor's storage identity and bytes; ConversionError for what a shard can't hold."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise ConversionError(
+            f"{key!r} is a {type(t).__name__}, not a tensor: shards hold tensors only; write a single .pth"
+        )
+    sid = storage_id(t)
+    if t.device.type == "meta" and sid not in (refs or {}):
+        raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
+    return sid, t.numel() * t.element_size()
 
 
 def shard_names(fmt: str, count: int) -> list[str]:
@@ -209,14 +220,16 @@ def dir_output(fmt: str) -> DirOutput:
 
 
 def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: bool = False,
-          refs: dict | None = None) -> list[str]:
+          refs: dict | None = None, prepare: Callable[[Any, str], Any] | None = None) -> list[str]:
     """Write ``state_dict`` as shards of at most ``max_shard_size`` bytes plus the index into the
     directory ``dst_dir``, atomically; ``fmt`` is ``"safetensors"`` or ``"torch-zip"``. With
     ``force`` an existing directory keeps every file that is not part of such an output.
 
     Each shard goes through the single-file writer (tied tensors written once, ``refs`` copied
     from their source file), one shard at a time. The state dict's ``_metadata`` rides in the
-    first shard.
+    first shard. ``prepare(part, archive)`` (TensorInfo values: :func:`ckptfix.formats.torchfree.prepare`
+    bound to ``fmt``) plans every shard before the directory is touched, so one it refuses
+    (NeedsTorch) leaves nothing written.
     """
     if fmt not in SHARD_PATTERNS:
         raise ConversionError(f"sharded output is safetensors or pth, not {fmt}")
@@ -224,16 +237,21 @@ def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: b
         raise ConversionError(f"max shard size must be more than 0 bytes, not {max_shard_size}")
     shards, total_size = plan_shards(state_dict, max_shard_size, refs)
     names = shard_names(fmt, len(shards))
+    meta = getattr(state_dict, "_metadata", None)
+    parts: list[OrderedDict] = []
+    for i, keys in enumerate(shards):
+        part: OrderedDict = OrderedDict((k, state_dict[k]) for k in keys)
+        if i == 0 and meta is not None:
+            part._metadata = meta  # type: ignore[attr-defined]
+        parts.append(part)
+    archives = [os.path.splitext(name)[0] for name in names]
+    plans = [prepare(part, archive) for part, archive in zip(parts, archives)] if prepare else [None] * len(parts)
     notes: list[str] = []
     shard_of: dict[str, str] = {}
-    meta = getattr(state_dict, "_metadata", None)
     with atomic_dir(dst_dir, force, dir_output(fmt), notes) as tmp:
-        for i, (name, keys) in enumerate(zip(names, shards)):
-            part: OrderedDict = OrderedDict((k, state_dict[k]) for k in keys)
-            if i == 0 and meta is not None:
-                part._metadata = meta  # type: ignore[attr-defined]
+        for name, archive, keys, part, plan in zip(names, archives, shards, parts, plans):
             path = os.path.join(tmp, name)
-            notes += formats.write(part, path, fmt, refs=refs or None, archive=os.path.splitext(name)[0])
+            notes += formats.write(part, path, fmt, refs=refs or None, archive=archive, plan=plan)
             stored = set(read_header(path)[1]) if fmt == SAFETENSORS else set(keys)
             shard_of.update((k, name) for k in keys if k in stored)
         if len(shards) > 1:  # weight_map in the state dict's order, which reading restores

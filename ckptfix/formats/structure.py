@@ -8,23 +8,35 @@ safety check runs first (:func:`ckptfix.safety.ensure_safe`, as before every tor
 pickle goes through ckptfix's restricted unpickler with a policy whose globals are inert tokens.
 
 Anything else raises :class:`NotDescribable`, and the caller reads the file with torch
-(:func:`ckptfix.api.inspect`): legacy and tar files, TorchScript, DCP and DeepSpeed directories,
-big-endian data, tensor subclasses, sparse/quantized tensors, other globals — and every file the
+(:func:`ckptfix.api.inspect`): legacy and tar files, TorchScript, DeepSpeed directories,
+big-endian data, tensor subclasses, sparse/quantized tensors, other globals, DCP directories with
+non-tensor (bytes) entries or a Lightning ``meta.pt`` — and every file the
 torch path would refuse for a reason found only while unpickling, so a refusal is always torch's own.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
+from .. import guards, limits
+from ..checkpoint_dirs import member_path
+from ..dcp_metadata import METADATA, Token, is_inert, load_inert
+from ..safety import ensure_safe
 from ..tensorinfo import StorageInfo, TensorInfo
 from ..torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
-from ..zipfmt import fold
-from . import SAFETENSORS, SHARDED, SHARDED_SAFETENSORS, TORCH_ZIP, RawRead
+from ..unpickler import Policy, SafePickle, build_attributes
+from ..zipfmt import data_start, fold
+from . import DCP, SAFETENSORS, SHARDED, SHARDED_SAFETENSORS, TORCH_ZIP, RawRead, deepspeed, sharded, zip_directory
+from .dcp import unflatten
+from .dcp_chunks import whole
+from .lightning_dir import META as LIGHTNING_META
+from .safetensors_file import _DTYPES, assemble, read_header
 
 #: Set to ``0`` to describe every file through torch (the differential tests compare both paths).
 ENV_SWITCH = "CKPTFIX_TORCH_FREE"
@@ -43,15 +55,13 @@ def read(path: str, fmt: str, select: str | None = "auto") -> RawRead:
     if fmt == SAFETENSORS:
         return read_safetensors(path)
     if fmt == TORCH_ZIP:
-        from . import deepspeed
-
         if select in ("auto", None) and deepspeed.beside(path):
             raise NotDescribable("a DeepSpeed model_states file with optim_states beside it")
         return read_torch_zip(path)
     if fmt in SHARDED:
-        from . import sharded
-
         return sharded.read(sharded.find_index(path), None, False, read_file=_read_shard)
+    if fmt == DCP:
+        return read_dcp(path)
     raise NotDescribable(f"format {fmt}")
 
 
@@ -65,8 +75,6 @@ def _read_shard(path: str, fmt: str, _plan: Any, _trust: bool) -> RawRead:
 
 def read_safetensors(path: str) -> RawRead:
     """The header only: one storage per stored tensor, ckptfix's aliases and key order restored."""
-    from .safetensors_file import _DTYPES, assemble, read_header
-
     start, header, meta = read_header(path)
     tensors: dict[str, Any] = {}
     for key, e in header.items():
@@ -91,9 +99,6 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def read_torch_zip(path: str) -> RawRead:
     """``data.pkl`` unpickled into TensorInfo; the zip read with ckptfix's reader (torch's view of it)."""
-    from ..safety import ensure_safe
-    from . import zip_directory
-
     ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl")  # what the torch path runs first
     try:
         directory = zip_directory(path)
@@ -126,16 +131,12 @@ class _Archive:
         return found[0]
 
     def where(self, entry: Any) -> int:
-        from ..zipfmt import data_start
-
         try:
             return data_start(self.buf, self.size, entry)[0]
         except Exception as e:  # noqa: BLE001
             raise NotDescribable(str(e)) from None
 
     def read(self, name: str, must_exist: bool = True) -> bytes | None:
-        from .. import limits
-
         e = self.entry(name, must_exist)
         if e is None:
             return None
@@ -175,9 +176,6 @@ class _Typed:
 
 
 def _policy() -> Any:
-    from .. import guards
-    from ..unpickler import Policy, build_attributes
-
     table: dict[str, Any] = {"collections.OrderedDict": OrderedDict, "builtins.set": set, "builtins.complex": complex}
     for name in DTYPE_ITEMSIZE:
         table[f"torch.{name}"] = dtype(name)
@@ -241,8 +239,6 @@ def _guard_parameter(u: Any, f: Any, args: tuple, kwargs: dict) -> TensorInfo:
 
 
 def _unpickle(path: str, data: bytes, archive: _Archive) -> RawRead:
-    from ..unpickler import SafePickle
-
     storages: dict[str, StorageInfo] = {}
     tags: dict[int, str] = {}
 
@@ -305,3 +301,83 @@ def _check_plain(obj: Any) -> None:
 
 __all__ = ["NotDescribable", "read", "read_safetensors", "read_torch_zip", "enabled", "ENV_SWITCH",
            "SHARDED_SAFETENSORS"]
+
+
+# -- DCP directories --------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class ConsolidatedInfo(TensorInfo):
+    """A DCP tensor: consolidated from its chunks on read, so it has no single byte range in any file
+    (its storage names the directory and the tensor's FQN; offset -1 says it is not a file range)."""
+
+    @property
+    def byte_range(self) -> tuple[int, int] | None:
+        return None
+
+
+def read_dcp(path: str) -> RawRead:
+    """A DCP directory whose ``.metadata`` lists only tensors, as ``formats.dcp.read`` describes it on meta:
+    each tensor whole (shape and dtype from the metadata, its chunks checked to tile it), keys nested again
+    from the planner data. Bytes entries (values only unpickling gives), a Lightning ``meta.pt``, and any
+    metadata the torch read would refuse or doesn't model raise NotDescribable."""
+    if os.path.isfile(os.path.join(path, LIGHTNING_META)):
+        raise NotDescribable("a Lightning meta.pt beside the DCP files")
+    meta = load_inert(path)
+    if meta is None:
+        raise NotDescribable("metadata the inert read doesn't model")
+    meta_path = os.path.join(path, METADATA)
+    records: dict[tuple[Any, Any], Any] = {}
+    try:
+        for index, info in meta.storage_data.items():
+            member_path(path, info.relative_path, meta_path, what="chunk file")
+            offset = index.offset
+            records[(index.fqn, None if offset is None else tuple(offset))] = info
+    except Exception as e:  # noqa: BLE001 - the torch read gives the refusal
+        raise NotDescribable(f"storage data: {e}") from None
+    flat: dict[str, Any] = {}
+    for fqn, md in meta.state_dict_metadata.items():
+        flat[fqn] = _dcp_tensor(path, fqn, md, records)
+    sharded_count = sum(1 for md in meta.state_dict_metadata.values() if not whole(md))
+    files = {info.relative_path for info in meta.storage_data.values()}
+    notes = [f"consolidated {len(flat)} DCP entries ({sharded_count} tensors sharded in chunks) "
+             f"from {len(files)} file(s)"]
+    try:
+        obj = unflatten(flat, meta.planner_data, meta_path)
+    except Exception as e:  # noqa: BLE001
+        raise NotDescribable(f"planner data: {e}") from None
+    return RawRead(obj=obj, format=DCP, tags={id(t.storage): "cpu" for t in flat.values()}, notes=notes)
+
+
+def _ints(value: Any) -> bool:
+    return type(value) is tuple and len(value) <= 64 and all(type(n) is int and n >= 0 for n in value)
+
+
+def _dcp_tensor(path: str, fqn: str, md: Any, records: dict[tuple[Any, Any], Any]) -> ConsolidatedInfo:
+    """One entry as the torch read checks it (``Chunks.check_geometry``), or NotDescribable."""
+    props = getattr(md, "properties", None)
+    if type(fqn) is not str or not is_inert(md, "TensorStorageMetadata") or not is_inert(props, "TensorProperties"):
+        raise NotDescribable(f"entry {fqn!r}: not a plain tensor")
+    dtype_token, layout = getattr(props, "dtype", None), getattr(props, "layout", None)
+    if not (isinstance(dtype_token, Token) and dtype_token.kind == "dtype" and dtype_token.name in DTYPE_ITEMSIZE
+            and layout == Token("layout", "torch.strided")):
+        raise NotDescribable(f"entry {fqn!r}: dtype or layout")
+    size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
+    if not _ints(size) or type(chunks) is not list:
+        raise NotDescribable(f"entry {fqn!r}: size or chunks")
+    covered = 0
+    for c in chunks:
+        if not (is_inert(c, "ChunkStorageMetadata") and _ints(getattr(c, "offsets", None))
+                and _ints(getattr(c, "sizes", None))):
+            raise NotDescribable(f"entry {fqn!r}: a chunk")
+        if len(c.offsets) != len(size) or len(c.sizes) != len(size) or any(
+                o + n > s for o, n, s in zip(c.offsets, c.sizes, size)):
+            raise NotDescribable(f"entry {fqn!r}: a chunk outside the tensor")
+        info = records.get((fqn, c.offsets))
+        if info is None or info.transform_descriptors:
+            raise NotDescribable(f"entry {fqn!r}: a chunk without a plain record")
+        covered += math.prod(c.sizes)
+    if covered != math.prod(size):
+        raise NotDescribable(f"entry {fqn!r}: chunks don't cover it")
+    dtype_name = dtype_token.name
+    storage = StorageInfo(path, fqn, -1, math.prod(size) * DTYPE_ITEMSIZE[dtype_name], "cpu")
+    return ConsolidatedInfo(dtype_name, size, _contiguous(size), 0, storage)

@@ -16,8 +16,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from .. import guards, safety
+from ..devices import storage_id
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError
+from ..rawcopy import CrcWorker, SegmentsCrcWorker
+from ..standins import pickler_base_for
+from ..unpickler import SafePickle
 from . import TORCH_ZIP, CastRef, PiecedRef, RawRead, StorageRef, storage_bytes, zip_directory
+from .torchfile import _unpickling_error, translate_load_error
 from .zipwriter import ZipWriter
 
 
@@ -29,11 +35,6 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
     """Tensors on meta plus ``refs`` (storage id → StorageRef); reads only the pickle and zip directory.
     ``policy``: the unpickler's (default :func:`ckptfix.guards.torch_policy`)."""
     import torch
-
-    from .. import guards, safety
-    from ..devices import storage_id
-    from ..unpickler import SafePickle
-    from .torchfile import translate_load_error
 
     try:
         reader = torch._C.PyTorchFileReader(path)
@@ -84,8 +85,6 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
     except CkptfixError:
         raise
     except pickle.UnpicklingError as e:  # the restricted unpickler refused something
-        from .torchfile import _unpickling_error
-
         safety.ensure_safe(path, TORCH_ZIP)  # the full static scan names every offending global
         raise _unpickling_error(path, e) from None
     except Exception as e:  # noqa: BLE001 - every failure of a hostile or broken pickle becomes a FormatError
@@ -104,8 +103,6 @@ class _LazyCrcs:
         self.workers: dict[int, Any] = {}
 
     def get(self, fd: int, offset: int, size: int) -> Callable[[], int]:
-        from ..rawcopy import CrcWorker
-
         if fd not in self.workers:
             path = next(p for p, f in self.fds.items() if f == fd)
             ranges = [(r.offset, r.nbytes) for r in self.order if r.path == path]
@@ -115,8 +112,6 @@ class _LazyCrcs:
 
     def start_segments(self, jobs: list[tuple[tuple[int, int, int], ...]]) -> None:
         """Start on the CRCs of members made of several ranges, ``((fd, offset, size), …)`` each."""
-        from ..rawcopy import SegmentsCrcWorker
-
         if jobs:
             self.workers[-1] = SegmentsCrcWorker(jobs)
 
@@ -162,9 +157,6 @@ def write_structure(
     when they come from a torch zip, so only storages still referenced are copied.
     """
     import torch
-
-    from ..devices import storage_id
-    from ..standins import pickler_base_for
 
     order: list[tuple[str, StorageRef]] = []
     key_of: dict[int, str] = {}

@@ -1,0 +1,172 @@
+"""Every text rendering of ckptfix in one place: what ``inspect``, ``convert``, ``scan``, ``verify`` and
+``diff`` print without ``--json`` (``VerifyReport.format_text()`` and ``DiffReport.format_text()`` are these).
+
+Each function takes a report (or a Checkpoint's ``to_dict()``) and returns the text; the CLI echoes it.
+Sizes and dtype names come from :mod:`ckptfix.render`, grouped key lists from :func:`group_keys`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from .forward import describe_tolerance
+from .inputs import describe_recipe
+from .render import human_size
+from .repair import group_keys
+
+#: What the serving code loads each single-file format with (``--exact``).
+EXACT_LOADERS = {"torch-zip": "torch.load(weights_only=True)", "torch-legacy": "torch.load(weights_only=True)",
+                 "safetensors": "safetensors.torch.load_file"}
+
+
+def counts(d: dict[str, int]) -> str:
+    """``float32 ×4, int64 ×1``: a count per name, or ``-``."""
+    return ", ".join(f"{k} ×{v}" for k, v in d.items()) or "-"
+
+
+def stack(wrappers: list[str]) -> str:
+    """``module._orig_mod.`` for a wrapper stack, ``none`` for none."""
+    return ".".join(wrappers) + "." if wrappers else "none"
+
+
+def inspect_text(info: dict[str, Any]) -> str:
+    """``ckptfix inspect``'s summary from a Checkpoint's ``to_dict()``: one row per fact, then the keys."""
+    lines: list[str] = []
+    whole = "the whole checkpoint" if os.path.isdir(info["path"]) else "the whole file"
+    where = f"at {info['state_dict_key']!r}" if info["state_dict_key"] else whole
+    rows = [
+        ("path", info["path"]),
+        ("format", info["format"]),
+        ("state dict", where + (f" (EMA weights also at: {', '.join(info['ema_keys'])})" if info["ema_keys"] else "")),
+        ("layout", (f"{info['framework']} checkpoint" if info["framework"] else
+                    "TorchScript archive (tensors listed without running its code)" if info["format"] == "torchscript"
+                    else "plain")
+         + (f"; every key starts with {info['common_prefix']!r} (--strip-prefix {info['common_prefix']})"
+            if info["common_prefix"] else "")),
+        ("wrappers", stack(info["wrappers"])
+         + (f"; inner: {', '.join(info['inner_wrappers'])}" if info["inner_wrappers"] else "")),
+        ("tensors", f"{info['num_tensors']} ({info['num_params']:,} elements, {human_size(info['nbytes'])})"),
+        ("dtypes", counts(info["dtypes"])),
+        ("devices", counts(info["devices"]) + " (as saved)"),
+    ]
+    if info["extra"]:
+        rows.append(("other entries", "; ".join(f"{k}: {v}" for k, v in info["extra"].items())))
+    if info["non_tensor_keys"]:
+        rows.append(("non-tensor keys", ", ".join(info["non_tensor_keys"][:10])))
+    for name, value in rows:
+        lines.append(f"{name + ':':<16}{value}")
+    lines.append(f"keys ({info['num_keys']}):")
+    shown = info["keys"]
+    width = max((len(row["key"]) for row in shown), default=0)
+    for i, row in enumerate(shown):
+        if i == len(shown) // 2 and info["num_keys"] > len(shown):
+            lines.append("  …")
+        shape = "x".join(map(str, row["shape"])) if row["shape"] is not None else "-"
+        lines.append(f"  {row['key']:<{width}}  [{shape}]  {row['dtype']}")
+    for note in info["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def convert_text(report: Any) -> str:
+    """``ckptfix convert``'s summary: what was written, the wrappers before and after, the notes."""
+    lines: list[str] = []
+    where = f" from {report.state_dict_key!r}" if report.state_dict_key else ""
+    cast = f" (cast from {human_size(report.nbytes_in)})" if report.nbytes != report.nbytes_in else ""
+    lines.append(f"Wrote {report.dst} ({report.format_out}): {report.num_tensors} tensors, "
+                 f"{human_size(report.nbytes)}{cast}{where}")
+    lines.append(f"  wrappers: {stack(report.wrappers_before)} -> {stack(report.wrappers_after)} ({report.renamed} keys renamed)")
+    for note in report.notes:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def scan_text(report: Any) -> str:
+    """``ckptfix scan``'s verdict, the globals it found (unsafe first) and the findings."""
+    lines: list[str] = []
+    verdict = "clean" if report.ok else f"UNSAFE ({len(report.findings)} findings)"
+    lines.append(f"{report.path} ({report.format}): {verdict}; {len(report.pickles)} pickle(s) walked")
+    if report.globals:
+        lines.append("globals:")
+        width = max(len(g.name) for g in report.globals)
+        for g in sorted(report.globals, key=lambda g: (g.category != "unsafe", g.name, g.where)):
+            lines.append(f"  {g.category:<8} {g.name:<{width}}  {g.where}  ({', '.join(g.ops)})")
+    if report.findings:
+        lines.append("findings:")
+        for f in report.findings:
+            lines.append(f"  - {f.message}")
+    return "\n".join(lines)
+
+
+def verify_text(report: Any) -> str:
+    """The readable summary: verdict, repair, then each problem with its keys, counts first."""
+    loader = EXACT_LOADERS.get(report.format, "torch.load(weights_only=True)")
+    mode = f"--exact: as {loader} + strict load_state_dict would load it" if report.exact else "repairs allowed"
+    mode += f"; model in {report.model_dtype}" if report.model_dtype else ""
+    lines = [f"{'VERIFIED' if report.ok else 'FAILED'}: {report.checkpoint} against {report.model} ({mode})",
+             f"  keys: {report.fix or 'as saved'}: {report.matched}/{report.total} keys match"]
+    if report.convert_command:
+        lines.append(f"  fix the file with: {report.convert_command}")
+    for name, keys in (("missing", report.missing), ("unexpected", report.unexpected),
+                       ("not a tensor", report.non_tensor), ("NaN/Inf", report.nonfinite or [])):
+        if keys:
+            lines.append(f"  {name} ({len(keys)}):")
+            lines += [f"    {g}" for g in group_keys(keys)]
+    if report.shape_mismatch:
+        rows = report.shape_mismatch
+        lines.append(f"  shape mismatch ({len(rows)}):")
+        lines += [f"    {r['key']}: checkpoint {r['checkpoint']}, model {r['model']}" for r in rows[:20]]
+        lines += [f"    … and {len(rows) - 20} more"] if len(rows) > 20 else []
+    if report.dtype_mismatch:
+        lines.append(f"  dtype mismatch ({len(report.dtype_mismatch)}){'' if report.exact else ' (warning: cast on load)'}:")
+        by_cast: dict[str, list[str]] = {}
+        for r in report.dtype_mismatch:
+            by_cast.setdefault(f"checkpoint {r['checkpoint']}, model {r['model']}", []).append(r["key"])
+        for cast, keys in by_cast.items():
+            lines.append(f"    {cast} ({len(keys)}):")
+            lines += [f"      {g}" for g in group_keys(keys)]
+    for row in report.shared_mismatch:
+        lines.append(f"  tied weights arrive as different tensors: {', '.join(row['keys'])} ({row['reason']})")
+    nbt = [r["key"] for r in report.tolerated if r["kind"] == "num_batches_tracked"]
+    if nbt:
+        lines.append(f"  tolerated ({len(nbt)}): missing num_batches_tracked (old BatchNorm checkpoint), set to 0: "
+                     + ", ".join(nbt[:3]) + (" …" if len(nbt) > 3 else ""))
+    lines += [f"  tolerated: {r['key']}: {r['reason']}" for r in report.tolerated if r["kind"] != "num_batches_tracked"]
+    for c in (report.forward or {}).get("against", []):
+        diff = "output structure differs" if c["max_abs_diff"] is None else f"max abs diff {c['max_abs_diff']:.3g}"
+        lines.append(f"  forward vs {c['what']} {c['path']}: {diff} ({'ok' if c['ok'] else 'DIFFERS'}; "
+                     f"{describe_tolerance(c)}; {describe_recipe(c['input'])})")
+    if report.golden and report.golden["action"] == "recorded":
+        outs = ", ".join(f"{k} {v['dtype']} {'x'.join(map(str, v['shape']))}" for k, v in report.golden["outputs"].items())
+        lines.append(f"  golden: recorded {outs} to {report.golden['path']} ({describe_recipe(report.golden['input'])})")
+    lines += [f"  FAIL: {f}" for f in report.failures]
+    lines += [f"  warning: {w}" for w in report.warnings]
+    lines += [f"  suggestion: {s['text']}" for s in report.suggestions]
+    lines += [f"  note: {n}" for n in report.notes]
+    lines += [f"  sha256: {report.sha256}"] if report.sha256 else []
+    return "\n".join(lines)
+
+
+def diff_text(report: Any) -> str:
+    c = report.counts
+    head = "identical" if report.identical else "DIFFER"
+    tol = "exact" if not (report.atol or report.rtol) else f"atol={report.atol:g}, rtol={report.rtol:g}"
+    lines = [f"{head}: {report.a} vs {report.b} ({'raw keys' if report.raw else 'single form'}, {tol})",
+             f"  {c['common']} common keys: {c['equal']} equal{' within tolerance' if report.atol or report.rtol else ''}, "
+             f"{c['values']} values differ, "
+             f"{c['shape']} shape, {c['dtype']} dtype; {c['only_a']} only in A, {c['only_b']} only in B"]
+    for name, keys in (("only in A", report.only_a), ("only in B", report.only_b)):
+        if keys:
+            lines.append(f"  {name} ({len(keys)}):")
+            lines += [f"    {g}" for g in group_keys(keys)]
+    for name, rows in (("shape", report.shape_mismatch), ("dtype", report.dtype_mismatch)):
+        if rows:
+            lines.append(f"  {name} differs ({len(rows)}):")
+            lines += [f"    {r['key']}: {r['a']} vs {r['b']}" for r in rows[:20]]
+    if report.value_mismatch:
+        lines.append(f"  values differ ({len(report.value_mismatch)}), largest first:")
+        rows = sorted(report.value_mismatch, key=lambda r: -(r["max_abs_diff"] if r["max_abs_diff"] is not None else math.inf))
+        lines += [f"    {r['key']}: max abs diff {r['max_abs_diff']}" for r in rows[:20]]
+    return "\n".join(lines)

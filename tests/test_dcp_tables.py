@@ -1,0 +1,150 @@
+"""DCP's ``.metadata`` without torch: the frozen name tables against the installed torch, the inert read
+against the torch read (record ranges and refusals), and ``ckptfix scan`` of a DCP directory without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import fsdp2_dirs
+import pytest
+import torch
+import torch.distributed.checkpoint as tdcp
+from torch.distributed.checkpoint import filesystem as fs
+from torch.distributed.checkpoint import metadata as md
+
+from ckptfix import dcp_metadata
+from ckptfix.dcp_metadata import (DCP_DEFAULTS, DCP_METADATA_CLASSES, DCP_METADATA_ENUMS, DCP_SETSTATE_CLASSES,
+                                  METADATA)
+
+
+def _name(obj: Any) -> str:
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+def _delta(table: frozenset[str] | set[str], installed: set[str], what: str) -> str:
+    return (f"{what} differ from torch {torch.__version__}'s: add {sorted(installed - set(table))}, "
+            f"remove {sorted(set(table) - installed)} (ckptfix/dcp_metadata.py)")
+
+
+def _defined(module: Any, test: Any) -> set[Any]:
+    return {o for o in vars(module).values() if inspect.isclass(o) and o.__module__ == module.__name__ and test(o)}
+
+
+INSTALLED_CLASSES = _defined(md, dataclasses.is_dataclass) | _defined(fs, dataclasses.is_dataclass)
+
+
+def test_metadata_classes_match_installed_torch() -> None:
+    installed = {_name(c) for c in INSTALLED_CLASSES}
+    assert DCP_METADATA_CLASSES == installed, _delta(DCP_METADATA_CLASSES, installed, "DCP_METADATA_CLASSES")
+
+
+def test_metadata_enums_match_installed_torch() -> None:
+    installed = {_name(c) for c in _defined(md, lambda o: issubclass(o, enum.Enum))}
+    assert DCP_METADATA_ENUMS == installed, _delta(DCP_METADATA_ENUMS, installed, "DCP_METADATA_ENUMS")
+
+
+def test_setstate_classes_match_installed_torch() -> None:
+    installed = {_name(c) for c in INSTALLED_CLASSES if "__setstate__" in vars(c)}
+    assert DCP_SETSTATE_CLASSES == installed, _delta(DCP_SETSTATE_CLASSES, installed, "DCP_SETSTATE_CLASSES")
+
+
+def test_defaults_match_installed_torch() -> None:
+    """Plain defaults of the classes built from a dict (a field pickled without its value reads these)."""
+    installed = {}
+    for cls in INSTALLED_CLASSES:
+        if _name(cls) in DCP_SETSTATE_CLASSES:
+            continue
+        plain = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        if plain:
+            installed[_name(cls)] = plain
+    assert DCP_DEFAULTS == installed, f"DCP_DEFAULTS should be {installed!r} for torch {torch.__version__}"
+
+
+def test_policy_resolves_every_name_to_torch() -> None:
+    policy = dcp_metadata.metadata_policy()
+    for name in DCP_METADATA_CLASSES | DCP_METADATA_ENUMS:
+        assert _name(policy.globals[name]) == name
+
+
+# -- the inert read against the torch read ------------------------------------------------------------
+
+def _torch_ranges(path: Path) -> Any:
+    return dcp_metadata._ranges(str(path), dcp_metadata.load_metadata(str(path), trust=False))
+
+
+def _outcome(f: Any) -> Any:
+    try:
+        return "ok", f()
+    except Exception as e:  # noqa: BLE001 - compared: the same class and message from both reads
+        return type(e).__name__, str(e)
+
+
+@pytest.fixture(scope="module")
+def single_process_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``dcp.save`` without a process group: bfloat16, a 0-d tensor, and bytes entries (non-tensor values)."""
+    path = tmp_path_factory.mktemp("dcp") / "ckpt"
+    sd = {"model": {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "step": torch.tensor(3)},
+          "extra": {"epoch": 4, "name": "run", "betas": (0.9, 0.99)}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        tdcp.save(sd, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fsdp2_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return fsdp2_dirs.make(tmp_path_factory.mktemp("fsdp2"))
+
+
+def test_inert_ranges_equal_torch_ranges(fixtures_dir: Path, single_process_dir: Path,
+                                         fsdp2_variants: dict[str, Path]) -> None:
+    for path in [fixtures_dir / "mlp_fsdp2", single_process_dir, *fsdp2_variants.values()]:
+        inert = dcp_metadata.inert_record_ranges(str(path))
+        assert inert is not None, path
+        assert inert == _torch_ranges(path), path
+
+
+def _mutations() -> list[tuple[str, bytes, bytes]]:
+    return [
+        ("unknown class", b"MetadataIndex", b"MetadataIndeX"),
+        ("unsafe global", b"\x8c\x05torch\x94\x8c\x04Size", b"\x8c\x05posix\x94\x8c\x04Size"),
+        ("record past its file", b"\x8c\x06length\x94M\xa9\x07", b"\x8c\x06length\x94M\xff\xff"),
+        ("chunk file outside the directory", b"__0_0.distcp", b"/etc/passwd0"),
+        ("truncated", b"", b""),
+    ]
+
+
+@pytest.mark.parametrize("name,old,new", _mutations(), ids=[m[0] for m in _mutations()])
+def test_mutated_metadata_same_outcome_both_reads(fixtures_dir: Path, tmp_path: Path, name: str, old: bytes,
+                                                   new: bytes) -> None:
+    path = Path(shutil.copytree(fixtures_dir / "mlp_fsdp2", tmp_path / "ckpt"))
+    meta = path / METADATA
+    data = meta.read_bytes()
+    if name == "truncated":
+        changed = data[: len(data) // 2]
+    else:
+        assert old in data, name
+        changed = data.replace(old, new, 1)
+    meta.write_bytes(changed)
+    got = _outcome(lambda: dcp_metadata.record_ranges(str(path)))
+    want = _outcome(lambda: _torch_ranges(path))
+    assert got == want
+    assert got[0] != "ok", got  # each mutation is refused
+
+
+def test_scan_of_a_dcp_directory_imports_no_torch(fixtures_dir: Path) -> None:
+    code = ("import sys, ckptfix; r = ckptfix.scan(sys.argv[1]); "
+            "assert r.ok and r.findings == [], r; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(fixtures_dir / "mlp_fsdp2")], capture_output=True,
+                         text=True, env={**os.environ, "CKPTFIX_TORCH_FREE": "1"}, check=True)
+    assert out.stdout.strip() == "False"

@@ -48,7 +48,17 @@ class Group(click.Group):
             raise
         except KeyboardInterrupt as e:
             describe = getattr(e, "describe", None)
-            _fail(ctx, describe() if describe else f"interrupted; {NOTHING_WRITTEN}", e, getattr(e, "exit_code", 130))
+            message, code = describe() if describe else f"interrupted; {NOTHING_WRITTEN}", getattr(e, "exit_code", 130)
+            if _PROCESS["standalone"]:
+                # The temp output is already gone. End the process here, while the interrupted frames are
+                # alive: a torch zip writer in them (torch.save inside DCP's writer) writes its end records
+                # when destroyed, into a file its caller has closed, and that aborts the process (exit -6
+                # after our Error line) once the traceback is freed.
+                _report(ctx, message, e, code)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            _fail(ctx, message, e, code)
         except BrokenPipeError:  # the reader (e.g. `| head`) closed the pipe: stop quietly, like cat
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -61,11 +71,15 @@ class Group(click.Group):
 
 def _fail(ctx: click.Context, message: str, exc: BaseException, code: int = EXIT_ERROR) -> None:
     """One ``Error:`` line on stderr (and the JSON object with --json), then exit ``code``."""
+    _report(ctx, message, exc, code)
+    ctx.exit(code)
+
+
+def _report(ctx: click.Context, message: str, exc: BaseException, code: int) -> None:
     if os.environ.get("CKPTFIX_DEBUG") and not isinstance(exc, KeyboardInterrupt):
         traceback.print_exception(type(exc), exc, exc.__traceback__)
     click.echo(f"Error: {message}", err=True)
     _json_error(ctx, message, exc, code)
-    ctx.exit(code)
 
 
 def _json_error(ctx: click.Context, message: str, exc: BaseException, code: int) -> None:
@@ -322,8 +336,13 @@ def scan(ctx: click.Context, path: str, as_json: bool) -> None:
         ctx.exit(EXIT_FINDING)
 
 
+#: ``standalone``: this process is the ``ckptfix`` command (main()), not a caller invoking ``cli`` in-process
+_PROCESS = {"standalone": False}
+
+
 def main() -> None:
     """Entry point (``ckptfix`` / ``python -m ckptfix``)."""
+    _PROCESS["standalone"] = True
     cli(prog_name="ckptfix")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from .. import rawcopy
@@ -127,48 +128,59 @@ def encode_header(state_dict: Any, tensors: list[tuple[str, Any]], aliases: dict
     return raw + b" " * (-len(raw) % 8)
 
 
-def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: dict) -> None:
-    import torch
-
+def write_file(path: str, header: bytes, body: Callable[[int, Callable[[str], int], int], int]) -> None:
+    """The file: its header, then ``body(out_fd, source_fd, pos) -> end`` writes the data from ``pos``
+    (``source_fd(path)`` opens each source file once); the file ends at ``end``. Both writers use it."""
     fds: dict[str, int] = {}
+
+    def source_fd(src: str) -> int:
+        if src not in fds:
+            fds[src] = os.open(src, os.O_RDONLY)
+        return fds[src]
+
     try:
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(header)) + header)
             f.flush()
-            pos = 8 + len(header)
-            for _key, t in tensors:
-                n = t.numel() * t.element_size()
-                ref = refs.get(storage_id(t))
-                segments = ref.segments() if isinstance(ref, PiecedRef) else None
-                if segments is not None and t.is_contiguous() and t.storage_offset() == 0 and n == ref.nbytes:
-                    for src, _offset, _n in segments:  # a tensor in chunks: copied chunk after chunk
-                        if src not in fds:
-                            fds[src] = os.open(src, os.O_RDONLY)
-                    rawcopy.copy_segments([(fds[src], offset, k) for src, offset, k in segments], f.fileno(), pos)
-                    pos += n
-                    continue
-                if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
-                    t, ref = ref.materialize(), None
-                elif isinstance(ref, PiecedRef):  # chunks to assemble (file-backed scratch), then t's view of them
-                    t, ref = torch.empty(0, dtype=t.dtype).set_(
-                        ref.materialize().untyped_storage(), t.storage_offset(), t.shape, t.stride()), None
-                if ref is not None and t.is_contiguous():
-                    if ref.path not in fds:
-                        fds[ref.path] = os.open(ref.path, os.O_RDONLY)
-                    rawcopy.copy_range(fds[ref.path], f.fileno(), ref.offset + t.storage_offset() * t.element_size(), pos, n)
-                else:
-                    if ref is not None:  # a non-contiguous view of a storage still in the source file
-                        real = torch.empty(0, dtype=t.dtype)
-                        real.set_(mapped(ref.path)[ref.offset : ref.offset + ref.nbytes], t.storage_offset(), t.shape, t.stride())
-                        t = real
-                    flat = t.detach().cpu().reshape(-1)
-                    if flat.stride(0) != 1:  # contiguous() keeps a 1-element view's stride; view() needs 1
-                        flat = flat.clone(memory_format=torch.contiguous_format)
-                    data = flat.view(torch.uint8).numpy()
-                    rawcopy.write_all(f.fileno(), memoryview(data), pos)
-                pos += n
-            f.seek(pos)
-            f.truncate(pos)
+            end = body(f.fileno(), source_fd, 8 + len(header))
+            f.seek(end)
+            f.truncate(end)
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: dict) -> None:
+    import torch
+
+    def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
+        for _key, t in tensors:
+            n = t.numel() * t.element_size()
+            ref = refs.get(storage_id(t))
+            segments = ref.segments() if isinstance(ref, PiecedRef) else None
+            if segments is not None and t.is_contiguous() and t.storage_offset() == 0 and n == ref.nbytes:
+                # a tensor in chunks: copied chunk after chunk
+                rawcopy.copy_segments([(source_fd(src), offset, k) for src, offset, k in segments], out, pos)
+                pos += n
+                continue
+            if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
+                t, ref = ref.materialize(), None
+            elif isinstance(ref, PiecedRef):  # chunks to assemble (file-backed scratch), then t's view of them
+                t, ref = torch.empty(0, dtype=t.dtype).set_(
+                    ref.materialize().untyped_storage(), t.storage_offset(), t.shape, t.stride()), None
+            if ref is not None and t.is_contiguous():
+                rawcopy.copy_range(source_fd(ref.path), out, ref.offset + t.storage_offset() * t.element_size(), pos, n)
+            else:
+                if ref is not None:  # a non-contiguous view of a storage still in the source file
+                    real = torch.empty(0, dtype=t.dtype)
+                    real.set_(mapped(ref.path)[ref.offset : ref.offset + ref.nbytes], t.storage_offset(), t.shape, t.stride())
+                    t = real
+                flat = t.detach().cpu().reshape(-1)
+                if flat.stride(0) != 1:  # contiguous() keeps a 1-element view's stride; view() needs 1
+                    flat = flat.clone(memory_format=torch.contiguous_format)
+                data = flat.view(torch.uint8).numpy()
+                rawcopy.write_all(out, memoryview(data), pos)
+            pos += n
+        return pos
+
+    write_file(path, header, body)

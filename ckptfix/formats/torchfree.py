@@ -16,9 +16,7 @@ from :func:`prepare`, before a byte is written, and the caller converts through 
 from __future__ import annotations
 
 import io
-import os
 import pickle
-import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +25,7 @@ from .. import rawcopy
 from ..tensorinfo import StorageInfo, TensorInfo
 from ..torch_tables import DTYPE_ITEMSIZE, STORAGE_DTYPES
 from . import SAFETENSORS, TORCH_ZIP, StorageRef, zip_directory
-from .safetensors_file import _ST_NAMES, encode_header
+from .safetensors_file import _ST_NAMES, encode_header, write_file
 from .structure import dtype as DtypeToken
 from .torchzip import write_archive
 
@@ -192,23 +190,14 @@ def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorI
 
 
 def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
-    fds: dict[str, int] = {}
-    try:
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(header)) + header)
-            f.flush()
-            pos = 8 + len(header)
-            for _key, t in tensors:
-                st = t.storage
-                if st.path not in fds:
-                    fds[st.path] = os.open(st.path, os.O_RDONLY)
-                rawcopy.copy_range(fds[st.path], f.fileno(), st.offset + t.storage_offset * t.element_size(), pos, t.nbytes)
-                pos += t.nbytes
-            f.seek(pos)
-            f.truncate(pos)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
+        for _key, t in tensors:
+            st = t.storage
+            rawcopy.copy_range(source_fd(st.path), out, st.offset + t.storage_offset * t.element_size(), pos, t.nbytes)
+            pos += t.nbytes
+        return pos
+
+    write_file(path, header, body)
 
 
 # -- entry point ------------------------------------------------------------------------------------

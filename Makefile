@@ -8,9 +8,13 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # deepspeed for tests/test_deepspeed.py's real ZeRO runs (they skip without it); DEEPSPEED_SPEC= skips it.
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
+# A second torch release the frozen tables are checked against (tests/test_torch_tables.py, in its own
+# venv: torch and pytest only); OTHER_TORCH= skips it.
+OTHER_TORCH ?= torch==2.13.0
+OTHER_VENV ?= .venv-other-torch
 DEMO_DIR ?= demo-out
 
-.PHONY: demo test install clean
+.PHONY: demo test test-other-torch install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +33,22 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest
+	@test -z "$(OTHER_TORCH)" || $(MAKE) --no-print-directory test-other-torch
+
+# An install failure (no such wheel for this machine) is reported and skipped; a failing table is fatal.
+$(OTHER_VENV)/.installed: pyproject.toml
+	@echo "== the frozen torch tables against $(OTHER_TORCH), in $(OTHER_VENV)"
+	mkdir -p $(OTHER_VENV) && rm -f $(OTHER_VENV)/.skipped
+	{ test -x $(OTHER_VENV)/bin/python || $(PYTHON) -m venv $(OTHER_VENV); } \
+	  && $(OTHER_VENV)/bin/pip install --quiet --disable-pip-version-check $(OTHER_TORCH) pytest \
+	  && $(OTHER_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e . \
+	  || echo "$(OTHER_TORCH) did not install (see above)" > $(OTHER_VENV)/.skipped
+	touch $@
+
+test-other-torch: $(OTHER_VENV)/.installed
+	@if [ -f $(OTHER_VENV)/.skipped ]; then \
+	  echo "note: $$(cat $(OTHER_VENV)/.skipped); the tables were checked against $(TORCH_SPEC) only"; \
+	else $(OTHER_VENV)/bin/python -m pytest -q -p no:cacheprovider --noconftest tests/test_torch_tables.py; fi
 
 demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
@@ -52,4 +72,4 @@ demo: $(VENV)/.installed
 	  got = m(fixed_input('mlp')).tolist(); print('output matches the trained model:', got == want); assert got == want"
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(OTHER_VENV) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache *.egg-info

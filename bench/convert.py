@@ -46,6 +46,13 @@ save_file({k.replace("module.", ""): v.contiguous() for k, v in sd.items()}, sys
 fd = os.open(sys.argv[2], os.O_RDONLY); os.fsync(fd); os.close(fd)
 """
 CP_FSYNC = 'cp "$1" "$2" && sync "$2"'
+#: the library in a process that has already imported torch: only the call is timed (printed as call_s=)
+API_CALL = """
+import sys, time, torch, ckptfix
+start = time.perf_counter()
+ckptfix.convert(sys.argv[1], sys.argv[2], force=True)
+print(f"call_s={time.perf_counter() - start}")
+"""
 
 
 def make_checkpoints(workdir: Path, size_gb: float, small: int) -> dict[str, Path]:
@@ -70,13 +77,15 @@ def make_checkpoints(workdir: Path, size_gb: float, small: int) -> dict[str, Pat
 
 
 def measure(cmd: list[str], env: dict[str, str] | None = None, settle: float = 0.0) -> tuple[float, int]:
-    """Wall seconds and peak RssAnon (bytes) of one command, sampled every 5 ms. ``settle``: seconds to
+    """Wall seconds and peak RssAnon (bytes) of one command, sampled every 5 ms; a command that prints
+    ``call_s=SECONDS`` (:data:`API_CALL`) gives that instead of its wall time. ``settle``: seconds to
     pause after a ``sync`` first, so the last command's writeback doesn't land on this one."""
     if settle:
         os.sync()
         time.sleep(settle)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    stdout = tempfile.TemporaryFile()  # a file, not a pipe: a long output can't block the command
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, env=env)
     peak = 0
     status = f"/proc/{proc.pid}/status"
     while proc.poll() is None:
@@ -92,7 +101,9 @@ def measure(cmd: list[str], env: dict[str, str] | None = None, settle: float = 0
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()}")
-    return wall, peak
+    stdout.seek(0)
+    call = [line for line in stdout.read().decode().splitlines() if line.startswith("call_s=")]
+    return (float(call[0].split("=")[1]) if call else wall), peak
 
 
 def commands(files: dict[str, Path], out: Path) -> dict[str, list[str]]:
@@ -109,11 +120,16 @@ def commands(files: dict[str, Path], out: Path) -> dict[str, list[str]]:
         "ckptfix convert safetensors->pth": [*CKPTFIX, "convert", st, str(out / "s.pth"), "--force", "--quiet"],
         "ckptfix convert pth->safetensors --dtype bf16": [*CKPTFIX, "convert", big, str(out / "bf16.safetensors"),
                                                          "--dtype", "bf16", "--force", "--quiet"],
+        "ckptfix.convert() pth->pth, torch imported (call only)": [PY, "-c", API_CALL, big, str(out / "api.pth")],
+        "ckptfix.convert() pth->safetensors, torch imported (call only)": [PY, "-c", API_CALL, big,
+                                                                           str(out / "api.safetensors")],
         "ckptfix inspect": [*CKPTFIX, "inspect", big],
         "20k small: user torch.load+replace+torch.save": [PY, "-c", USER_PTH, many, str(out / "many_user.pth")],
         "20k small: ckptfix convert pth->pth": [*CKPTFIX, "convert", many, str(out / "many.pth"), "--force", "--quiet"],
         "20k small: ckptfix convert pth->safetensors": [*CKPTFIX, "convert", many, str(out / "many.safetensors"), "--force",
                                                         "--quiet"],
+        "20k small: ckptfix.convert() pth->pth, torch imported (call only)": [PY, "-c", API_CALL, many,
+                                                                              str(out / "many_api.pth")],
     }
 
 
@@ -174,7 +190,12 @@ def render(runs: dict[str, list[tuple[float, int]]], files: dict[str, Path], arg
         extra, over_python = (peak[name] - torch_mem) / 2**20, (peak[name] - bare) / 2**20
         lines.append(f"| {name} | {med[name]:.2f} | {ratio:.2f} | {extra:.0f} | {over_python:.0f} |")
     inspect_ratio = med["ckptfix inspect"] / med["import torch"]
-    lines += ["", f"`ckptfix inspect` / `import torch` = {inspect_ratio:.2f}.", ""]
+    api = {prefix + what: med[f"{prefix}ckptfix.convert() {what}, torch imported (call only)"]
+           / med[f"{prefix}ckptfix convert {what}"] for prefix, what in
+           (("", "pth->pth"), ("", "pth->safetensors"), ("20k small: ", "pth->pth"))}
+    lines += ["", f"`ckptfix inspect` / `import torch` = {inspect_ratio:.2f}. `ckptfix.convert()` called in a process "
+              "that has imported torch (the call alone) / the CLI command (whole process): "
+              + ", ".join(f"{what} {r:.2f}" for what, r in api.items()) + ".", ""]
     return "\n".join(lines)
 
 

@@ -48,9 +48,9 @@ def inspect(path: Any, trust: bool = False, select: str = "auto") -> Checkpoint:
 def describe(path: Any, select: str = "auto") -> Checkpoint:
     """``inspect`` without importing torch where the file allows it: tensors come back as
     :class:`~ckptfix.tensorinfo.TensorInfo` (plain data: dtype, shape, stride, byte range); a file only
-    torch can describe exactly (legacy, TorchScript, DeepSpeed, DCP directories holding non-tensor values,
-    tensor subclasses …) goes through
-    ``inspect``, so the summary, and any refusal, is the same either way."""
+    torch can describe exactly (legacy, TorchScript, DeepSpeed, DCP values other than plain data and
+    tensors, tensor subclasses …) goes through ``inspect``, so the summary, and any refusal, is the same
+    either way."""
     path = _fspath(path)
     fmt = formats.sniff(path)
     if structure.enabled():

@@ -18,7 +18,7 @@ from typing import Any
 from .torch_tables import DTYPE_ITEMSIZE
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class StorageInfo:
     """One storage: its bytes ``path[offset : offset + nbytes]``, saved on ``location`` (``cpu``, ``cuda:1``)."""
 
@@ -29,7 +29,7 @@ class StorageInfo:
     location: str
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class TensorInfo:
     """One tensor as saved, nothing constructed: a view (offset, shape, stride in elements) of a storage.
 
@@ -63,6 +63,10 @@ class TensorInfo:
         return self.numel() * self.element_size()
 
     def is_contiguous(self) -> bool:
+        """As torch computes it (c10's ``_compute_contiguous``): a tensor without elements is contiguous,
+        whatever its strides; otherwise dimensions of size 1 may have any stride."""
+        if 0 in self.shape:
+            return True
         expected = 1
         for size, stride in zip(reversed(self.shape), reversed(self.stride)):
             if size != 1 and stride != expected:

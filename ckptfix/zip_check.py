@@ -26,7 +26,7 @@ _DESCRIPTOR = b"PK\x07\x08"
 _CHUNK = 16 << 20
 
 
-@dataclass
+@dataclass(slots=True)  # one per member: 20,000-tensor files hold 20,000
 class Member:
     """One central-directory entry (as torch reads it) and where its bytes really are."""
 
@@ -244,21 +244,21 @@ def _compare_with_zipfile(layout: ZipLayout, buf: Any, size: int, directory: Dir
         layout.find("reader-disagreement", "archive",
                     f"torch's zip reader reads the archive but Python's zipfile does not ({e}): readers disagree")
         return
-    ours = [(e.raw_name, e.header_offset, e.compress_size, e.file_size, e.crc, e.method) for e in directory.entries]
-    theirs = [(i.orig_filename.encode("utf-8" if i.flag_bits & 0x800 else "cp437", errors="replace"), i.header_offset,
-               i.compress_size, i.file_size, i.CRC, i.compress_type) for i in infos]
-    if len(ours) != len(theirs):
+    if len(directory.entries) != len(infos):
         layout.find("reader-disagreement", "archive",
-                    f"torch's zip reader sees {len(ours)} members, Python's zipfile {len(theirs)} "
+                    f"torch's zip reader sees {len(directory.entries)} members, Python's zipfile {len(infos)} "
                     "(two central directories, or a count that does not match the directory's size)")
         _python_view(layout, buf, size)
         return
-    for index, (a, b) in enumerate(zip(ours, theirs)):
+    for index, (e, i) in enumerate(zip(directory.entries, infos)):  # pairs made one at a time: no copy of either list
+        a = (e.raw_name, e.header_offset, e.compress_size, e.file_size, e.crc, e.method)
+        b = (i.orig_filename.encode("utf-8" if i.flag_bits & 0x800 else "cp437", errors="replace"), i.header_offset,
+             i.compress_size, i.file_size, i.CRC, i.compress_type)
         if a != b:
             what = ("name", "offset", "compressed size", "size", "CRC", "compression")
             diff = ", ".join(w for w, x, y in zip(what, a, b) if x != y)
-            layout.find("reader-disagreement", directory.entries[index].name,
-                        f"member {index + 1} ({directory.entries[index].name}) differs between torch's zip reader "
+            layout.find("reader-disagreement", e.name,
+                        f"member {index + 1} ({e.name}) differs between torch's zip reader "
                         f"and Python's zipfile ({diff}): readers disagree on the archive")
             _python_view(layout, buf, size)
             return

@@ -33,7 +33,7 @@ class ZipFormatError(ValueError):
     """torch's reader would refuse the archive; the message says why (miniz's reason)."""
 
 
-@dataclass
+@dataclass(slots=True)  # one per member: 20,000-tensor files hold 20,000
 class Entry:
     """One central-directory entry, sizes and offset resolved through the zip64 extra field."""
 

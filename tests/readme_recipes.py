@@ -259,7 +259,8 @@ DEEPSPEED = {"ckpt": "deepspeed zero-2 bf16"}
 RECIPES: dict[str, Entry] = {
     # Set up
     "make demo": Entry(make_args=("-o", ".venv/.installed")),  # DEMO_DIR is set to the run directory
-    "make test": Entry(make_args=("-n", "-o", ".venv/.installed")),  # dry run: it would run this very test
+    "make test": Entry(make_args=("-n", "-o", ".venv/.installed", "-o", ".venv-other-torch/.installed")),  # dry run:
+    # it would run this very test
     # README: Common recipes (the others it shows are in the docs' tables below)
     "ckptfix verify model.safetensors --model torchvision:resnet18 --arg num_classes=10 --reference run.pth": Entry(
         {"model.safetensors": "resnet18 10", "run.pth": "resnet18 10 ddp"}, check=_output_has("max abs diff 0")),

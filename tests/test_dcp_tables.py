@@ -1,12 +1,10 @@
-"""DCP's ``.metadata`` without torch: the frozen name tables against the installed torch, the inert read
-against the torch read (record ranges and refusals), and ``ckptfix scan`` of a DCP directory without torch.
+"""DCP's ``.metadata`` without torch: the inert read against the torch read (record ranges and refusals),
+and ``ckptfix scan`` of a DCP directory without torch. (The frozen name tables against the installed torch:
+tests/test_torch_tables.py.)
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import inspect
 import os
 import shutil
 import subprocess
@@ -19,61 +17,9 @@ import fsdp2_dirs
 import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
-from torch.distributed.checkpoint import filesystem as fs
-from torch.distributed.checkpoint import metadata as md
 
 from ckptfix import dcp_metadata
-from ckptfix.dcp_metadata import (DCP_DEFAULTS, DCP_METADATA_CLASSES, DCP_METADATA_ENUMS, DCP_SETSTATE_CLASSES,
-                                  METADATA)
-
-
-def _name(obj: Any) -> str:
-    return f"{obj.__module__}.{obj.__qualname__}"
-
-
-def _delta(table: frozenset[str] | set[str], installed: set[str], what: str) -> str:
-    return (f"{what} differ from torch {torch.__version__}'s: add {sorted(installed - set(table))}, "
-            f"remove {sorted(set(table) - installed)} (ckptfix/dcp_metadata.py)")
-
-
-def _defined(module: Any, test: Any) -> set[Any]:
-    return {o for o in vars(module).values() if inspect.isclass(o) and o.__module__ == module.__name__ and test(o)}
-
-
-INSTALLED_CLASSES = _defined(md, dataclasses.is_dataclass) | _defined(fs, dataclasses.is_dataclass)
-
-
-def test_metadata_classes_match_installed_torch() -> None:
-    installed = {_name(c) for c in INSTALLED_CLASSES}
-    assert DCP_METADATA_CLASSES == installed, _delta(DCP_METADATA_CLASSES, installed, "DCP_METADATA_CLASSES")
-
-
-def test_metadata_enums_match_installed_torch() -> None:
-    installed = {_name(c) for c in _defined(md, lambda o: issubclass(o, enum.Enum))}
-    assert DCP_METADATA_ENUMS == installed, _delta(DCP_METADATA_ENUMS, installed, "DCP_METADATA_ENUMS")
-
-
-def test_setstate_classes_match_installed_torch() -> None:
-    installed = {_name(c) for c in INSTALLED_CLASSES if "__setstate__" in vars(c)}
-    assert DCP_SETSTATE_CLASSES == installed, _delta(DCP_SETSTATE_CLASSES, installed, "DCP_SETSTATE_CLASSES")
-
-
-def test_defaults_match_installed_torch() -> None:
-    """Plain defaults of the classes built from a dict (a field pickled without its value reads these)."""
-    installed = {}
-    for cls in INSTALLED_CLASSES:
-        if _name(cls) in DCP_SETSTATE_CLASSES:
-            continue
-        plain = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-        if plain:
-            installed[_name(cls)] = plain
-    assert DCP_DEFAULTS == installed, f"DCP_DEFAULTS should be {installed!r} for torch {torch.__version__}"
-
-
-def test_policy_resolves_every_name_to_torch() -> None:
-    policy = dcp_metadata.metadata_policy()
-    for name in DCP_METADATA_CLASSES | DCP_METADATA_ENUMS:
-        assert _name(policy.globals[name]) == name
+from ckptfix.dcp_metadata import METADATA
 
 
 # -- the inert read against the torch read ------------------------------------------------------------

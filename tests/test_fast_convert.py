@@ -228,3 +228,62 @@ def test_sharded_convert_imports_no_torch(src: str, fmt: str, index: str, tmp_pa
     assert (dst / index).is_file() and len(list(dst.iterdir())) > 2
     loaded = ckptfix.read(dst)
     assert loaded.stats.num_tensors == ckptfix.read(FIXTURES / src).stats.num_tensors
+
+
+# -- torch's globals written as stand-ins, then renamed ----------------------------------------------
+
+def _marked(text: str) -> str:
+    from ckptfix.formats.torch_globals import marker
+
+    return f"c{marker().decode()}\n{text}\n"
+
+
+MARKED: dict[str, Any] = {  # a value whose pickle would hold a stand-in's GLOBAL bytes: converted through torch
+    "key": lambda t: {_marked("_rebuild_tensor_v3"): t, "b": t + 1},
+    "key, partly": lambda t: {"w": t, _marked("_rebuild_tensor_v2")[:-4]: t},
+    "bytes value": lambda t: {"w": t, "blob": _marked("float16").encode()},
+    "huge int": lambda t: {"w": t, "n": int.from_bytes(_marked("FloatStorage").encode(), "little") << 3},
+}
+
+
+@pytest.mark.parametrize("name", list(MARKED))
+def test_values_holding_the_marker_convert_through_torch(name: str, tmp_path: Path) -> None:
+    torch.save(MARKED[name](torch.arange(6.0)), tmp_path / "src.pth")
+    with pytest.MonkeyPatch.context() as mp:
+        took = assert_same_convert(tmp_path / "src.pth", tmp_path, mp, ".pth", keep_extra=True)
+    assert took is False
+    out = torch.load(tmp_path / "fast.pth", weights_only=True)
+    assert list(out) == list(MARKED[name](torch.arange(6.0)))
+
+
+def test_stand_ins_rewritten_only_where_written() -> None:
+    import pickle
+
+    from ckptfix.formats.torch_globals import REBUILD_TENSOR, to_torch
+
+    data = pickle.dumps([REBUILD_TENSOR, REBUILD_TENSOR], protocol=2)
+    assert to_torch(data) == data.replace(b"cckptfix.formats.torch_globals\n", b"ctorch._utils\n") != data
+    for bad in (data + _marked("_rebuild_tensor_v2").encode(), data.replace(b"_rebuild_tensor_v2\n", b"_rebuild_tensorX\n")):
+        with pytest.raises(ValueError, match="stand-in"):
+            to_torch(bad)
+
+
+@settings(max_examples=30, deadline=None)
+@given(obj=checkpoints())
+def test_c_and_python_picklers_write_the_same_bytes(obj: Any) -> None:
+    """The C pickler (taken unless a dtype value needs the pure one) writes what the pure-Python one writes."""
+    import io
+    import tempfile
+
+    from ckptfix.formats import torchfree
+
+    with tempfile.TemporaryDirectory() as d:
+        torch.save(obj, f"{d}/ckpt.pth")
+        infos = structure.read(f"{d}/ckpt.pth", "torch-zip").obj
+        outs = []
+        for pickler in (torchfree._Pickler, torchfree._PyPickler):
+            buf = io.BytesIO()
+            pickler(buf, torchfree._Records(keep_keys=True)).dump(infos)
+            outs.append(buf.getvalue())
+    if not torchfree._check_plain(infos):  # with a dtype value the C pickler can't write it as torch does
+        assert outs[0] == outs[1]

@@ -3,19 +3,22 @@
 - ``ckptfix inspect --json`` (and the text) is the same through both, for every committed fixture,
   generated layouts, sharded directories and hypothesis-generated checkpoints of every dtype;
 - every malformed, mutated or hostile file is refused by both with the same error class;
-- DCP directories of tensors alone (real FSDP2 saves) are described from ``.metadata`` the same way,
-  and malformed ``.metadata`` is refused by both with the same error class;
-- ``ckptfix inspect`` of a torch zip, a safetensors file or a tensors-only DCP directory, ``scan`` of a
-  torch zip or safetensors file, and ``import ckptfix`` leave torch unimported;
-- the frozen tables in ``ckptfix.torch_tables`` are the installed torch's own.
+- DCP directories (real FSDP2 saves, with optimizer state: its hyper-parameters are bytes entries,
+  torch.save zips in byte ranges of the ``.distcp`` files) are described from ``.metadata`` and those
+  zips the same way, and malformed ``.metadata`` or bytes entries are refused by both with the same
+  error class, running nothing;
+- ``ckptfix inspect`` of a torch zip, a safetensors file or a DCP directory, ``scan`` of a
+  torch zip or safetensors file, and ``import ckptfix`` leave torch unimported.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,7 @@ ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch
               torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,
               torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
 #: the formats the torch-free path describes itself (the rest go through torch by design)
-DESCRIBED = {"torch-zip", "safetensors", "sharded-safetensors", "sharded-pth"}
+DESCRIBED = {"torch-zip", "safetensors", "sharded-safetensors", "sharded-pth", "dcp"}
 
 
 def _outcome(path: Path, torch_free: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -248,38 +251,7 @@ def test_function_names_survive_any_import_order() -> None:
     assert ckptfix.diff.__module__ == "ckptfix.diff" and callable(ckptfix.diff)
 
 
-# -- the frozen tables are the installed torch's -----------------------------------------------------
-
-def _diff_message(what: str, frozen: set, live: set) -> str:
-    return (f"{what} differs from torch {torch.__version__}'s: add {sorted(live - frozen)}, "
-            f"remove {sorted(frozen - live)} (ckptfix/torch_tables.py)")
-
-
-def test_frozen_allow_list_is_torchs() -> None:
-    from torch._weights_only_unpickler import _get_allowed_globals
-
-    from ckptfix.torch_tables import TORCH_SAFE_GLOBALS, torch_series
-
-    series = torch_series()
-    assert series == ".".join(torch.__version__.split(".")[:2])
-    assert series in TORCH_SAFE_GLOBALS, (f"no frozen allow-list for torch {series}: add "
-                                          f'"{series}": frozenset({sorted(_get_allowed_globals())})')
-    frozen, live = set(TORCH_SAFE_GLOBALS[series]), set(_get_allowed_globals())
-    assert frozen == live, _diff_message(f"TORCH_SAFE_GLOBALS[{series!r}]", frozen, live)
-
-
-def test_frozen_dtype_tables_are_torchs() -> None:
-    from ckptfix.formats.safetensors_file import _DTYPES
-    from ckptfix.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
-
-    for name, size in DTYPE_ITEMSIZE.items():
-        assert torch._utils._element_size(getattr(torch, name)) == size, name
-    assert DIFFERENTIABLE == {n for n in DTYPE_ITEMSIZE if getattr(torch, n).is_floating_point
-                              or getattr(torch, n).is_complex}
-    live = {cls: str(dt).removeprefix("torch.") for dt, cls in torch.storage._dtype_to_storage_type_map().items()}
-    assert STORAGE_DTYPES == live, _diff_message("STORAGE_DTYPES", set(STORAGE_DTYPES.items()), set(live.items()))
-    assert set(_DTYPES.values()) <= set(DTYPE_ITEMSIZE)
-
+# -- TensorInfo ---------------------------------------------------------------------------------------
 
 def test_tensor_info_byte_range_is_the_tensors_bytes(tmp_path: Path) -> None:
     w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
@@ -320,7 +292,7 @@ def test_edge_cases_fall_back_or_agree(name: str, tmp_path: Path, monkeypatch: p
     assert_same(tmp_path / f"{name}.pth", monkeypatch, described=described)
 
 
-# -- DCP directories: tensors described from .metadata alone ------------------------------------------
+# -- DCP directories: tensors described from .metadata, bytes entries from their torch.save zips ----------
 
 @pytest.fixture(scope="module")
 def fsdp2_model_only(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -330,15 +302,63 @@ def fsdp2_model_only(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     return fsdp2_dirs.make(tmp_path_factory.mktemp("fsdp2"), optim=False)
 
 
-def test_dcp_described_the_same(fsdp2_model_only: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    assert set(fsdp2_model_only) == {"rows", "rows_bf16", "cols"}
-    for path in fsdp2_model_only.values():
+@pytest.fixture(scope="module")
+def fsdp2_with_optim(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real 2-rank FSDP2 saves of model and Adam state: the hyper-parameters are bytes entries."""
+    import fsdp2_dirs
+
+    return fsdp2_dirs.make(tmp_path_factory.mktemp("fsdp2-optim"), optim=True)
+
+
+def _bytes_entries(path: Path) -> dict[str, Any]:
+    """fqn → storage info of every bytes entry of the DCP directory (its metadata read by torch)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    meta = pickle.loads((path / ".metadata").read_bytes())  # noqa: S301 - the test's own saves
+    return {i.fqn: info for i, info in meta.storage_data.items()
+            if isinstance(meta.state_dict_metadata[i.fqn], BytesStorageMetadata)}
+
+
+def test_dcp_described_the_same(fsdp2_model_only: dict[str, Path], fsdp2_with_optim: dict[str, Path],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    assert set(fsdp2_model_only) == set(fsdp2_with_optim) == {"rows", "rows_bf16", "cols"}
+    for path in [*fsdp2_model_only.values(), *fsdp2_with_optim.values(), FIXTURES / "mlp_fsdp2"]:
         assert_same(path, monkeypatch, described=True)
-    assert_same(FIXTURES / "mlp_fsdp2", monkeypatch, described=False)  # optimizer values: bytes entries
+    for path in [*fsdp2_with_optim.values(), FIXTURES / "mlp_fsdp2"]:
+        assert _bytes_entries(path), path  # optimizer hyper-parameters: bytes entries
+        monkeypatch.setenv(structure.ENV_SWITCH, "1")
+        group = structure.read_dcp(str(path)).obj["optim"]["param_groups"][0]
+        first = "0.weight" if path.name == "mlp_fsdp2" else "body.0.weight"
+        assert group["betas"] == (0.9, 0.999) and group["params"][0] == first, group
 
 
-def test_dcp_inspect_imports_no_torch(fsdp2_model_only: dict[str, Path]) -> None:
-    run = subprocess.run([sys.executable, "-c", _PROBE, "inspect", str(fsdp2_model_only["cols"])],
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_tensor_in_a_bytes_entry_has_its_file_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value DCP torch.saves holding tensors (a tuple of views of one tensor): each TensorInfo's storage is
+    its record's bytes in the .distcp file; torch.load of the bytes gives every reference its own storage."""
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    dcp.save({"model": {"w": w.clone(), "b": torch.ones(4)}, "extra": {"lr": 0.5, "pair": (w, w[1])}},
+             checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    assert set(_bytes_entries(tmp_path / "d")) == {"extra.lr", "extra.pair"}
+    assert_same(tmp_path / "d", monkeypatch, described=True)
+    whole, row = structure.read_dcp(str(tmp_path / "d")).obj["extra"]["pair"]
+    assert whole.storage.path == str(tmp_path / "d" / "__0_0.distcp") and whole.storage is not row.storage
+    data = (tmp_path / "d" / "__0_0.distcp").read_bytes()
+    for info, t in ((whole, w), (row, w[1])):
+        start, end = info.byte_range
+        assert torch.equal(torch.frombuffer(bytearray(data[start:end]), dtype=torch.float32), t.reshape(-1))
+
+
+@pytest.mark.parametrize("which", ["fixture", "model-only", "with-optim"])
+def test_dcp_inspect_imports_no_torch(which: str, fsdp2_model_only: dict[str, Path],
+                                      fsdp2_with_optim: dict[str, Path]) -> None:
+    path = {"fixture": FIXTURES / "mlp_fsdp2", "model-only": fsdp2_model_only["cols"],
+            "with-optim": fsdp2_with_optim["rows"]}[which]
+    run = subprocess.run([sys.executable, "-c", _PROBE, "inspect", str(path)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ,
                                                                                    structure.ENV_SWITCH: "1"})
     assert run.returncode == 0 and "TORCH=False" in run.stderr, run.stderr
@@ -418,3 +438,120 @@ def test_dcp_malformed_metadata_refused_the_same_way(fsdp2_model_only: dict[str,
         assert fast == slow, name
         refused += isinstance(fast, str)
     assert refused >= len(cases) - 1  # all but the quantized dtype, which torch describes
+
+
+def _saved(obj: Any, **kwargs: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf, **kwargs)
+    return buf.getvalue()
+
+
+def _zip_of(members: list) -> bytes:
+    with tempfile.TemporaryDirectory() as d:
+        adversarial.write_zip(Path(d) / "z", members)
+        return (Path(d) / "z").read_bytes()
+
+
+def _bytes_entry_edits(canary: Path) -> dict[str, Any]:
+    """Named edits of a DCP directory's bytes entry ``optim.param_groups.0.lr``: ``edit(info, distcp_bytes)``
+    changes its storage info in place and returns the .distcp file's new bytes (a new record goes at its end)."""
+    from adversarial import as_weight, benign_zip_members, call, glob, proto, u, with_data_pkl, zip64_two_directories
+
+    payload = call(glob("posix", "system"), u(f"touch {canary}"))
+    hostile = proto(2) + payload + b"."
+    tensor_zip = _saved({"w": torch.arange(4.0)})
+    pkl = next(d for n, d in benign_zip_members() if n.endswith("data.pkl"))
+
+    def record(data: bytes) -> Any:
+        def edit(info: Any, distcp: bytes) -> bytes:
+            info.offset, info.length = len(distcp), len(data)
+            return distcp + data
+        return edit
+
+    def truncated(info: Any, distcp: bytes) -> bytes:
+        return distcp[: info.offset + info.length // 2]
+
+    def past_the_end(info: Any, distcp: bytes) -> bytes:
+        info.offset = len(distcp) - info.length // 2
+        return distcp
+
+    def cut(info: Any, distcp: bytes) -> bytes:
+        info.length -= 30  # inside the file, the zip's end cut off
+        return distcp
+
+    def negative(info: Any, distcp: bytes) -> bytes:
+        info.offset = -1
+        return distcp
+
+    def transformed(info: Any, distcp: bytes) -> bytes:
+        info.transform_descriptors = ["zstd"]
+        return distcp
+
+    def overlapping(info: Any, distcp: bytes) -> bytes:  # the next entry's record read as this one too
+        info.offset += 5
+        return distcp
+
+    return {
+        "truncated": truncated, "past-the-end": past_the_end, "cut": cut, "negative-offset": negative,
+        "overlapping": overlapping, "transforms": transformed,
+        "os-system": record(_zip_of(with_data_pkl(hostile))),
+        "os-system-in-other-member": record(_zip_of([*benign_zip_members(), ("archive/x.pkl", hostile)])),
+        "readers-disagree": record(zip64_two_directories(
+            benign_zip_members(), with_data_pkl(hostile))),
+        "torchscript": record(_zip_of([*benign_zip_members(), ("archive/constants.pkl", pkl)])),
+        "legacy-torch-save": record(_saved(0.5, _use_new_zipfile_serialization=False)),
+        "not-a-zip": record(hostile),
+        "trailing-pickle": record(_zip_of(with_data_pkl(pkl[:-1] + b"." + hostile))),
+        "record-size-mismatch": record(_zip_of([(n, d + b"\0" * 4 if n.endswith("data/0") else d)
+                                               for n, d in benign_zip_members()])),
+        "tensor-value": record(tensor_zip),
+        "shared-record": record(_saved((torch.arange(4.0), torch.arange(4.0)[1:]))),
+        "huge-record": record(_saved(torch.zeros(10_000))),  # over the max_pickle_bytes the test sets; its pickle not
+        "weight-bytes": record(_zip_of(with_data_pkl(as_weight(u("w"))))),
+        "no-version": record(_zip_of([(n, d) for n, d in benign_zip_members() if not n.endswith("version")])),
+        "bad-alignment": record(_zip_of([(n, b"x" if n.endswith(".storage_alignment") else d)
+                                         for n, d in benign_zip_members()])),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:.*Duplicate name:UserWarning")
+def test_dcp_malformed_bytes_entries_refused_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes entries truncated, out of range, overlapping, hostile, or zips that read two ways: the same
+    outcome through both paths (torch's refusal, or the same description), and nothing run."""
+    import pickle
+    import shutil
+
+    canary = tmp_path / "canary"
+    source = FIXTURES / "mlp_fsdp2"
+    original = (source / ".metadata").read_bytes()
+    monkeypatch.setenv("CKPTFIX_MAX_PICKLE_BYTES", "30000")  # above .metadata's size, below huge-record's
+    outcomes: dict[str, Any] = {}
+    torch_free: list[str] = []
+    for name, edit in _bytes_entry_edits(canary).items():
+        path = Path(shutil.copytree(source, tmp_path / name))
+        meta = pickle.loads(original)  # noqa: S301 - the committed fixture, written by dcp.save
+        info = next(v for k, v in meta.storage_data.items() if k.fqn == "optim.param_groups.0.lr")
+        distcp = path / info.relative_path
+        distcp.write_bytes(edit(info, distcp.read_bytes()))
+        (path / ".metadata").write_bytes(pickle.dumps(meta, protocol=4))
+        with adversarial.audit_events() as events:
+            fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
+        assert fast == slow, name
+        assert not events and not canary.exists(), name
+        outcomes[name] = fast if isinstance(fast, str) else "described"
+        try:
+            structure.read_dcp(str(path))
+            torch_free.append(name)
+        except structure.NotDescribable:
+            pass
+    # described without torch where the record is a plain torch.save zip; the rest through torch's read
+    assert torch_free == ["tensor-value", "shared-record", "weight-bytes"]
+    assert outcomes == {
+        "truncated": "FormatError", "past-the-end": "FormatError", "cut": "FormatError",
+        "negative-offset": "FormatError", "overlapping": "FormatError", "transforms": "FormatError",
+        "os-system": "UnsafeCheckpointError", "os-system-in-other-member": "described",
+        "readers-disagree": "described", "torchscript": "UnsafeCheckpointError", "legacy-torch-save": "described",
+        "not-a-zip": "UnsafeCheckpointError", "trailing-pickle": "described", "record-size-mismatch": "FormatError",
+        "tensor-value": "described", "shared-record": "described", "huge-record": "LimitError",
+        "weight-bytes": "described", "no-version": "FormatError", "bad-alignment": "FormatError",
+    }

@@ -209,6 +209,19 @@ def test_fabric_directory_keeps_its_own_entries(sharded_run: ShardedRun, cli_run
     assert (ckpt.extra["step"], ckpt.extra["hparams"]) == (truth["global_step"], truth["hyper_parameters"])
 
 
+@pytest.mark.parametrize("which", [*STRATEGIES, "Fabric"])
+def test_described_without_torch_as_torch_describes_it(which: str, sharded_run: ShardedRun) -> None:
+    """``inspect`` of the directory (DCP files and meta.pt) needs no torch, and says what the torch path says."""
+    from test_fast_path import _PROBE, assert_same
+
+    path = sharded_run.dirs[which]
+    with pytest.MonkeyPatch.context() as mp:
+        assert_same(path, mp, described=True)
+    run = subprocess.run([sys.executable, "-c", _PROBE, "inspect", str(path)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "CKPTFIX_TORCH_FREE": "1"})
+    assert run.returncode == 0 and "TORCH=False" in run.stderr, run.stderr
+
+
 def _dicts(obj: Any) -> Any:
     """OrderedDicts (how DCP's nesting comes back) as plain dicts, all the way down."""
     if isinstance(obj, dict):
@@ -234,7 +247,8 @@ def sharded_copy(sharded_run: ShardedRun, tmp_path: Path) -> Path:
 def test_meta_pt_is_read_under_the_safe_policy(sharded_copy: Path, tmp_path: Path, cli_runner: Any) -> None:
     canary = tmp_path / "canary"
     torch.save({"epoch": 2, "pytorch-lightning_version": "2.6.6", "callbacks": _Evil(canary)}, sharded_copy / "meta.pt")
-    for run in (lambda: ckptfix.read(sharded_copy), lambda: ckptfix.inspect(sharded_copy)):
+    for run in (lambda: ckptfix.read(sharded_copy), lambda: ckptfix.inspect(sharded_copy),
+                lambda: ckptfix.describe(sharded_copy)):
         with pytest.raises(UnsafeCheckpointError, match=r"meta\.pt: refused: .*system.*--trust"):
             run()
     res = _ckptfix(cli_runner, "convert", sharded_copy, tmp_path / "out.ckpt", "--keep-extra", code=1)
@@ -258,8 +272,9 @@ def test_malformed_meta_pt_is_one_format_error(meta: Any, message: str, sharded_
         save_file({"x": torch.zeros(1)}, sharded_copy / "meta.pt")
     else:
         torch.save(meta, sharded_copy / "meta.pt")
-    with pytest.raises(FormatError, match=message):
-        ckptfix.inspect(sharded_copy)
+    for describe in (ckptfix.inspect, ckptfix.describe):  # the torch path, and the torch-free one
+        with pytest.raises(FormatError, match=message):
+            describe(sharded_copy)
 
 
 @pytest.mark.parametrize(("osd", "want"), [

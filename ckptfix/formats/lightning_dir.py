@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import FormatError
@@ -29,8 +29,9 @@ _OPTIMIZER = re.compile(r"optimizer_(\d+)")
 _AFTER = {"state_dict": ("epoch", "global_step", *VERSION_KEYS), "optimizer_states": ("loops", "callbacks")}
 
 
-def with_meta(raw: RawRead, path: str, plan: Any, trust: bool) -> RawRead:
-    """``raw`` (a consolidated DCP directory) joined with the directory's ``meta.pt``, if it has one."""
+def with_meta(raw: RawRead, path: str, plan: Any, trust: bool, read_file: Callable[..., RawRead] = read_torch) -> RawRead:
+    """``raw`` (a consolidated DCP directory) joined with the directory's ``meta.pt``, if it has one, read by
+    ``read_file(meta_path, fmt, plan, trust)`` (the torch-free describe passes its own reader)."""
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
         return raw
@@ -38,7 +39,7 @@ def with_meta(raw: RawRead, path: str, plan: Any, trust: bool) -> RawRead:
     fmt = sniff(meta_path)
     if fmt not in (TORCH_ZIP, TORCH_LEGACY):
         raise FormatError(f"{meta_path}: is {fmt}, not the torch.save file Lightning writes beside its DCP files")
-    meta = read_torch(meta_path, fmt, plan, trust)  # the same safety checks and unpickler as any torch file
+    meta = read_file(meta_path, fmt, plan, trust)  # the same safety checks and unpickler as any torch file
     if not isinstance(meta.obj, Mapping):
         raise FormatError(f"{meta_path}: holds a {type(meta.obj).__name__}, not the dict Lightning saves there")
     both = [k for k in meta.obj if k in raw.obj]

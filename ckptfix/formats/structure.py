@@ -3,14 +3,16 @@
 
 Covers the common files exactly: torch zips whose ``data.pkl`` holds (ordered) dicts, lists, tuples,
 sets, numbers, strings, dtypes and tensors/Parameters rebuilt by ``_rebuild_tensor_v2``/``_v3`` and
-``_rebuild_parameter``; safetensors files; Hugging Face sharded directories of either. The same
-safety check runs first (:func:`ckptfix.safety.ensure_safe`, as before every torch read), and the
-pickle goes through ckptfix's restricted unpickler with a policy whose globals are inert tokens.
+``_rebuild_parameter``; safetensors files; Hugging Face sharded directories of either; DCP directories
+(tensors from ``.metadata``, each bytes entry as the torch zip in its byte range of a ``.distcp`` file,
+a Lightning ``meta.pt`` beside them as the torch zip it is).
+The same safety check runs first (:func:`ckptfix.safety.ensure_safe`, as before every torch read; for a
+DCP record, the checks ``ckptfix scan`` runs on it), and the pickle goes through ckptfix's restricted
+unpickler with a policy whose globals are inert tokens.
 
 Anything else raises :class:`NotDescribable`, and the caller reads the file with torch
 (:func:`ckptfix.api.inspect`): legacy and tar files, TorchScript, DeepSpeed directories,
-big-endian data, tensor subclasses, sparse/quantized tensors, other globals, DCP directories with
-non-tensor (bytes) entries or a Lightning ``meta.pt`` — and every file the
+big-endian data, tensor subclasses, sparse/quantized tensors, other globals — and every file the
 torch path would refuse for a reason found only while unpickling, so a refusal is always torch's own.
 """
 
@@ -28,14 +30,15 @@ from .. import guards, limits
 from ..checkpoint_dirs import member_path
 from ..dcp_metadata import METADATA, Token, is_inert, load_inert
 from ..safety import ensure_safe
+from ..scan_files import Collector, scan_zip
 from ..tensorinfo import StorageInfo, TensorInfo
 from ..torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
 from ..unpickler import Policy, SafePickle, build_attributes
-from ..zipfmt import data_start, fold
+from ..zipfmt import data_start, fold, read_directory
 from . import DCP, SAFETENSORS, SHARDED, SHARDED_SAFETENSORS, TORCH_ZIP, RawRead, deepspeed, sharded, zip_directory
 from .dcp import unflatten
 from .dcp_chunks import whole
-from .lightning_dir import META as LIGHTNING_META
+from .lightning_dir import with_meta
 from .safetensors_file import _DTYPES, assemble, read_header
 
 #: Set to ``0`` to describe every file through torch (the differential tests compare both paths).
@@ -105,18 +108,63 @@ def read_torch_zip(path: str) -> RawRead:
     except Exception as e:  # noqa: BLE001 - torch's reader gives the refusal
         raise NotDescribable(f"zip directory: {e}") from None
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        archive = _Archive(path, directory, buf)
-        order = archive.read("byteorder", must_exist=False)
-        if order is not None and order != b"little":
-            raise NotDescribable("big-endian data")
-        return _unpickle(path, archive.read("data.pkl"), archive)
+        obj, tags = _describe_zip(_Archive(path, directory, buf), f"{path}: data.pkl")
+    if isinstance(obj, dict) and isinstance(obj.get("module"), dict) and {"ds_config", "ds_version"} & set(obj):
+        raise NotDescribable("a DeepSpeed model_states file")  # (what layout.deepspeed_info recognises)
+    return RawRead(obj=obj, format=TORCH_ZIP, tags=tags)
+
+
+def read_torch_record(path: str, data: bytes, base: int, where: str) -> tuple[Any, dict[int, str]]:
+    """A ``torch.save`` zip held in bytes ``base..base+len(data)`` of the file ``path`` (a DCP bytes entry),
+    as ``torch.load(io.BytesIO(data))`` reads it under the restricted policy: its value and the saved
+    device of each storage, whose StorageInfo names ``path`` and the absolute offset in it.
+
+    torch reads the range as an archive of its own, so the same bytes are checked as one: the static
+    scan ``ckptfix scan`` runs on every DCP record (zip structure, readers agreeing, other pickles)
+    must find nothing, and torch.load's own reads (TorchScript refusal, its records) must succeed."""
+    if data[:4] != b"PK\x03\x04":
+        raise NotDescribable("not a torch zip (torch.load would read it as a legacy file)")
+    report = Collector(where, TORCH_ZIP)
+    try:
+        scan_zip(report, data, len(data), False, False, unpickled_by_caller="data.pkl")
+        findings = report.finish().findings
+        directory = read_directory(data, len(data))
+    except Exception as e:  # noqa: BLE001 - damage: torch's read gives the refusal
+        raise NotDescribable(f"{where}: {e}") from None
+    if findings:
+        raise NotDescribable(f"{where}: {findings[0].message}")
+    return _describe_zip(_Archive(path, directory, data, base, loaded=True), f"{where}: data.pkl")
+
+
+def _describe_zip(archive: _Archive, where: str) -> tuple[Any, dict[int, str]]:
+    """The records torch reads before unpickling, then ``data.pkl``: (value, storage id → saved device)."""
+    order = archive.read("byteorder", must_exist=False)
+    if order is not None and order != b"little":
+        raise NotDescribable("big-endian data")
+    version = archive.read(".data/version", must_exist=False)
+    version = archive.read("version", must_exist=False) if version is None else version
+    if version is None or version.strip() not in (b"1", b"2", b"3"):
+        raise NotDescribable("a file format version torch.save doesn't write")
+    alignment = archive.read(".storage_alignment", must_exist=False)
+    if alignment is not None and not alignment.strip().isdigit():
+        raise NotDescribable("a malformed .storage_alignment record")
+    if archive.entry("constants.pkl", must_exist=False) is not None:
+        raise NotDescribable("a TorchScript archive")
+    return _unpickle(where, archive.read("data.pkl"), archive)
 
 
 class _Archive:
-    """Records looked up as torch's reader does (under the first entry's folder, ASCII case folded)."""
+    """Records looked up as torch's reader does (under the first entry's folder, ASCII case folded).
 
-    def __init__(self, path: str, directory: Any, buf: Any):
-        self.path, self.directory, self.buf, self.size = path, directory, buf, len(buf)
+    ``buf`` holds the archive, which starts at byte ``base`` of the file ``path`` (0 for a file, the
+    record's offset for a torch.save zip inside a DCP file). ``loaded``: read as ``torch.load`` of a stream
+    reads it (a DCP bytes entry), which makes a new storage for every reference to a record and needs the
+    record to hold exactly its bytes; else as ``torchzip.read_structure`` maps a file (one storage per
+    record, at least its bytes)."""
+
+    def __init__(self, path: str, directory: Any, buf: Any, base: int = 0, loaded: bool = False):
+        self.path, self.directory, self.buf, self.size, self.base = path, directory, buf, len(buf), base
+        self.loaded = loaded
         self.prefix = directory.root + "/"
         self.index: dict[bytes, list[Any]] = {}  # directory.lookup's answers, found in one pass, not one per record
         for e in directory.entries:
@@ -130,22 +178,32 @@ class _Archive:
             raise NotDescribable(f"record {name}: {len(found)} entries")
         return found[0]
 
-    def where(self, entry: Any) -> int:
+    def start(self, name: str, entry: Any) -> int:
+        """Where the record's bytes start in ``buf``, checked to be stored plainly inside it."""
         try:
-            return data_start(self.buf, self.size, entry)[0]
+            start = data_start(self.buf, self.size, entry)[0]
         except Exception as e:  # noqa: BLE001
             raise NotDescribable(str(e)) from None
+        if entry.method != 0 or entry.flags & 1 or entry.compress_size != entry.file_size \
+                or start + entry.file_size > self.size:
+            raise NotDescribable(f"record {name} is not stored plainly")
+        return start
 
     def read(self, name: str, must_exist: bool = True) -> bytes | None:
         e = self.entry(name, must_exist)
         if e is None:
             return None
-        start = self.where(e)
-        if e.method != 0 or e.flags & 1 or e.compress_size != e.file_size or start + e.file_size > self.size:
-            raise NotDescribable(f"record {name} is not stored plainly")
+        start = self.start(name, e)
         if e.file_size > limits.current().max_pickle_bytes:
             raise NotDescribable(f"record {name} is over max_pickle_bytes")
         return bytes(self.buf[start : start + e.file_size])
+
+    def storage(self, key: str, nbytes: int, location: str) -> StorageInfo:
+        """Record ``data/KEY`` as the storage of ``nbytes`` it holds, its offset in the file ``path``."""
+        entry = self.entry(f"data/{key}")
+        if entry.file_size < nbytes or self.loaded and entry.file_size != nbytes:
+            raise NotDescribable(f"record data/{key} holds {entry.file_size} bytes, its tensor {nbytes}")
+        return StorageInfo(self.path, key, self.base + self.start(f"data/{key}", entry), nbytes, location)
 
 
 class _Token:
@@ -238,7 +296,7 @@ def _guard_parameter(u: Any, f: Any, args: tuple, kwargs: dict) -> TensorInfo:
     return TensorInfo(data.dtype, data.shape, data.stride, data.storage_offset, data.storage, requires_grad, True)
 
 
-def _unpickle(path: str, data: bytes, archive: _Archive) -> RawRead:
+def _unpickle(where: str, data: bytes, archive: _Archive) -> tuple[Any, dict[int, str]]:
     storages: dict[str, StorageInfo] = {}
     tags: dict[int, str] = {}
 
@@ -249,34 +307,30 @@ def _unpickle(path: str, data: bytes, archive: _Archive) -> RawRead:
         if type(key) is not str or type(numel) is not int or numel < 0 or not isinstance(storage_type, _StorageType):
             raise NotDescribable("malformed storage id")
         location = location.decode("ascii") if isinstance(location, bytes) else str(location)
-        nbytes = numel * DTYPE_ITEMSIZE[storage_type.dtype]
-        if key not in storages:
-            entry = archive.entry(f"data/{key}")
-            if entry.file_size < nbytes:
-                raise NotDescribable("record too small")
-            storages[key] = StorageInfo(path, key, archive.where(entry), nbytes, location)
+        if key not in storages or archive.loaded:  # torch.load: a new storage each time
+            storages[key] = archive.storage(key, numel * DTYPE_ITEMSIZE[storage_type.dtype], location)
             tags[id(storages[key])] = location
         return _Typed(storages[key], storage_type.dtype)
 
     stream = io.BytesIO(data)
     unpickler = SafePickle(_policy()).Unpickler(stream, encoding="utf-8")
-    unpickler.where = f"{path}: data.pkl"
+    unpickler.where = where
     unpickler.persistent_load = persistent_load
     try:
         obj = unpickler.load()
     except Exception as e:  # noqa: BLE001 - the torch path refuses it its own way
-        raise NotDescribable(f"data.pkl: {type(e).__name__}: {e}") from None
+        raise NotDescribable(f"{where}: {type(e).__name__}: {e}") from None
     if stream.tell() != len(data):
         raise NotDescribable("bytes follow the pickle")
     _check_plain(obj)
-    return RawRead(obj=obj, format=TORCH_ZIP, tags=tags)
+    return obj, tags
 
 
 _ATOMS = (str, int, float, bool, complex, type(None), TensorInfo, dtype)
 
 
 def _check_plain(obj: Any) -> None:
-    """Only values that describe as torch's would: no bare storages or tokens, no DeepSpeed layout."""
+    """Only values that describe as torch's would: no bare storages or tokens."""
     seen: set[int] = set()
     stack = [obj]
     while stack:
@@ -295,8 +349,6 @@ def _check_plain(obj: Any) -> None:
             stack.extend(x)
         else:
             raise NotDescribable(f"a {type(x).__name__} value")
-    if isinstance(obj, dict) and isinstance(obj.get("module"), dict) and {"ds_config", "ds_version"} & set(obj):
-        raise NotDescribable("a DeepSpeed model_states file")  # (what layout.deepspeed_info recognises)
 
 
 __all__ = ["NotDescribable", "read", "read_safetensors", "read_torch_zip", "enabled", "ENV_SWITCH",
@@ -316,36 +368,75 @@ class ConsolidatedInfo(TensorInfo):
 
 
 def read_dcp(path: str) -> RawRead:
-    """A DCP directory whose ``.metadata`` lists only tensors, as ``formats.dcp.read`` describes it on meta:
-    each tensor whole (shape and dtype from the metadata, its chunks checked to tile it), keys nested again
-    from the planner data. Bytes entries (values only unpickling gives), a Lightning ``meta.pt``, and any
-    metadata the torch read would refuse or doesn't model raise NotDescribable."""
-    if os.path.isfile(os.path.join(path, LIGHTNING_META)):
-        raise NotDescribable("a Lightning meta.pt beside the DCP files")
+    """A DCP directory as ``formats.dcp.read`` describes it on meta: each tensor whole (shape and dtype from
+    the metadata, its chunks checked to tile it), each bytes entry (a ``torch.save`` zip in a byte range of
+    a ``.distcp`` file: optimizer hyper-parameters, any other value) described as that zip
+    (:func:`read_torch_record`), keys nested again from the planner data, joined with a Lightning ``meta.pt``
+    beside them as the torch read joins it. Any metadata or record the torch read would refuse or doesn't
+    model raises NotDescribable."""
     meta = load_inert(path)
     if meta is None:
         raise NotDescribable("metadata the inert read doesn't model")
     meta_path = os.path.join(path, METADATA)
     records: dict[tuple[Any, Any], Any] = {}
+    files: dict[Any, str] = {}
     try:
         for index, info in meta.storage_data.items():
-            member_path(path, info.relative_path, meta_path, what="chunk file")
+            if info.relative_path not in files:
+                files[info.relative_path] = member_path(path, info.relative_path, meta_path, what="chunk file")
             offset = index.offset
             records[(index.fqn, None if offset is None else tuple(offset))] = info
     except Exception as e:  # noqa: BLE001 - the torch read gives the refusal
         raise NotDescribable(f"storage data: {e}") from None
     flat: dict[str, Any] = {}
+    tags: dict[int, str] = {}
+    sharded_count = 0
     for fqn, md in meta.state_dict_metadata.items():
-        flat[fqn] = _dcp_tensor(path, fqn, md, records)
-    sharded_count = sum(1 for md in meta.state_dict_metadata.values() if not whole(md))
-    files = {info.relative_path for info in meta.storage_data.values()}
+        if type(fqn) is str and is_inert(md, "BytesStorageMetadata"):
+            flat[fqn] = _dcp_value(path, fqn, records.get((fqn, None)), files, tags)
+            continue
+        flat[fqn] = t = _dcp_tensor(path, fqn, md, records)
+        tags[id(t.storage)] = "cpu"
+        sharded_count += not whole(md)
     notes = [f"consolidated {len(flat)} DCP entries ({sharded_count} tensors sharded in chunks) "
              f"from {len(files)} file(s)"]
     try:
         obj = unflatten(flat, meta.planner_data, meta_path)
     except Exception as e:  # noqa: BLE001
         raise NotDescribable(f"planner data: {e}") from None
-    return RawRead(obj=obj, format=DCP, tags={id(t.storage): "cpu" for t in flat.values()}, notes=notes)
+    return with_meta(RawRead(obj=obj, format=DCP, tags=tags, notes=notes), path, None, False, read_file=_read_meta)
+
+
+def _read_meta(meta_path: str, fmt: str, _plan: Any, _trust: bool) -> RawRead:
+    """A Lightning ``meta.pt`` for :func:`~ckptfix.formats.lightning_dir.with_meta`: a torch zip, described."""
+    if fmt != TORCH_ZIP:
+        raise NotDescribable(f"{meta_path}: a {fmt} file")
+    return read_torch_zip(meta_path)
+
+
+def _dcp_value(path: str, fqn: str, info: Any, files: dict[Any, str], tags: dict[int, str]) -> Any:
+    """A bytes entry as ``Chunks.value`` reads it: its record's range checked inside its file and within
+    max_pickle_bytes, read, and described as the torch.save zip it holds (tags: its storages' devices)."""
+    if info is None or info.transform_descriptors:
+        raise NotDescribable(f"entry {fqn!r}: no plain record")
+    offset, length = info.offset, info.length
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        raise NotDescribable(f"entry {fqn!r}: a malformed byte range")
+    if length > limits.current().max_pickle_bytes:
+        raise NotDescribable(f"entry {fqn!r}: over max_pickle_bytes")  # torch's read: the LimitError
+    file = files[info.relative_path]
+    try:
+        with open(file, "rb") as f:
+            if offset + length > os.fstat(f.fileno()).st_size:
+                raise NotDescribable(f"entry {fqn!r}: its record lies outside {file}")
+            data = os.pread(f.fileno(), length, offset)
+    except OSError as e:
+        raise NotDescribable(f"{file}: {e}") from None
+    if len(data) != length:
+        raise NotDescribable(f"{file}: changed while read")
+    value, value_tags = read_torch_record(file, data, offset, f"{path}: entry {fqn!r}")
+    tags.update(value_tags)
+    return value
 
 
 def _ints(value: Any) -> bool:

@@ -1,11 +1,13 @@
 """Writers for checkpoints described without torch (:class:`~ckptfix.tensorinfo.TensorInfo` values):
 a torch zip or a safetensors file whose tensor bytes are copied from the source in the kernel.
 
-``data.pkl`` is written by Python's own pickler (protocol 2) with the opcodes torch's pickler
-produces: ``GLOBAL torch._utils _rebuild_tensor_v2`` / ``_rebuild_parameter`` + REDUCE for each
-tensor, a persistent id ``('storage', GLOBAL torch.FloatStorage, key, 'cpu', numel)`` for each
-storage, OrderedDicts with their ``_metadata`` set by BUILD. The globals are written by name
-(:class:`_Global`), never imported, so torch stays out of the process.
+``data.pkl`` is written by Python's C pickler (protocol 2, as torch.save runs it) with the opcodes
+torch's pickler produces: ``GLOBAL torch._utils _rebuild_tensor_v2`` / ``_rebuild_parameter`` + REDUCE
+for each tensor, a persistent id ``('storage', GLOBAL torch.FloatStorage, key, 'cpu', numel)`` for each
+storage, OrderedDicts with their ``_metadata`` set by BUILD. torch's globals are written as stand-ins
+(:mod:`~ckptfix.formats.torch_globals`) whose GLOBAL opcodes are then rewritten to torch's names, so
+torch is never imported; a value holding the stand-ins' marker bytes (a key, a bytes value, a huge
+int) raises :class:`NeedsTorch` instead.
 
 Dtypes without a legacy storage class (uint16, float8 …) are written as torch writes them:
 ``_rebuild_tensor_v3`` with an ``UntypedStorage`` id and the dtype. Anything these writers can't
@@ -23,34 +25,17 @@ from typing import Any
 
 from .. import rawcopy
 from ..tensorinfo import StorageInfo, TensorInfo
-from ..torch_tables import DTYPE_ITEMSIZE, STORAGE_DTYPES
+from ..torch_tables import DTYPE_ITEMSIZE
 from . import SAFETENSORS, TORCH_ZIP, StorageRef, zip_directory
 from .safetensors_file import _ST_NAMES, encode_header, write_file
 from .structure import dtype as DtypeToken
+from .torch_globals import (DTYPES, REBUILD_PARAMETER, REBUILD_TENSOR, REBUILD_TENSOR_V3, STORAGE_CLASS, UNTYPED_STORAGE,
+                            marker, to_torch)
 from .torchzip import write_archive
 
 
 class NeedsTorch(Exception):
     """This output needs torch's writers (the caller falls back to the torch path)."""
-
-
-class _Global:
-    """A global written into the pickle by name (``GLOBAL module\\nname``), never imported."""
-
-    def __init__(self, module: str, name: str):
-        self.module, self.name = module, name
-
-    def __call__(self, *args: Any) -> Any:  # save_reduce requires a callable
-        raise TypeError(f"{self.module}.{self.name} is a name to write, not a function")
-
-
-_REBUILD_TENSOR = _Global("torch._utils", "_rebuild_tensor_v2")
-_REBUILD_TENSOR_V3 = _Global("torch._utils", "_rebuild_tensor_v3")
-_UNTYPED = _Global("torch.storage", "UntypedStorage")
-_REBUILD_PARAMETER = _Global("torch._utils", "_rebuild_parameter")
-#: dtype name → its legacy storage class (what ``TypedStorage._pickle_storage_type`` names)
-_STORAGE_CLASS = {dtype: _Global("torch", cls) for cls, dtype in STORAGE_DTYPES.items() if dtype in DTYPE_ITEMSIZE}
-_DTYPES = {name: _Global("torch", name) for name in DTYPE_ITEMSIZE}
 
 
 class _StorageArg:
@@ -76,6 +61,8 @@ class _Records:
     def persistent_id(self, arg: _StorageArg) -> tuple:
         st = arg.storage
         if id(st) not in self.key_of:
+            if not _unmarked(st.key):
+                raise NeedsTorch("a record name holding ckptfix's own pickle marker")
             key = st.key if self.keep_keys and st.key not in self.used else str(len(self.order))
             while key in self.used:
                 key = f"{key}_"
@@ -84,8 +71,8 @@ class _Records:
             crc = self._crc(st) if self.keep_keys else None
             self.order.append((key, StorageRef(st.path, st.offset, st.nbytes, st.location, crc, st.key)))
         if arg.dtype is None:
-            return ("storage", _UNTYPED, self.key_of[id(st)], "cpu", st.nbytes)
-        return ("storage", _STORAGE_CLASS[arg.dtype], self.key_of[id(st)], "cpu", st.nbytes // DTYPE_ITEMSIZE[arg.dtype])
+            return ("storage", UNTYPED_STORAGE, self.key_of[id(st)], "cpu", st.nbytes)
+        return ("storage", STORAGE_CLASS[arg.dtype], self.key_of[id(st)], "cpu", st.nbytes // DTYPE_ITEMSIZE[arg.dtype])
 
     def _crc(self, st: StorageInfo) -> int | None:
         if st.path not in self._crcs:
@@ -93,25 +80,10 @@ class _Records:
         return self._crcs[st.path].get(f"data/{st.key}")
 
 
-def _save_token(pickler: Any, token: _Global) -> None:
-    found = pickler.memo.get(id(token))
-    if found is not None:
-        pickler.write(pickler.get(found[0]))
-        return
-    pickler.write(pickle.GLOBAL + f"{token.module}\n{token.name}\n".encode("ascii"))
-    pickler.memoize(token)
+class _Saves:
+    """What torch's pickler does to tensors and storages, for TensorInfo and its storage."""
 
-
-class _InfoPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
-    """Python's pickler writing TensorInfo as torch writes tensors, and torch's globals by name."""
-
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
-    dispatch[_Global] = _save_token
-    dispatch[DtypeToken] = lambda pickler, obj: _save_token(pickler, _DTYPES[obj.name])  # torch.float32 …
-
-    def __init__(self, file: Any, records: _Records):
-        super().__init__(file, protocol=2)
-        self.records = records
+    records: _Records
 
     def persistent_id(self, obj: Any) -> Any:
         return self.records.persistent_id(obj) if type(obj) is _StorageArg else None
@@ -120,34 +92,76 @@ class _InfoPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
         return _reduce_tensor(obj) if type(obj) is TensorInfo else NotImplemented
 
 
+class _Pickler(_Saves, pickle.Pickler):
+    """Python's C pickler, as torch.save runs it (protocol 2), writing TensorInfo as torch writes tensors."""
+
+    def __init__(self, file: Any, records: _Records):
+        super().__init__(file, protocol=2)
+        self.records = records
+
+
+class _PyPickler(_Saves, pickle._Pickler):  # type: ignore[name-defined,misc]
+    """The same in Python's pure pickler, which can also write a dtype value (``"dtype": torch.float16``)
+    as torch's global: the C pickler can't be told to write a value as another object."""
+
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[DtypeToken] = lambda pickler, obj: pickler.save(DTYPES[obj.name])
+
+    def __init__(self, file: Any, records: _Records):
+        super().__init__(file, protocol=2)
+        self.records = records
+
+
 def _reduce_tensor(t: TensorInfo) -> tuple:
     if t.is_parameter:  # torch: Parameter.__reduce_ex__ → _rebuild_parameter(plain data, requires_grad, hooks)
         inner = TensorInfo(t.dtype, t.shape, t.stride, t.storage_offset, t.storage)
-        return _REBUILD_PARAMETER, (inner, t.requires_grad, OrderedDict())
-    if t.dtype not in _STORAGE_CLASS:  # no legacy storage class (uint16, float8 …): torch writes v3
+        return REBUILD_PARAMETER, (inner, t.requires_grad, OrderedDict())
+    if t.dtype not in STORAGE_CLASS:  # no legacy storage class (uint16, float8 …): torch writes v3
         args = (_StorageArg(t.storage, None), t.storage_offset, t.shape, t.stride, t.requires_grad, OrderedDict(),
-                _DTYPES[t.dtype])
-        return _REBUILD_TENSOR_V3, args
+                DTYPES[t.dtype])
+        return REBUILD_TENSOR_V3, args
     args = (_StorageArg(t.storage, t.dtype), t.storage_offset, t.shape, t.stride, t.requires_grad, OrderedDict())
-    return _REBUILD_TENSOR, args
+    return REBUILD_TENSOR, args
 
 
 _PLAIN = (str, int, float, bool, complex, type(None), bytes)
+_MARKER = marker()
+_MARKER_TEXT = _MARKER.decode("ascii")
+#: an int of up to this many bits pickles in fewer bytes than a stand-in's GLOBAL: it can't hold one
+_SHORT_INT_BITS = 8 * len(_MARKER)
 
 
-def _check_plain(obj: Any) -> None:
-    """Only values the structure reader produces: containers, atoms, dtypes, TensorInfo."""
+def _unmarked(x: Any) -> bool:
+    """``x`` pickles without the bytes of a stand-in's GLOBAL (the rewrite to torch's names stays exact)."""
+    if type(x) is int:
+        return x.bit_length() < _SHORT_INT_BITS
+    if type(x) is str:
+        return _MARKER_TEXT not in x
+    return type(x) is not bytes or _MARKER not in x
+
+
+def _check_plain(obj: Any) -> bool:
+    """Only values the structure reader produces: containers, atoms, dtypes, TensorInfo. True when a
+    dtype value is among them (only the pure-Python pickler writes it as torch does)."""
     seen: set[int] = set()
     stack = [obj]
+    dtypes = False
     while stack:
         x = stack.pop()
-        if isinstance(x, _PLAIN) or id(x) in seen:
+        if isinstance(x, _PLAIN):
+            if not _unmarked(x):
+                raise NeedsTorch("a value holding ckptfix's own pickle marker")
+            continue
+        if id(x) in seen:
             continue
         seen.add(id(x))
         cls = type(x)
-        if cls in (TensorInfo, DtypeToken):
-            continue
-        if cls in (dict, OrderedDict):
+        if cls is TensorInfo:
+            if not all(map(_unmarked, (x.storage_offset, *x.shape, *x.stride))):
+                raise NeedsTorch("a tensor of a size no file holds")
+        elif cls is DtypeToken:
+            dtypes = True
+        elif cls in (dict, OrderedDict):
             stack.extend(x.keys())
             stack.extend(x.values())
             stack.extend(vars(x).values() if cls is OrderedDict else ())
@@ -155,15 +169,18 @@ def _check_plain(obj: Any) -> None:
             stack.extend(x)
         else:
             raise NeedsTorch(f"a {cls.__name__} value")
+    return dtypes
 
 
 def pickle_structure(obj: Any, keep_keys: bool) -> tuple[bytes, list[tuple[str, StorageRef]]]:
-    """``data.pkl`` for ``obj`` and the records it names, ``[(key, StorageRef), …]``."""
-    _check_plain(obj)
+    """``data.pkl`` for ``obj`` and the records it names, ``[(key, StorageRef), …]``: pickled by Python's
+    C pickler (its pure-Python one where a dtype value needs it) with stand-ins for torch's globals,
+    which are then rewritten to torch's names."""
+    pickler = _PyPickler if _check_plain(obj) else _Pickler
     records = _Records(keep_keys)
     buf = io.BytesIO()
-    _InfoPickler(buf, records).dump(obj)
-    return buf.getvalue(), records.order
+    pickler(buf, records).dump(obj)
+    return to_torch(buf.getvalue()), records.order
 
 
 # -- safetensors ------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Not a test. Creates a synthetic DDP checkpoint (keys ``module.layers.N.weight``)
 of tensors of tens of MB, plus a variant with 20,000 small tensors, then runs every command side
 by side in alternating rounds and reports the median wall time and peak anonymous memory
 (RssAnon sampled from /proc/PID/status), as ratios to ``import torch`` + ``cp`` + fsync measured in
-the same run, each command after a ``sync`` and a 1 s pause so one command's writeback doesn't land on
+the same run, each command after a ``sync`` and a pause (--settle, 1 s) so one command's writeback doesn't land on
 the next. Replaces the first section of bench/RESULTS.md (the sections after it are other benches').
 
     python bench/convert.py --size-gb 2 --rounds 3 --dir /tmp/ckptfix-bench
@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--small-tensors", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds to pause after a sync before each command")
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir, removed after)")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args()
@@ -152,7 +153,7 @@ def main() -> None:
         for r in range(args.rounds):
             names = list(cmds) if r % 2 == 0 else list(reversed(cmds))  # alternate the order
             for name in names:
-                runs[name].append(measure(cmds[name], settle=1.0))
+                runs[name].append(measure(cmds[name], settle=args.settle))
                 print(f"round {r + 1}: {name}: {runs[name][-1][0]:.2f} s", file=sys.stderr)
         report = render(runs, files, args)
         print(report)
@@ -174,11 +175,12 @@ def render(runs: dict[str, list[tuple[float, int]]], files: dict[str, Path], arg
     lines = [
         "# ckptfix conversion benchmark",
         "",
-        f"`python bench/convert.py --size-gb {args.size_gb} --rounds {args.rounds}` on {platform.machine()}, "
+        f"`python bench/convert.py --size-gb {args.size_gb} --rounds {args.rounds} --settle {args.settle:g}` "
+        f"on {platform.machine()}, "
         f"{os.cpu_count()} cores, Python {platform.python_version()}; checkpoint {size / 2**30:.2f} GiB "
         f"({len(list(runs))} commands × {args.rounds} alternating rounds, median wall, max peak RssAnon; page cache warm).",
         "",
-        f"Baseline = `import torch` + `cp` + fsync = {base:.2f} s; each command after `sync` + 1 s pause. Memory: "
+        f"Baseline = `import torch` + `cp` + fsync = {base:.2f} s; each command after `sync` + {args.settle:g} s pause. Memory: "
         f"peak RssAnon minus a bare `import torch` process ({torch_mem / 2**20:.0f} MiB) and minus `python -c pass` "
         f"({bare / 2**20:.0f} MiB).",
         "",

@@ -1,7 +1,8 @@
 """Benchmark: the short commands (``inspect``, ``scan``) against ``python -c pass`` and ``import torch``.
 
 Not a test. Writes a small torch zip, a small safetensors file and a large torch zip (--size-gb,
-100 tensors, keys ``module.layers.N.weight``) under --dir, runs every command in alternating rounds
+100 tensors, keys ``module.layers.N.weight``) under --dir (and reads the committed FSDP2 DCP directory
+fixtures/mlp_fsdp2, model and optimizer state), runs every command in alternating rounds
 (``sync`` and a short pause before each run) and prints the median wall time of each and its ratio
 to ``import torch`` measured in the same run (target: at most 0.15). Deletes what it wrote.
 
@@ -68,6 +69,11 @@ def main() -> None:
         for name, path in inputs.items():
             for verb in ("inspect", "scan"):
                 commands[f"ckptfix {verb} {name}"] = [*CKPTFIX, verb, str(path)]
+        fsdp2 = str(Path(__file__).resolve().parent.parent / "fixtures" / "mlp_fsdp2")  # model + optimizer state
+        for verb in ("inspect", "scan"):
+            commands[f"ckptfix {verb} fixtures/mlp_fsdp2 (DCP)"] = [*CKPTFIX, verb, fsdp2]
+        commands["ckptfix inspect fixtures/mlp_fsdp2 (torch path)"] = ["env", "CKPTFIX_TORCH_FREE=0", *CKPTFIX,
+                                                                       "inspect", fsdp2]
         commands["ckptfix inspect small.pth (torch path)"] = ["env", "CKPTFIX_TORCH_FREE=0", *CKPTFIX, "inspect",
                                                               str(inputs["small.pth"])]
         times: dict[str, list[float]] = {name: [] for name in commands}

@@ -13,8 +13,11 @@ The read is one of three, chosen before any tensor byte is touched:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,18 +302,34 @@ def _write_output(req: Request, obj: Any, refs: dict | None, final: _Finalizer) 
 
 # -- the whole conversion ------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off (as it was after). The torch-free path builds some 25 objects
+    per tensor, none in a cycle, so each full collection only re-walks every object the process holds: in
+    a caller that has imported torch (200,000 of them) that made ``convert()`` of 20,000 tensors 20 % slower
+    than the whole CLI command."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def run(req: Request, start: float) -> ConvertReport:
     """Read, normalise, write and report; the torch-free path first where the request allows it."""
-    ckpt, mode = plan_read(req)
-    if mode == TORCH_FREE:
-        final = _Finalizer(req)
-        out = transform(req, ckpt)
-        try:
-            written = write_torch_free(req, ckpt, out, final)
-        except torchfree.NeedsTorch:
-            ckpt, mode = plan_read(req, torch_free=False)
-        else:
-            return report(req, ckpt, out, written, final, True, start)
+    with _collector_paused():
+        ckpt, mode = plan_read(req)
+        if mode == TORCH_FREE:
+            final = _Finalizer(req)
+            out = transform(req, ckpt)
+            try:
+                written = write_torch_free(req, ckpt, out, final)
+            except torchfree.NeedsTorch:
+                ckpt, mode = plan_read(req, torch_free=False)
+            else:
+                return report(req, ckpt, out, written, final, True, start)
     final = _Finalizer(req)
     out = transform(req, ckpt)
     written = write_with_torch(req, ckpt, out, final, streamed=mode == STREAMED)

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 import ckptfix
 from ckptfix import conversion
+from ckptfix.errors import UnsafeCheckpointError
 from ckptfix.formats import sniff, structure
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -287,3 +288,34 @@ def test_c_and_python_picklers_write_the_same_bytes(obj: Any) -> None:
             outs.append(buf.getvalue())
     if not torchfree._check_plain(infos):  # with a dtype value the C pickler can't write it as torch does
         assert outs[0] == outs[1]
+
+
+class _Unlisted:
+    """A class on no allow-list."""
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_convert_leaves_the_garbage_collector_as_it_was(enabled: bool, tmp_path: Path) -> None:
+    """``convert`` pauses the cyclic collector while it builds the structure (a caller that imported torch
+    would otherwise pay for re-walking torch's objects), and gives it back as it was, error or not."""
+    import gc
+
+    seen: list[bool] = []
+    real = conversion.write_torch_free
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(conversion, "write_torch_free", spy)
+            ckptfix.convert(FIXTURES / "mlp_ddp.pth", tmp_path / "out.pth")
+            assert gc.isenabled() is enabled and seen == [False]
+            torch.save({"w": torch.ones(2), "step": _Unlisted()}, tmp_path / "unsafe.pth")
+            with pytest.raises(UnsafeCheckpointError):  # refused while the structure is read
+                ckptfix.convert(tmp_path / "unsafe.pth", tmp_path / "out2.pth")
+            assert gc.isenabled() is enabled
+    finally:
+        gc.enable()

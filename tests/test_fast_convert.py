@@ -244,6 +244,7 @@ MARKED: dict[str, Any] = {  # a value whose pickle would hold a stand-in's GLOBA
     "key, partly": lambda t: {"w": t, _marked("_rebuild_tensor_v2")[:-4]: t},
     "bytes value": lambda t: {"w": t, "blob": _marked("float16").encode()},
     "huge int": lambda t: {"w": t, "n": int.from_bytes(_marked("FloatStorage").encode(), "little") << 3},
+    "int spelling the marker": lambda t: {"w": t, "n": int.from_bytes(_marked("x")[1:-3].encode(), "little")},
 }
 
 

@@ -127,8 +127,8 @@ def _reduce_tensor(t: TensorInfo) -> tuple:
 _PLAIN = (str, int, float, bool, complex, type(None), bytes)
 _MARKER = marker()
 _MARKER_TEXT = _MARKER.decode("ascii")
-#: an int of up to this many bits pickles in fewer bytes than a stand-in's GLOBAL: it can't hold one
-_SHORT_INT_BITS = 8 * len(_MARKER)
+#: an int of fewer bits pickles (LONG1: little-endian, two's complement) in fewer bytes than the marker
+_SHORT_INT_BITS = 8 * (len(_MARKER) - 1)
 
 
 def _unmarked(x: Any) -> bool:
@@ -180,7 +180,10 @@ def pickle_structure(obj: Any, keep_keys: bool) -> tuple[bytes, list[tuple[str, 
     records = _Records(keep_keys)
     buf = io.BytesIO()
     pickler(buf, records).dump(obj)
-    return to_torch(buf.getvalue()), records.order
+    try:
+        return to_torch(buf.getvalue()), records.order
+    except ValueError as e:  # the marker where _unmarked can't see it: torch's writer, not a broken file
+        raise NeedsTorch(str(e)) from None
 
 
 # -- safetensors ------------------------------------------------------------------------------------

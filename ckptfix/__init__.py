@@ -6,61 +6,59 @@ Importing ckptfix does not import torch; each function imports it when called.
 >>> sd = ckptfix.load("ddp_run.pth")                           # 'module.' gone, on CPU
 >>> ckptfix.convert("ddp_run.pth", "model.safetensors")
 >>> ckptfix.load_into(model, "compiled_ddp_run.pth")
+
+The package is layered (ARCHITECTURE.md): ``core`` → ``parse`` → ``safety`` → ``statedict`` → ``formats`` →
+``ops`` → ``model`` → ``cli``. The names below are loaded on first use from the module that defines them;
+the ``TYPE_CHECKING`` block names the same ones for type checkers (tests/test_package.py keeps both in step).
 """
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import errors
 from .errors import CkptfixError
 
 __version__ = "0.1.0"
 
-#: functions that share their submodule's name: ``ckptfix.verify`` is always the function, while
-#: ``from ckptfix.verify import …`` reaches the module through ``sys.modules``
-_SAME_NAME = {"verify", "diff"}
-
+#: public name -> "module:attribute" (a function or class) or "module" (a public submodule)
 _LAZY = {
-    "verify": "verify",
-    "VerifyReport": "verify",
-    "diff": "diff",
-    "DiffReport": "diff",
-    "describe": "api",
-    "load": "api",
-    "read": "api",
-    "inspect": "api",
-    "convert": "api",
-    "load_into": "api",
-    "Checkpoint": "reports",
-    "ConvertReport": "reports",
-    "LoadReport": "reports",
-    "reports": None,
-    "wrappers": None,
-    "devices": None,
-    "formats": None,
-    "safety": None,
-    "limits": None,
-    "scan": "safety",
-    "ScanReport": "safety",
+    "verify": "model.verify:verify",
+    "VerifyReport": "model.verify:VerifyReport",
+    "diff": "ops.diff:diff",
+    "DiffReport": "ops.diff:DiffReport",
+    "describe": "ops.api:describe",
+    "load": "ops.api:load",
+    "read": "ops.api:read",
+    "inspect": "ops.api:inspect",
+    "convert": "ops.api:convert",
+    "load_into": "ops.api:load_into",
+    "Checkpoint": "reports:Checkpoint",
+    "ConvertReport": "reports:ConvertReport",
+    "LoadReport": "reports:LoadReport",
+    "scan": "safety:scan",
+    "ScanReport": "safety:ScanReport",
+    "reports": "reports",
+    "safety": "safety",
+    "formats": "formats",
+    "wrappers": "statedict.wrappers",
+    "devices": "core.devices",
+    "limits": "core.limits",
 }
 
-__all__ = ["CkptfixError", "errors", "__version__", *_LAZY]
+__all__ = ["CkptfixError", "errors", "__version__", "verify", "VerifyReport", "diff", "DiffReport", "describe", "load",
+           "read", "inspect", "convert", "load_into", "Checkpoint", "ConvertReport", "LoadReport", "scan", "ScanReport",
+           "reports", "safety", "formats", "wrappers", "devices", "limits"]
 
-
-class _Package(types.ModuleType):
-    """Importing a submodule binds it on its package (``setattr(ckptfix, "verify", module)``); for
-    the submodules named like their function, bind the function instead."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SAME_NAME and isinstance(value, types.ModuleType):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+if TYPE_CHECKING:
+    from . import formats, reports, safety
+    from .core import devices, limits
+    from .model.verify import VerifyReport, verify
+    from .ops.api import convert, describe, inspect, load, load_into, read
+    from .ops.diff import DiffReport, diff
+    from .reports import Checkpoint, ConvertReport, LoadReport
+    from .safety import ScanReport, scan
+    from .statedict import wrappers
 
 
 def __getattr__(name: str) -> Any:
@@ -68,10 +66,9 @@ def __getattr__(name: str) -> Any:
 
     if name not in _LAZY:
         raise AttributeError(f"module 'ckptfix' has no attribute {name!r}")
-    module_name = _LAZY[name]
-    if module_name is None:
-        return importlib.import_module(f".{name}", __name__)
-    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
-    if name in _SAME_NAME:
-        globals()[name] = value  # looked up once: the function, not the submodule
+    module_name, _, attr = _LAZY[name].partition(":")
+    value = importlib.import_module(f".{module_name}", __name__)
+    if attr:
+        value = getattr(value, attr)
+    globals()[name] = value  # looked up once
     return value

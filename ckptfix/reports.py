@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .devices import storage_id
-from .layout import common_prefix, detect_framework
-from .tensorinfo import TensorInfo, is_tensor, shape_and_dtype
-from .wrappers import strip_wrappers
+from .core.devices import storage_id
+from .statedict.locate import common_prefix, detect_framework
+from .core.tensorinfo import TensorInfo, is_tensor, shape_and_dtype
+from .statedict.wrappers import strip_wrappers
 
 
 @dataclass
@@ -31,7 +31,7 @@ class TensorStats:
 def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default_tag: str | None = None) -> TensorStats:
     """Count tensors, elements, bytes, dtypes and saved devices (from ``tags``: storage id → tag).
 
-    Tensors or :class:`~ckptfix.tensorinfo.TensorInfo` (whose storage id is ``id(info.storage)``)."""
+    Tensors or :class:`~ckptfix.core.tensorinfo.TensorInfo` (whose storage id is ``id(info.storage)``)."""
     stats = TensorStats()
     dtypes: Counter = Counter()
     devices: Counter = Counter()
@@ -85,7 +85,7 @@ def _shape_row(key: str, t: Any) -> dict[str, Any]:
 class Checkpoint:
     """A whole checkpoint file: the model's state dict plus everything around it.
 
-    Its tensors are real (``read``), on ``meta`` (``inspect``), or :class:`~ckptfix.tensorinfo.TensorInfo`
+    Its tensors are real (``read``), on ``meta`` (``inspect``), or :class:`~ckptfix.core.tensorinfo.TensorInfo`
     (``describe``, read without torch); ``to_dict()`` renders all three alike."""
 
     path: str

@@ -2,7 +2,7 @@
 ``diff`` print without ``--json`` (``VerifyReport.format_text()`` and ``DiffReport.format_text()`` are these).
 
 Each function takes a report (or a Checkpoint's ``to_dict()``) and returns the text; the CLI echoes it.
-Sizes and dtype names come from :mod:`ckptfix.render`, grouped key lists from :func:`group_keys`.
+Sizes and dtype names come from :mod:`ckptfix.core.units`, grouped key lists from :func:`group_keys`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import math
 import os
 from typing import Any
 
-from .forward import describe_tolerance
-from .inputs import describe_recipe
-from .render import human_size
-from .repair import group_keys
+from .core.units import human_size
+from .statedict.repair import group_keys
 
 #: What the serving code loads each single-file format with (``--exact``).
 EXACT_LOADERS = {"torch-zip": "torch.load(weights_only=True)", "torch-legacy": "torch.load(weights_only=True)",
@@ -170,3 +168,26 @@ def diff_text(report: Any) -> str:
         rows = sorted(report.value_mismatch, key=lambda r: -(r["max_abs_diff"] if r["max_abs_diff"] is not None else math.inf))
         lines += [f"    {r['key']}: max abs diff {r['max_abs_diff']}" for r in rows[:20]]
     return "\n".join(lines)
+
+def describe_tolerance(row: dict[str, Any]) -> str:
+    """``atol=1e-06, rtol=1e-05: recorded-value default for float32`` for a ``forward.against`` row."""
+    dtypes = "/".join(row["output_dtypes"]) or "this output"
+    why = {"given": "as given", "exact": "bit-exact, both computed in this run",
+           "recorded": f"recorded-value default for {dtypes}",
+           "dtype": f"default for {dtypes}, the serving dtype (the reference run in it too)"}[row["tolerance"]]
+    return f"atol={row['atol']:g}, rtol={row['rtol']:g}: {why}"
+
+
+def describe_recipe(recipe: dict[str, Any]) -> str:
+    """``input 4x13 float, seed 1234`` / ``input 1x16 long in [0, 30522), seed 1234`` / ``input x.pt`` for an
+    input recipe's ``to_dict()`` (a verify row's ``input``, a golden file's metadata)."""
+    if "file" in recipe:
+        return f"input {recipe['file'] or 'given tensors'}"
+    rng = recipe.get("range")
+    span = f" in [{number(rng[0])}, {number(rng[1])})" if rng is not None else ""
+    shape = "x".join(map(str, recipe.get("shape") or ()))
+    return f"input {shape} {recipe.get('dtype', 'float')}{span}, seed {recipe.get('seed')}"
+
+
+def number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"

@@ -60,11 +60,11 @@ def fake_location(tag: str | Callable[[Any], str]) -> Iterator[None]:
 
 def recorded_tolerance(got: Any) -> tuple[float, float]:
     """``(atol, rtol)`` for comparing ``got`` with a value recorded elsewhere: ckptfix's own table
-    (:data:`ckptfix.forward.RECORDED_TOLERANCE`; float32: atol 1e-6, rtol 1e-5) by got's dtype.
+    (:data:`ckptfix.model.forward.RECORDED_TOLERANCE`; float32: atol 1e-6, rtol 1e-5) by got's dtype.
     Python floats and numpy arrays count as float32: a training run logs them from float32 tensors."""
     import torch
 
-    from ckptfix.forward import recorded_tolerance as by_dtype
+    from ckptfix.model.forward import recorded_tolerance as by_dtype
 
     return by_dtype(got.dtype if isinstance(got, torch.Tensor) else torch.float32)
 
@@ -106,7 +106,7 @@ def golden_from_manifest(entry: dict[str, Any], path: Path, output: str = "outpu
     file that ``verify --golden`` compares with (recorded on another machine, as a manifest's values are)."""
     import torch
 
-    from ckptfix.golden import write_golden
+    from ckptfix.model.golden import write_golden
 
     recipe = {"shape": entry["input"]["shape"], "dtype": "float", "range": None, "seed": entry["input"]["seed"]}
     write_golden(path, {"output": torch.tensor(entry[output], dtype=torch.float32)}, recipe, "float32",

@@ -66,7 +66,8 @@ def _fail_writes(monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
     """Route every write ckptfix's writers make (file objects, pwrite, copy_file_range) through ``disk``."""
     import builtins
 
-    from ckptfix.formats import safetensors_file, torchfile, torchzip
+    from ckptfix.formats import safetensors_file
+    from ckptfix.formats.torchsave import torch_io as torchfile, records as torchzip
 
     real_open, real_pwrite, real_cfr = builtins.open, os.pwrite, os.copy_file_range
 
@@ -321,7 +322,7 @@ def test_library_callers_get_a_keyboard_interrupt_and_their_handlers_back(tmp_pa
 
 
 def test_signal_during_the_final_rename_lets_it_finish() -> None:
-    from ckptfix import interrupts
+    from ckptfix.core import interrupts
     from ckptfix.errors import Interrupted
 
     done = []

@@ -14,7 +14,7 @@ from conftest import assert_close_to_recorded
 from torch import nn
 
 import ckptfix
-from ckptfix.wrappers import strip_wrappers
+from ckptfix.statedict.wrappers import strip_wrappers
 
 MLP_FIXTURES = [
     "mlp_single.pth", "mlp_dp.pth", "mlp_ddp.pth", "mlp_compile.pth", "mlp_compile_ddp.pth",

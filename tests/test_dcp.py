@@ -20,10 +20,11 @@ import torch
 from conftest import assert_close_to_recorded, mapped_from
 import torch.distributed.checkpoint as tdcp
 
-from ckptfix import layout
-from ckptfix.devices import DevicePlan
+from ckptfix.statedict import locate as layout
+from ckptfix.core.devices import DevicePlan
 from ckptfix.errors import FormatError, UnsafeCheckpointError
-from ckptfix.formats import dcp
+from ckptfix.formats.dcp import directory as dcp
+from ckptfix.parse.checkpoint_dirs import is_dcp_dir
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -191,9 +192,9 @@ def test_broken_checkpoints_are_format_errors(fsdp2_copy: Path, breaker: Any, me
 
 
 def test_is_dcp_dir(fixtures_dir: Path, tmp_path: Path) -> None:
-    assert dcp.is_dcp_dir(str(fixtures_dir / "mlp_fsdp2"))
-    assert not dcp.is_dcp_dir(str(fixtures_dir / "mlp_fsdp2" / ".metadata"))
-    assert not dcp.is_dcp_dir(str(tmp_path))
+    assert is_dcp_dir(str(fixtures_dir / "mlp_fsdp2"))
+    assert not is_dcp_dir(str(fixtures_dir / "mlp_fsdp2" / ".metadata"))
+    assert not is_dcp_dir(str(tmp_path))
 
 
 @pytest.mark.slow

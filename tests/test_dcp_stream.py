@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptfix
-from ckptfix.formats import dcp_chunks
+from ckptfix.formats.dcp import chunks as dcp_chunks
 
 pytestmark = pytest.mark.slow
 

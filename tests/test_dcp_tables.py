@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
 
-from ckptfix import dcp_metadata
-from ckptfix.dcp_metadata import METADATA
+from ckptfix.safety import dcp_policy as dcp_metadata
+from ckptfix.safety.dcp_policy import METADATA
 
 
 # -- the inert read against the torch read ------------------------------------------------------------

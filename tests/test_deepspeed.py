@@ -91,7 +91,7 @@ def _stand_in_pickle() -> Any:
     """A pickle module whose Unpickler maps DeepSpeed's names to ckptfix's stand-ins (test-side reading)."""
     import pickle
 
-    from ckptfix.formats.deepspeed_pickle import STAND_INS
+    from ckptfix.safety.deepspeed_policy import STAND_INS
 
     class Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
@@ -352,8 +352,8 @@ def test_imitation_matches_real_deepspeed_files(stage: int, precision: str, real
     """fixtures/deepspeed_layouts.py writes what deepspeed writes: the same files, keys in the same order,
     tensors of the same shapes, dtypes and storage layouts, the same pickled globals (values differ: its
     training is plain torch)."""
-    from ckptfix.formats import torchzip
-    from ckptfix.formats.deepspeed_pickle import optim_policy
+    from ckptfix.formats.torchsave import records as torchzip
+    from ckptfix.safety.deepspeed_policy import optim_policy
 
     real = real_runs / f"zero{stage}_{precision}" / "global_step3"
     zero.save_deepspeed(train, "zeronet", tmp_path, stage, precision, tag="global_step3")

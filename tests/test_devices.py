@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.devices import DevicePlan, auto_device, parse_cli_map_location
+from ckptfix.core.devices import DevicePlan, auto_device, parse_cli_map_location
 from ckptfix.errors import DeviceError
 from conftest import fake_location
 

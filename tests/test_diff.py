@@ -12,7 +12,7 @@ import torch
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.diff import tensor_diff
+from ckptfix.ops.diff import tensor_diff
 
 
 @pytest.mark.parametrize("mode", ["ddp", "compile_ddp", "train_ckpt", "legacy", "model_parallel"])

@@ -13,8 +13,11 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix import errors, forward, inputs, layout, limits, models, transforms, wrappers
-from ckptfix.devices import parse_cli_map_location
+from ckptfix import errors
+from ckptfix.model import forward, inputs, spec as models
+from ckptfix.statedict import locate as layout, transforms, wrappers
+from ckptfix.core import limits
+from ckptfix.core.devices import parse_cli_map_location
 
 ROOT = Path(__file__).resolve().parent.parent
 _BUILTINS = (ValueError, LookupError, RuntimeError, OSError, MemoryError)

@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfix
-from ckptfix import conversion
+from ckptfix.ops import convert as conversion
 from ckptfix.errors import UnsafeCheckpointError
-from ckptfix.formats import sniff, structure
+from ckptfix.formats import sniff, describe as structure
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fast_path import DESCRIBED, _PROBE, _safetensors_copy, checkpoints, save_both  # noqa: E402
@@ -234,7 +234,7 @@ def test_sharded_convert_imports_no_torch(src: str, fmt: str, index: str, tmp_pa
 # -- torch's globals written as stand-ins, then renamed ----------------------------------------------
 
 def _marked(text: str) -> str:
-    from ckptfix.formats.torch_globals import marker
+    from ckptfix.formats.torchsave.torch_globals import marker
 
     return f"c{marker().decode()}\n{text}\n"
 
@@ -261,10 +261,10 @@ def test_values_holding_the_marker_convert_through_torch(name: str, tmp_path: Pa
 def test_stand_ins_rewritten_only_where_written() -> None:
     import pickle
 
-    from ckptfix.formats.torch_globals import REBUILD_TENSOR, to_torch
+    from ckptfix.formats.torchsave.torch_globals import REBUILD_TENSOR, to_torch
 
     data = pickle.dumps([REBUILD_TENSOR, REBUILD_TENSOR], protocol=2)
-    assert to_torch(data) == data.replace(b"cckptfix.formats.torch_globals\n", b"ctorch._utils\n") != data
+    assert to_torch(data) == data.replace(b"cckptfix.formats.torchsave.torch_globals\n", b"ctorch._utils\n") != data
     for bad in (data + _marked("_rebuild_tensor_v2").encode(), data.replace(b"_rebuild_tensor_v2\n", b"_rebuild_tensorX\n")):
         with pytest.raises(ValueError, match="stand-in"):
             to_torch(bad)

@@ -1,4 +1,4 @@
-"""The torch-free describe path (``ckptfix.formats.structure``) against the torch path (``inspect``).
+"""The torch-free describe path (``ckptfix.formats.describe``) against the torch path (``inspect``).
 
 - ``ckptfix inspect --json`` (and the text) is the same through both, for every committed fixture,
   generated layouts, sharded directories and hypothesis-generated checkpoints of every dtype;
@@ -31,8 +31,8 @@ from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.formats import sniff, structure
-from ckptfix.tensorinfo import TensorInfo
+from ckptfix.formats import sniff, describe as structure
+from ckptfix.core.tensorinfo import TensorInfo
 
 sys.path.insert(0, str(Path(__file__).parent))
 import adversarial  # noqa: E402
@@ -231,10 +231,10 @@ def test_sharded_inspect_imports_no_torch(generated: Path) -> None:
 
 def test_import_ckptfix_is_lazy() -> None:
     code = ("import sys, ckptfix\n"
-            "assert 'torch' not in sys.modules and 'ckptfix.verify' not in sys.modules "
-            "and 'ckptfix.diff' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('torch', 'ckptfix')))\n"
-            "from ckptfix.verify import VerifyReport\nfrom ckptfix.diff import DiffReport\n"
-            "import ckptfix.verify\n"
+            "assert 'torch' not in sys.modules and 'ckptfix.model.verify' not in sys.modules "
+            "and 'ckptfix.ops.diff' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('torch', 'ckptfix')))\n"
+            "from ckptfix import VerifyReport, DiffReport\n"
+            "import ckptfix.model.verify\n"
             "assert callable(ckptfix.verify) and ckptfix.verify.__name__ == 'verify', ckptfix.verify\n"
             "assert callable(ckptfix.diff) and ckptfix.diff.__name__ == 'diff', ckptfix.diff\n"
             "assert ckptfix.VerifyReport is VerifyReport and ckptfix.DiffReport is DiffReport\n"
@@ -244,11 +244,11 @@ def test_import_ckptfix_is_lazy() -> None:
 
 
 def test_function_names_survive_any_import_order() -> None:
-    import ckptfix.diff
-    import ckptfix.verify
+    import ckptfix.ops.diff
+    import ckptfix.model.verify
 
-    assert ckptfix.verify.__module__ == "ckptfix.verify" and callable(ckptfix.verify)
-    assert ckptfix.diff.__module__ == "ckptfix.diff" and callable(ckptfix.diff)
+    assert ckptfix.verify.__module__ == "ckptfix.model.verify" and callable(ckptfix.verify)
+    assert ckptfix.diff.__module__ == "ckptfix.ops.diff" and callable(ckptfix.diff)
 
 
 # -- TensorInfo ---------------------------------------------------------------------------------------

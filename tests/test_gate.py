@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.golden import META_KEY
-from ckptfix.models import build_model
+from ckptfix.model.golden import META_KEY
+from ckptfix.model.spec import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
@@ -141,7 +141,7 @@ def test_a_cast_release_passes_exact_in_its_serving_dtype(dtype: str, torch_dtyp
     assert report["model_dtype"] == str(torch_dtype).removeprefix("torch.") and report["dtype_mismatch"] == []
     assert _serving_loader_takes(release, train.mlp().to(torch_dtype))
     (row,) = report["forward"]["against"]
-    atol, rtol = ckptfix.forward.RECORDED_TOLERANCE[report["model_dtype"]]
+    atol, rtol = ckptfix.model.forward.RECORDED_TOLERANCE[report["model_dtype"]]
     # the half-precision model ran (not weights cast back to fp32), against the reference cast to the same dtype
     assert (row["output_dtypes"], row["tolerance"], row["atol"], row["rtol"]) == \
         ([report["model_dtype"]], "dtype", atol, rtol)
@@ -367,7 +367,7 @@ def test_dtype_mismatches_are_grouped_by_module(cli_runner: Any, fixtures_dir: P
 
 @pytest.mark.parametrize("text", ["", "5", "3,1", "a,b", "1,2,3"])
 def test_input_range_is_low_high(text: str) -> None:
-    from ckptfix.inputs import parse_range
+    from ckptfix.model.inputs import parse_range
 
     with pytest.raises(ckptfix.CkptfixError, match="expected LOW,HIGH with LOW < HIGH"):
         parse_range(text)
@@ -381,8 +381,8 @@ def test_input_range_is_low_high(text: str) -> None:
     ({"shape": [4], "dtype": "float", "range": [-1, 1], "seed": 7}, torch.float32),
 ])
 def test_a_recorded_recipe_makes_the_same_input_again(recipe: dict, first: Any) -> None:
-    from ckptfix.forward import seeded_input
-    from ckptfix.inputs import InputRecipe
+    from ckptfix.model.forward import seeded_input
+    from ckptfix.model.inputs import InputRecipe
 
     (x,), _ = InputRecipe.from_dict(recipe).make()
     (y,), _ = InputRecipe.from_dict(json.loads(json.dumps(InputRecipe.from_dict(recipe).to_dict()))).make()

@@ -275,14 +275,14 @@ def test_stride0_view_loads_but_is_not_expanded_into_gigabytes(tmp_path: Path, c
     res = cli_runner.invoke(cli, ["convert", str(path), str(tmp_path / "o.safetensors")])
     assert res.exit_code == 1 and "max_expand_bytes" in res.stderr and "CKPTFIX_MAX_EXPAND_BYTES" in res.stderr
     assert not (tmp_path / "o.safetensors").exists() and not list(tmp_path.glob(".o.safetensors*"))
-    with ckptfix.limits.override(max_expand_bytes=1 << 30):  # raised on purpose: written out in full
+    with ckptfix.core.limits.override(max_expand_bytes=1 << 30):  # raised on purpose: written out in full
         ckptfix.convert(path, tmp_path / "o.safetensors")
     assert (tmp_path / "o.safetensors").stat().st_size > 1 << 29
 
 
 def test_limits_are_documented_and_overridable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     docs = (ROOT / "docs" / "security.md").read_text().split("\n## Limits\n", 1)[1].split("\n## ", 1)[0]
-    for name, var in ckptfix.limits.ENV.items():
+    for name, var in ckptfix.core.limits.ENV.items():
         assert f"`{var}`" in docs and f"`{name}`" in docs, name
     path = _deep("tuples")(tmp_path)
     monkeypatch.setenv("CKPTFIX_MAX_DEPTH", "2000000")  # the user raises it: the file loads
@@ -293,7 +293,7 @@ def test_limits_are_documented_and_overridable(tmp_path: Path, monkeypatch: pyte
 
 
 def test_compressed_pickle_inflates_in_bounded_chunks(tmp_path: Path) -> None:
-    from ckptfix import zip_check
+    from ckptfix.parse import zipcheck as zip_check
 
     path = _deflate_bomb(tmp_path)
     import mmap
@@ -375,7 +375,7 @@ def test_dcp_directory_scan_walks_metadata_and_every_record(fixtures_dir: Path) 
 def test_torchscript_archive_never_reaches_torch_jit_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.load without weights_only hands a TorchScript archive to torch.jit.load: ckptfix's loader
     asks torch's own reader first and refuses, whatever the caller thought the file was."""
-    from ckptfix.formats.torchfile import torch_load
+    from ckptfix.formats.torchsave.torch_io import torch_load
 
     path = tmp_path / "scripted.pt"
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
@@ -395,7 +395,7 @@ def test_tar_header_extension_is_never_read_past_the_limit(tmp_path: Path) -> No
     with open(path, "wb") as f:
         f.write(info.tobuf(format=tarfile.GNU_FORMAT)[:512])
         f.truncate(512 + (256 << 20) + 1024)  # sparse: no disk used
-    with ckptfix.limits.override(max_pickle_bytes=1 << 20):
+    with ckptfix.core.limits.override(max_pickle_bytes=1 << 20):
         assert ckptfix.formats.opens_as_tar(str(path))
         report = ckptfix.scan(path)
         assert not report.ok and {"tar-format", "malformed"} <= {f.kind for f in report.findings}
@@ -473,8 +473,8 @@ def fuzz(seed: int, count: int) -> dict[str, int]:
     import io
     import random
 
-    from ckptfix.guards import start_load, torch_policy
-    from ckptfix.unpickler import SafePickle
+    from ckptfix.safety.guards import start_load, torch_policy
+    from ckptfix.parse.unpickler import SafePickle
 
     def persistent_load(pid: tuple) -> Any:
         numel = pid[4] if isinstance(pid[4], int) and 0 <= pid[4] < 1 << 16 else 0

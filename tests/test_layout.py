@@ -13,7 +13,7 @@ import torch
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import DeepSpeedZeroError, SelectError
-from ckptfix.layout import find_state_dict, put_back
+from ckptfix.statedict.locate import find_state_dict, put_back
 
 MLP_SPEC = str(Path(__file__).resolve().parent.parent / "fixtures" / "train.py") + ":mlp"
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import ckptfix
 from ckptfix.errors import LoadError
-from ckptfix.wrappers import strip_wrappers
+from ckptfix.statedict.wrappers import strip_wrappers
 
 MODES = ["single", "dp", "ddp", "compile", "compile_ddp", "ddp_compile", "amp",
          "cuda0", "cuda1", "model_parallel", "legacy", "train_ckpt", "safetensors"]

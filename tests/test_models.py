@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ckptfix.errors import CkptfixError, ModelSpecError
-from ckptfix.models import build_model, infer_input_shape, parse_model_args, parse_shape, split_spec
+from ckptfix.model.spec import build_model, infer_input_shape, parse_model_args, parse_shape, split_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,7 +119,7 @@ class _Pair(nn.Module):
     (lambda: nn.Sequential(nn.ReLU()), type(None), None, ["input"]),
 ])
 def test_what_a_model_takes(make: Any, first: type, vocab: int | None, needs: list[str]) -> None:
-    from ckptfix.models import embedding_size, first_layer, forward_arguments
+    from ckptfix.model.spec import embedding_size, first_layer, forward_arguments
 
     model = make()
     assert isinstance(first_layer(model), first)
@@ -129,7 +129,7 @@ def test_what_a_model_takes(make: Any, first: type, vocab: int | None, needs: li
 @pytest.mark.parametrize("dtype, want", [(None, torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16),
                                          (torch.float16, torch.float16)])
 def test_model_source_builds_in_the_serving_dtype(dtype: Any, want: torch.dtype) -> None:
-    from ckptfix.models import ModelSource, float_dtype
+    from ckptfix.model.spec import ModelSource, float_dtype
 
     given = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
     for model in ("torch.nn:Linear", given):

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfix
-from ckptfix import pickle_scan
-from ckptfix.wrappers import WRAPPER_SEGMENTS
+from ckptfix.parse import pickle_walk as pickle_scan
+from ckptfix.statedict.wrappers import WRAPPER_SEGMENTS
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                           HealthCheck.too_slow])

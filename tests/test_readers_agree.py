@@ -1,6 +1,6 @@
 """Differential tests: ckptfix's readers see what torch's own readers see.
 
-- ``ckptfix.zipfmt`` (the zip directory as torch's miniz reads it) against ``torch._C.PyTorchFileReader``
+- ``ckptfix.parse.zipdir`` (the zip directory as torch's miniz reads it) against ``torch._C.PyTorchFileReader``
   on every committed fixture, the adversarial corpus and a few hundred seeded mutations of a real
   archive: wherever torch reads an archive, ckptfix lists the same records at the same offsets.
 - ckptfix's restricted unpickler against ``torch.load``: random state dicts and training extras load
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import ckptfix
 from ckptfix.errors import CkptfixError
-from ckptfix.zipfmt import ZipFormatError, data_start, read_directory
+from ckptfix.parse.zipdir import ZipFormatError, data_start, read_directory
 
 sys.path.insert(0, str(Path(__file__).parent))
 import adversarial  # noqa: E402

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.allowlist import allowed_table, classify
+from ckptfix.safety.allowlist import allowed_table, classify
 from ckptfix.cli import cli
 from ckptfix.errors import UnsafeCheckpointError
 
@@ -129,7 +129,7 @@ def test_paths_from_other_pythons_and_systems(old: bytes, new: bytes, expected: 
 
 def test_allow_list_holds_no_function_that_runs_code() -> None:
     """Every entry is a data class or one of ckptfix's own guarded stand-ins; builtin types are inert tokens."""
-    from ckptfix import allowlist, numpy_safe, standins
+    from ckptfix.safety import allowlist, numpy_policy as numpy_safe, standins
 
     own = {allowlist._defaultdict, allowlist._empty_bytes, standins.getattr_method, numpy_safe._dtype,
            numpy_safe._reconstruct, numpy_safe._scalar}
@@ -188,8 +188,8 @@ def test_env_vars_never_make_ckptfix_unsafe(variable: str, scanned: bool, malici
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's variables flip torch.load's *defaults*; ckptfix always hands torch its own restricted
     unpickler. Without the static scan (patched out), that unpickler still refuses: two lines."""
-    from ckptfix import safety
-    from ckptfix.unpickler import SafePickle
+    from ckptfix.safety import scanner as safety
+    from ckptfix.parse.unpickler import SafePickle
 
     monkeypatch.setenv(variable, "1")
     if not scanned:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix import pickle_scan
+from ckptfix.parse import pickle_walk as pickle_scan
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 

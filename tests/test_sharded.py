@@ -27,10 +27,11 @@ import torch
 from conftest import mapped_from
 
 from ckptfix import formats
-from ckptfix.atomic import check_destination_dir
-from ckptfix.devices import DevicePlan
+from ckptfix.core.atomic import check_destination_dir
+from ckptfix.core.devices import DevicePlan
 from ckptfix.errors import ConversionError, DestinationError, FormatError
 from ckptfix.formats import sharded
+from ckptfix.parse.checkpoint_dirs import find_index
 
 FMTS = {"safetensors": formats.SAFETENSORS, "pth": formats.TORCH_ZIP}
 
@@ -114,7 +115,7 @@ def test_write_splits_like_huggingface(sd: OrderedDict, tmp_path: Path, fmt: str
 @pytest.mark.parametrize("max_size", [3000, 1])
 def test_read_back_bit_exact(sd: OrderedDict, tmp_path: Path, fmt: str, max_size: int) -> None:
     sharded.write(sd, str(tmp_path / "out"), FMTS[fmt], max_size)
-    index = sharded.find_index(str(tmp_path / "out"))
+    index = find_index(str(tmp_path / "out"))
     assert index is not None
     raw = sharded.read(index, DevicePlan("cpu"), trust=False)
     assert raw.format == ("sharded-safetensors" if fmt == "safetensors" else "sharded-pth")
@@ -138,12 +139,12 @@ def test_read_is_lazy_tensors_stay_in_the_shard_files(sd: OrderedDict, tmp_path:
 def test_structure_read_streams_into_any_output(sd: OrderedDict, tmp_path: Path, fmt: str) -> None:
     """A meta read gives refs for every storage: shards → one file, and re-sharding, copy bytes without loading."""
     sharded.write(sd, str(tmp_path / "src"), FMTS[fmt], 3000)
-    raw = sharded.read(sharded.find_index(str(tmp_path / "src")), DevicePlan("meta"), trust=False)
+    raw = sharded.read(find_index(str(tmp_path / "src")), DevicePlan("meta"), trust=False)
     assert {formats.StorageRef} == {type(r) for r in raw.refs.values()} and len(raw.refs) == len(sd)
     formats.write(raw.obj, str(tmp_path / "one.safetensors"), formats.SAFETENSORS, refs=raw.refs)
     assert_same(formats.read(str(tmp_path / "one.safetensors"), formats.SAFETENSORS, DevicePlan("cpu"), False).obj, sd)
     sharded.write(raw.obj, str(tmp_path / "resharded"), FMTS[fmt], 1, refs=raw.refs)
-    back = sharded.read(sharded.find_index(str(tmp_path / "resharded")), DevicePlan("cpu"), trust=False)
+    back = sharded.read(find_index(str(tmp_path / "resharded")), DevicePlan("cpu"), trust=False)
     assert_same(back.obj, sd)
 
 
@@ -243,15 +244,15 @@ def test_malformed_index(tmp_path: Path, text: str, message: str) -> None:
 def test_find_index(sd: OrderedDict, tmp_path: Path) -> None:
     sharded.write(sd, str(tmp_path / "st"), formats.SAFETENSORS, 3000)
     index = str(tmp_path / "st" / "model.safetensors.index.json")
-    assert sharded.find_index(str(tmp_path / "st")) == index
-    assert sharded.find_index(index) == index
-    assert sharded.find_index(str(tmp_path / "st" / "model-00001-of-00002.safetensors")) is None
-    assert sharded.find_index(str(tmp_path / "nowhere")) is None
+    assert find_index(str(tmp_path / "st")) == index
+    assert find_index(index) == index
+    assert find_index(str(tmp_path / "st" / "model-00001-of-00002.safetensors")) is None
+    assert find_index(str(tmp_path / "nowhere")) is None
     sharded.write(sd, str(tmp_path / "one"), formats.SAFETENSORS, 10**6)
-    assert sharded.find_index(str(tmp_path / "one")) is None  # a single model.safetensors: no index
+    assert find_index(str(tmp_path / "one")) is None  # a single model.safetensors: no index
     sharded.write(sd, str(tmp_path / "pt"), formats.TORCH_ZIP, 3000)
     (tmp_path / "st" / "pytorch_model.bin.index.json").write_text((tmp_path / "pt" / "pytorch_model.bin.index.json").read_text())
-    assert sharded.find_index(str(tmp_path / "st")) == index  # both: safetensors, and read says so
+    assert find_index(str(tmp_path / "st")) == index  # both: safetensors, and read says so
     notes = sharded.read(index, DevicePlan("meta"), trust=False).notes
     assert any("pytorch_model.bin.index.json" in n for n in notes)
 
@@ -275,7 +276,7 @@ def _write_sharded_pth(sd: Any, dst: Path, force: bool = False) -> None:
 
 
 def _write_dcp(sd: Any, dst: Path, force: bool = False) -> None:
-    from ckptfix.formats import dcp
+    from ckptfix.formats.dcp import directory as dcp
 
     dcp.write(sd, str(dst), force=force)
 

@@ -137,7 +137,7 @@ class _Tty:
 @pytest.mark.parametrize("tty, enabled, drawn", [(True, True, True), (False, True, False), (True, False, False)])
 def test_progress_line_only_on_a_terminal_and_not_quiet(tty: bool, enabled: bool, drawn: bool, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptfix import progress
+    from ckptfix.core import progress
 
     stream = _Tty(tty)
     src = tmp_path / "p.pth"
@@ -163,7 +163,7 @@ def test_progress_line_only_on_a_terminal_and_not_quiet(tty: bool, enabled: bool
 ])
 def test_progress_line_ends_at_100_percent(dst: str, kwargs: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            cli_runner) -> None:
-    from ckptfix import progress
+    from ckptfix.core import progress
     from ckptfix.cli import cli
 
     sd = {f"module.l{i}": torch.zeros(256, 256) for i in range(8)}

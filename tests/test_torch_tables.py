@@ -1,8 +1,8 @@
 """The tables ckptfix keeps of torch so it needs no ``import torch`` are the installed torch's own.
 
-- ``ckptfix.torch_tables``: torch's weights_only allow-list for the installed torch's release series,
+- ``ckptfix.core.torch_tables``: torch's weights_only allow-list for the installed torch's release series,
   the dtype sizes, the dtypes that may require grad, the legacy storage classes;
-- ``ckptfix.dcp_metadata``: DCP's metadata dataclasses, enums, ``__setstate__`` classes and defaults.
+- ``ckptfix.safety.dcp_policy``: DCP's metadata dataclasses, enums, ``__setstate__`` classes and defaults.
 
 A torch upgrade that changes any of them fails here, saying what to add or remove. This file needs only
 torch, pytest and ckptfix (no torchvision, safetensors or conftest), so ``make test`` also runs it in a
@@ -20,10 +20,10 @@ import torch
 from torch.distributed.checkpoint import filesystem as fs
 from torch.distributed.checkpoint import metadata as md
 
-from ckptfix import dcp_metadata
-from ckptfix.dcp_metadata import DCP_DEFAULTS, DCP_METADATA_CLASSES, DCP_METADATA_ENUMS, DCP_SETSTATE_CLASSES
-from ckptfix.safetensors_header import _DTYPES
-from ckptfix.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES, TORCH_SAFE_GLOBALS, torch_series
+from ckptfix.safety import dcp_policy as dcp_metadata
+from ckptfix.safety.dcp_policy import DCP_DEFAULTS, DCP_METADATA_CLASSES, DCP_METADATA_ENUMS, DCP_SETSTATE_CLASSES
+from ckptfix.parse.safetensors_header import _DTYPES
+from ckptfix.core.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES, TORCH_SAFE_GLOBALS, torch_series
 
 
 def _delta(what: str, frozen: set | frozenset, live: set, where: str) -> str:

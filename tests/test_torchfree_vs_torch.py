@@ -1,4 +1,4 @@
-"""The torch-free reader (``ckptfix.formats.structure``) against torch's own readers, directly.
+"""The torch-free reader (``ckptfix.formats.describe``) against torch's own readers, directly.
 
 tests/test_fast_path.py compares the torch-free reader with ckptfix's torch path, and
 tests/test_readers_agree.py compares that path with torch; this file leaves ckptfix's torch path out. For
@@ -38,8 +38,8 @@ from safetensors import safe_open
 
 import ckptfix
 from ckptfix.errors import CkptfixError
-from ckptfix.formats import SAFETENSORS, sniff, structure
-from ckptfix.tensorinfo import TensorInfo
+from ckptfix.formats import SAFETENSORS, sniff, describe as structure
+from ckptfix.core.tensorinfo import TensorInfo
 
 sys.path.insert(0, str(Path(__file__).parent))
 import adversarial  # noqa: E402

@@ -18,9 +18,9 @@ from conftest import golden_from_manifest
 from torch import nn
 
 import ckptfix
-import ckptfix.api
+import ckptfix.ops.api
 from ckptfix.cli import cli
-from ckptfix.models import build_model
+from ckptfix.model.spec import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
@@ -129,8 +129,8 @@ def test_golden_comparison_uses_the_recorded_value_tolerance(shift: float, atol:
                                                (torch.bfloat16, 1e-5, 1.6e-2), (torch.float64, 1e-7, 1e-7),
                                                (torch.int64, 0.0, 0.0)])
 def test_recorded_tolerance_follows_the_output_dtype(dtype: torch.dtype, atol: float, rtol: float) -> None:
-    from ckptfix.forward import compare_outputs
-    from ckptfix.inputs import InputRecipe
+    from ckptfix.model.forward import compare_outputs
+    from ckptfix.model.inputs import InputRecipe
 
     recipe = InputRecipe(shape=(4,), seed=0)
     got = {"output": torch.arange(1, 5, dtype=dtype)}
@@ -301,14 +301,14 @@ def test_the_models_own_prefix_is_added(fixtures_dir: Path, train: Any) -> None:
 
 def test_no_forward_reads_on_meta(monkeypatch, fixtures_dir: Path) -> None:
     seen = []
-    real_read = ckptfix.api.read
+    real_read = ckptfix.ops.api.read
 
     def spy(path: Any, **kwargs: Any) -> Any:
         ckpt = real_read(path, **kwargs)
         seen.append((kwargs.get("map_location"), {t.device.type for t in ckpt.state_dict.values()}))
         return ckpt
 
-    monkeypatch.setattr(ckptfix.api, "read", spy)
+    monkeypatch.setattr(ckptfix.ops.api, "read", spy)
     report = ckptfix.verify(fixtures_dir / "mlp_ddp.pth", MLP_SPEC, forward=False,
                             reference=fixtures_dir / "mlp_single.pth")
     assert seen == [("meta", {"meta"})]
@@ -319,7 +319,7 @@ def test_text_no_forward_does_not_hash_the_file(monkeypatch, cli_runner, fixture
     def refuse(path: str) -> str:
         raise AssertionError(f"hashed {path}")
 
-    monkeypatch.setattr(sys.modules["ckptfix.verify"], "sha256_file", refuse)
+    monkeypatch.setattr(sys.modules["ckptfix.model.verify"], "sha256_file", refuse)
     res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp.pth"), "--model", MLP_SPEC, "--no-forward"])
     assert res.exit_code == 0 and "sha256" not in res.output, res.output
     res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp.pth"), "--model", MLP_SPEC, "--no-forward",

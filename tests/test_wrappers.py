@@ -7,15 +7,8 @@ from collections import OrderedDict
 import pytest
 
 from ckptfix.errors import KeyCollisionError, WrapperError
-from ckptfix.wrappers import (
-    check_no_flat_params,
-    detect_wrappers,
-    inner_wrappers,
-    key_transform,
-    match_to_target,
-    rename_state_dict,
-    strip_wrappers,
-)
+from ckptfix.statedict.wrappers import (check_no_flat_params, detect_wrappers, inner_wrappers, key_transform,
+                                        match_to_target, rename_state_dict, strip_wrappers)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,13 @@
 """On-disk formats: sniff by content (never by extension), then read or write.
 
-Each format module knows bytes, not wrappers: it returns the unpickled object with the saved
-device tag of every storage, or writes a state dict it is handed. Sniffing (:mod:`ckptfix.sniff`) and the
-directory layouts (:mod:`ckptfix.checkpoint_dirs`) sit below the safety scan, which needs them too; the
-names are re-exported here.
+One package or module per format family: ``torchsave/`` (torch zip and legacy files), ``safetensors_file``,
+``sharded`` (Hugging Face index + shards), ``dcp/`` (torch.distributed.checkpoint, Lightning sharded dirs),
+``deepspeed/`` (ZeRO), ``torchscript``; ``describe`` reads any of them without torch and ``torchfree`` writes
+without torch. Each format module knows bytes, not wrappers: it returns the unpickled object with the saved
+device tag of every storage, or writes a state dict it is handed.
+
+May import: :mod:`ckptfix.core`, :mod:`ckptfix.parse`, :mod:`ckptfix.safety`, :mod:`ckptfix.statedict`,
+:mod:`ckptfix.errors`; a format module may import this package and its sibling families.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import limits, safety
-from ..checkpoint_dirs import no_duplicate_keys
-from ..devices import storage_id
+from ..core import limits
+from ..safety import scanner as safety
+from ..parse.checkpoint_dirs import find_index, no_duplicate_keys
+from ..core.devices import storage_id
 from ..errors import FormatError
-from ..sniff import (DCP, DEEPSPEED, LEGACY_MAGIC, SAFETENSORS, SHARDED, SHARDED_PTH, SHARDED_SAFETENSORS,
-                     TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff, zip_directory)
+from ..parse.sniff import (DCP, DEEPSPEED, LEGACY_MAGIC, SAFETENSORS, SHARDED, SHARDED_PTH, SHARDED_SAFETENSORS,
+                           TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff, zip_directory)
 
 __all__ = ["DCP", "DEEPSPEED", "LEGACY_MAGIC", "SAFETENSORS", "SHARDED", "SHARDED_PTH", "SHARDED_SAFETENSORS",
            "TORCH_LEGACY", "TORCH_ZIP", "TORCHSCRIPT", "no_duplicate_keys", "opens_as_tar", "sniff", "zip_directory"]
@@ -193,13 +198,13 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None = "auto
     if fmt in SHARDED:
         from . import sharded
 
-        return sharded.read(sharded.find_index(path), plan, trust)
+        return sharded.read(find_index(path), plan, trust)
     if fmt == DCP:
-        from . import dcp
+        from .dcp import directory as dcp
 
         return dcp.read(path, plan, trust)
     if fmt in (DEEPSPEED, TORCH_ZIP):
-        from . import deepspeed
+        from .deepspeed import consolidate as deepspeed
 
         if fmt == DEEPSPEED or select in ("auto", None) and deepspeed.beside(path):
             return deepspeed.read(path, plan, trust, select)
@@ -208,10 +213,10 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None = "auto
 
 def read_torch(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     """A torch zip or legacy file (or TorchScript archive) as it is: structure-only on meta."""
-    from . import torchfile
+    from .torchsave import torch_io as torchfile
 
     if fmt == TORCH_ZIP and plan.is_meta and not trust:
-        from . import torchzip
+        from .torchsave import records as torchzip
 
         safety.ensure_safe(path, fmt, unpickled_by_caller="data.pkl")  # read_structure checks data.pkl itself
         try:
@@ -237,10 +242,10 @@ def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str 
 
         return safetensors_file.write(obj, path, refs)
     if refs:
-        from . import torchzip
+        from .torchsave import records as torchzip
 
         torchzip.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
         return []
-    from . import torchfile
+    from .torchsave import torch_io as torchfile
 
     return torchfile.write(obj, path)

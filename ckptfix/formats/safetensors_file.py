@@ -13,11 +13,11 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from .. import rawcopy
-from ..devices import storage_id
+from ..core import bytecopy as rawcopy
+from ..core.devices import storage_id
 from ..errors import ConversionError
-from ..render import dtype_name
-from ..safetensors_header import _DTYPES, META_KEY, _ckptfix_meta, assemble, read_header
+from ..core.units import dtype_name
+from ..parse.safetensors_header import _DTYPES, META_KEY, _ckptfix_meta, assemble, read_header
 from . import SAFETENSORS, CastRef, PiecedRef, RawRead, StorageRef, check_expansion, mapped
 
 

@@ -22,12 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import formats  # the package's read and write, looked up when called (tests replace them)
-from ..atomic import DirOutput, atomic_dir
-from ..checkpoint_dirs import INDEX_NAMES, load_index, member_path
-from ..checkpoint_dirs import find_index as find_index  # re-exported: the sharded-index API lives there now
-from ..devices import storage_id
+from ..core.atomic import DirOutput, atomic_dir
+from ..parse.checkpoint_dirs import INDEX_NAMES, load_index, member_path
+from ..core.devices import storage_id
 from ..errors import ConversionError, FormatError
-from ..tensorinfo import TensorInfo
+from ..core.tensorinfo import TensorInfo
 from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead, sniff
 from .safetensors_file import read_header
 
@@ -155,7 +154,7 @@ def plan_shards(state_dict: Any, max_shard_size: int, refs: dict | None = None) 
     """Keys per shard and total_size as huggingface_hub's ``split_state_dict_into_shards_factory``
     computes them: keys in order, a new shard when the next tensor would pass the limit, a tensor
     larger than the limit alone, keys sharing a storage in the shard of the first, counted once.
-    Values are torch tensors or :class:`~ckptfix.tensorinfo.TensorInfo` (planned without torch)."""
+    Values are torch tensors or :class:`~ckptfix.core.tensorinfo.TensorInfo` (planned without torch)."""
     shards: list[list[str]] = []
     current: list[str] = []
     current_size = total = 0

@@ -1,11 +1,11 @@
-"""Writers for checkpoints described without torch (:class:`~ckptfix.tensorinfo.TensorInfo` values):
+"""Writers for checkpoints described without torch (:class:`~ckptfix.core.tensorinfo.TensorInfo` values):
 a torch zip or a safetensors file whose tensor bytes are copied from the source in the kernel.
 
 ``data.pkl`` is written by Python's C pickler (protocol 2, as torch.save runs it) with the opcodes
 torch's pickler produces: ``GLOBAL torch._utils _rebuild_tensor_v2`` / ``_rebuild_parameter`` + REDUCE
 for each tensor, a persistent id ``('storage', GLOBAL torch.FloatStorage, key, 'cpu', numel)`` for each
 storage, OrderedDicts with their ``_metadata`` set by BUILD. torch's globals are written as stand-ins
-(:mod:`~ckptfix.formats.torch_globals`) whose GLOBAL opcodes are then rewritten to torch's names, so
+(:mod:`~ckptfix.formats.torchsave.torch_globals`) whose GLOBAL opcodes are then rewritten to torch's names, so
 torch is never imported; a value holding the stand-ins' marker bytes (a key, a bytes value, a huge
 int) raises :class:`NeedsTorch` instead.
 
@@ -23,15 +23,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .. import rawcopy
-from ..tensorinfo import StorageInfo, TensorInfo
-from ..torch_tables import DTYPE_ITEMSIZE
+from ..core import bytecopy as rawcopy
+from ..core.tensorinfo import StorageInfo, TensorInfo
+from ..core.torch_tables import DTYPE_ITEMSIZE
 from . import SAFETENSORS, TORCH_ZIP, StorageRef, zip_directory
 from .safetensors_file import _ST_NAMES, encode_header, write_file
-from .structure import dtype as DtypeToken
-from .torch_globals import (DTYPES, REBUILD_PARAMETER, REBUILD_TENSOR, REBUILD_TENSOR_V3, STORAGE_CLASS, UNTYPED_STORAGE,
-                            marker, to_torch)
-from .torchzip import write_archive
+from .describe import dtype as DtypeToken
+from .torchsave.torch_globals import (DTYPES, REBUILD_PARAMETER, REBUILD_TENSOR, REBUILD_TENSOR_V3, STORAGE_CLASS,
+                                      UNTYPED_STORAGE, marker, to_torch)
+from .torchsave.records import write_archive
 
 
 class NeedsTorch(Exception):

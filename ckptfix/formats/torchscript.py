@@ -15,11 +15,12 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from .. import pickle_scan, safety, zip_check
-from ..devices import storage_id
+from ..parse import pickle_walk as pickle_scan, zipcheck as zip_check
+from ..safety import scanner as safety
+from ..core.devices import storage_id
 from ..errors import FormatError
-from ..pickle_scan import Call, Persistent, Ref
-from ..zip_check import read_member
+from ..parse.pickle_walk import Call, Persistent, Ref
+from ..parse.zipcheck import read_member
 from . import TORCHSCRIPT, RawRead
 
 _TENSOR = {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor"}

@@ -1,0 +1,247 @@
+"""torch zip files at the byte level: read the structure without tensor data, write by copying records.
+
+``read_structure`` unpickles ``data.pkl`` with ckptfix's restricted unpickler into tensors on ``meta`` and a
+``StorageRef`` per storage: where its bytes sit in the file, their size, CRC and saved device.
+``write_structure`` pickles a (renamed) object of such
+tensors and copies each referenced record into a new archive in the kernel — a prefix fix of a
+multi-GB file costs about what ``cp`` does.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from ...safety import guards, scanner as safety
+from ...core.devices import storage_id
+from ...errors import CkptfixError, FormatError, UnsafeCheckpointError
+from ...core.bytecopy import CrcWorker, SegmentsCrcWorker
+from ...safety.standins import pickler_base_for
+from ...parse.unpickler import SafePickle
+from .. import TORCH_ZIP, CastRef, PiecedRef, RawRead, StorageRef, storage_bytes, zip_directory
+from .torch_io import _unpickling_error, translate_load_error
+from .zipwriter import ZipWriter
+
+
+class Unsupported(Exception):
+    """This file needs torch.load's general path (big-endian data, odd records)."""
+
+
+def read_structure(path: str, policy: Any = None) -> RawRead:
+    """Tensors on meta plus ``refs`` (storage id → StorageRef); reads only the pickle and zip directory.
+    ``policy``: the unpickler's (default :func:`ckptfix.safety.guards.torch_policy`)."""
+    import torch
+
+    try:
+        reader = torch._C.PyTorchFileReader(path)
+        if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
+            raise Unsupported("big-endian data")
+        data = reader.get_record("data.pkl")
+        crcs = {e.name.split("/", 1)[-1]: e.crc for e in zip_directory(path).entries}
+    except (RuntimeError, ValueError, OSError) as e:
+        raise FormatError(f"{path}: is a truncated or corrupt torch zip archive ({str(e).splitlines()[0]})") from None
+
+    storages: dict[str, Any] = {}
+    refs: dict[int, StorageRef] = {}
+    tags: dict[int, str] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] not in ("storage", b"storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {saved_id!r:.80}")
+        _, storage_type, key, location, numel = saved_id
+        if type(key) is not str or type(numel) is not int or numel < 0:
+            raise pickle.UnpicklingError(f"malformed storage id {saved_id!r:.80}")
+        location = location.decode("ascii") if isinstance(location, bytes) else str(location)
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = int(numel) * torch._utils._element_size(dtype)
+        if key not in storages:
+            name = f"data/{key}"
+            if not reader.has_record(name):
+                raise FormatError(f"{path}: the pickle refers to storage {key!r} but the archive has no {name} record")
+            if reader.get_record_size(name) < nbytes:
+                raise FormatError(f"{path}: record {name} holds {reader.get_record_size(name)} bytes, its tensor needs {nbytes}")
+            st = torch.UntypedStorage(nbytes, device="meta")
+            storages[key] = st
+            sid = storage_id(st)
+            refs[sid] = StorageRef(path, reader.get_record_offset(name), nbytes, location, crcs.get(name), str(key))
+            tags[sid] = location
+        return torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
+
+    policy = policy or guards.torch_policy()
+    stream = io.BytesIO(data)
+    unpickler = SafePickle(policy).Unpickler(stream, encoding="utf-8")
+    unpickler.where = f"{path}: data.pkl"
+    unpickler.persistent_load = persistent_load
+    guards.start_load()
+    try:
+        obj = policy.finish(unpickler.load())
+        if stream.tell() != len(data):  # bytes after STOP: torch ignores them, a second pickle can hide there
+            safety.ensure_safe(path, TORCH_ZIP)
+            raise UnsafeCheckpointError(f"{path}: refused: {len(data) - stream.tell()} bytes follow the pickle in data.pkl")
+    except CkptfixError:
+        raise
+    except pickle.UnpicklingError as e:  # the restricted unpickler refused something
+        safety.ensure_safe(path, TORCH_ZIP)  # the full static scan names every offending global
+        raise _unpickling_error(path, e) from None
+    except Exception as e:  # noqa: BLE001 - every failure of a hostile or broken pickle becomes a FormatError
+        safety.ensure_safe(path, TORCH_ZIP)
+        raise translate_load_error(path, TORCH_ZIP, e) from None
+    return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)
+
+
+class _LazyCrcs:
+    """CRCs for records whose source doesn't record one (safetensors): computed on another thread
+    while the kernel copies, so the copy and the checksum run on two cores."""
+
+    def __init__(self, order: list[tuple[str, StorageRef]], fds: dict[str, int]):
+        self.order = [ref for _, ref in order if ref.crc is None and not isinstance(ref, (CastRef, PiecedRef))]
+        self.fds = fds
+        self.workers: dict[int, Any] = {}
+
+    def get(self, fd: int, offset: int, size: int) -> Callable[[], int]:
+        if fd not in self.workers:
+            path = next(p for p, f in self.fds.items() if f == fd)
+            ranges = [(r.offset, r.nbytes) for r in self.order if r.path == path]
+            self.workers[fd] = CrcWorker(os.open(path, os.O_RDONLY), ranges)
+        worker = self.workers[fd]
+        return lambda: worker.get(offset, size)
+
+    def start_segments(self, jobs: list[tuple[tuple[int, int, int], ...]]) -> None:
+        """Start on the CRCs of members made of several ranges, ``((fd, offset, size), …)`` each."""
+        if jobs:
+            self.workers[-1] = SegmentsCrcWorker(jobs)
+
+    def get_segments(self, job: tuple[tuple[int, int, int], ...]) -> Callable[[], int]:
+        worker = self.workers[-1]
+        return lambda: worker.result(job)
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+
+
+def _meta_tensor_reducer(storage_of: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    import torch
+
+    def reduce(obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "meta":
+            return NotImplemented
+        storage = storage_of(obj)
+        args = (storage, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad, OrderedDict())
+        if isinstance(obj, torch.nn.Parameter):
+            inner = torch.Tensor._make_subclass(torch.Tensor, obj.detach(), False)
+            return (torch._utils._rebuild_parameter, (inner, obj.requires_grad, OrderedDict()))
+        if type(obj) is not torch.Tensor:
+            raise FormatError(f"tensor subclass {type(obj).__name__} can't be rewritten in place; use --trust")
+        if obj.dtype in torch.storage._new_dtypes():  # no legacy storage class (uint16, float8 …): as torch.save
+            return (torch._utils._rebuild_tensor_v3, (obj.untyped_storage(), *args[1:], obj.dtype))
+        return (torch._utils._rebuild_tensor_v2, args)
+
+    return reduce
+
+
+def write_structure(
+    obj: Any,
+    refs: dict[int, StorageRef],
+    dst: str,
+    location: Callable[[str], str],
+    archive: str = "archive",
+) -> int:
+    """Write ``obj`` (tensors on meta, storages in ``refs``) as a torch zip; returns data bytes copied.
+
+    ``location`` maps each saved device tag to the tag written. Records keep their source keys
+    when they come from a torch zip, so only storages still referenced are copied.
+    """
+    import torch
+
+    order: list[tuple[str, StorageRef]] = []
+    key_of: dict[int, str] = {}
+    used: set[str] = set()
+
+    def storage_of(t: Any) -> Any:
+        return torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+
+    typed, untyped = torch.storage.TypedStorage, torch.UntypedStorage
+
+    def persistent_id(o: Any) -> Any:
+        cls = type(o)  # called for every object pickled: the common case must be cheap
+        if cls is typed:
+            st, numel = o._untyped_storage, o._size()
+            storage_type = getattr(torch, o._pickle_storage_type())
+        elif cls is untyped:
+            st, numel, storage_type = o, o.nbytes(), untyped
+        else:
+            return None
+        sid = storage_id(st)
+        if sid not in refs:
+            raise FormatError("internal: a tensor without a source storage reached the zip writer")
+        ref = refs[sid]
+        if sid not in key_of:
+            key = ref.key if ref.key is not None and ref.key not in used else str(len(order))
+            while key in used:  # a fresh key for a source without record keys (safetensors)
+                key = f"{key}_"
+            used.add(key)
+            key_of[sid] = key
+            order.append((key, ref))
+        return ("storage", storage_type, key_of[sid], location(ref.location), numel)
+
+    reducer = _meta_tensor_reducer(storage_of)
+
+    class _Pickler(pickler_base_for(obj)):  # type: ignore[misc] # stand-ins keep their original names
+        def persistent_id(self, o: Any) -> Any:
+            return persistent_id(o)
+
+        def reducer_override(self, o: Any) -> Any:
+            return reducer(o)
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(obj)
+    return write_archive(buf.getvalue(), order, dst, archive)
+
+
+def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str, archive: str = "archive") -> int:
+    """A torch zip at ``dst``: ``data_pkl`` and, for each ``(key, ref)`` of ``order``, record ``data/KEY``
+    copied from the ref's byte range (in the kernel) or computed (CastRef, PiecedRef); returns bytes copied."""
+    archive = "".join(c if c.isalnum() or c in "_-" else "_" for c in archive) or "archive"
+    copied = 0
+    fds: dict[str, int] = {}
+    crcs = _LazyCrcs(order, fds)
+    try:
+        pieces: dict[int, tuple[tuple[int, int, int], ...]] = {}  # id(PiecedRef) -> its (fd, offset, size)s
+        for _key, ref in order:
+            segments = ref.segments() if isinstance(ref, PiecedRef) else None
+            if segments is not None:
+                for path, _offset, _n in segments:
+                    if path not in fds:
+                        fds[path] = os.open(path, os.O_RDONLY)
+                pieces[id(ref)] = tuple((fds[path], offset, n) for path, offset, n in segments)
+        crcs.start_segments(list(pieces.values()))
+        with open(dst, "wb") as f:
+            z = ZipWriter(f)
+            z.add_bytes(f"{archive}/data.pkl", data_pkl)
+            z.add_bytes(f"{archive}/byteorder", b"little")
+            for key, ref in order:
+                if isinstance(ref, PiecedRef) and id(ref) in pieces:  # chunk after chunk, in the kernel
+                    z.add_segments(f"{archive}/data/{key}", list(pieces[id(ref)]), crcs.get_segments(pieces[id(ref)]))
+                    copied += ref.nbytes
+                    continue
+                if isinstance(ref, (CastRef, PiecedRef)):  # a dtype cast, chunks to assemble: one tensor at a time
+                    z.add_tensor_data(f"{archive}/data/{key}", storage_bytes(ref.materialize()))
+                    continue
+                if ref.path not in fds:
+                    fds[ref.path] = os.open(ref.path, os.O_RDONLY)
+                crc = ref.crc if ref.crc is not None else crcs.get(fds[ref.path], ref.offset, ref.nbytes)
+                z.add_copy(f"{archive}/data/{key}", fds[ref.path], ref.offset, ref.nbytes, crc)
+                copied += ref.nbytes
+            z.add_bytes(f"{archive}/version", b"3\n")
+            z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
+            z.close()
+    finally:
+        crcs.close()
+        for fd in fds.values():
+            os.close(fd)
+    return copied

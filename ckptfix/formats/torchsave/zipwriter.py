@@ -1,0 +1,121 @@
+"""A minimal zip writer for torch checkpoints: stored members, 64-byte aligned data, zip64.
+
+Member data either comes from bytes or is copied from another file's byte range in the kernel
+(``rawcopy.copy_range``), so tensor bytes never enter Python memory. torch's reader needs stored
+(uncompressed) members whose data it can mmap; the alignment padding goes in an extra field, as
+torch's own writer does.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from ...core import bytecopy as rawcopy
+
+ALIGN = 64
+_U32 = 0xFFFFFFFF
+_PAD_ID = 0x4246  # "FB": the padding extra-field id torch's writer uses
+_DOS_DATE = (0, 0)  # torch writes 1980-00-00 00:00 as well
+
+
+@dataclass
+class _Entry:
+    name: bytes
+    offset: int
+    size: int
+    crc: int
+
+
+class ZipWriter:
+    """Write members one after another into an open binary file, then the central directory."""
+
+    def __init__(self, f: BinaryIO):
+        self.f = f
+        self.entries: list[_Entry] = []
+        self.pos = f.tell()
+
+    def _local_header(self, name: bytes, size: int, crc: int) -> bytes:
+        zip64 = size >= _U32 or self.pos >= _U32
+        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
+        fixed = 30 + len(name) + len(extra)
+        pad = (-(self.pos + fixed + 4)) % ALIGN
+        extra += struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
+        n = _U32 if zip64 else size
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, *_DOS_DATE, crc, n, n,
+                           len(name), len(extra))
+        return head + name + extra
+
+    def _start(self, name: str, size: int, crc: int) -> None:
+        raw = name.encode("utf-8")
+        header = self._local_header(raw, size, crc)
+        self.entries.append(_Entry(raw, self.pos, size, crc))
+        self.f.write(header)
+        self.pos += len(header)
+
+    def add_bytes(self, name: str, data: bytes) -> None:
+        self._start(name, len(data), zlib.crc32(data))
+        self.f.write(data)
+        self.pos += len(data)
+
+    def add_tensor_data(self, name: str, data: memoryview) -> None:
+        """A member of tensor bytes computed in memory (a dtype cast), written with the progress line
+        counting it as it does copied tensors."""
+        self._start(name, len(data), zlib.crc32(data))
+        self.f.flush()
+        rawcopy.write_all(self.f.fileno(), data, self.pos)
+        self.pos += len(data)
+        self.f.seek(self.pos)
+
+    def add_copy(self, name: str, src_fd: int, src_offset: int, size: int, crc: int | Callable[[], int]) -> None:
+        """A member whose bytes are ``size`` bytes of ``src_fd`` at ``src_offset``.
+
+        ``crc`` is the CRC-32 if known, or a function giving it once the copy is done (computed
+        meanwhile on another thread); the local header is then patched in place.
+        """
+        self.add_segments(name, [(src_fd, src_offset, size)], crc)
+
+    def add_segments(self, name: str, segments: list[tuple[int, int, int]], crc: int | Callable[[], int]) -> None:
+        """A member whose bytes are the file ranges ``[(src_fd, src_offset, size), …]`` one after
+        another (a tensor sharded in chunks); ``crc`` as for :meth:`add_copy`, over them all."""
+        size = sum(n for _fd, _offset, n in segments)
+        self._start(name, size, crc if isinstance(crc, int) else 0)
+        entry = self.entries[-1]
+        self.f.flush()
+        if len(segments) == 1:
+            rawcopy.copy_range(segments[0][0], self.f.fileno(), segments[0][1], self.pos, size)
+        else:
+            rawcopy.copy_segments(segments, self.f.fileno(), self.pos)
+        self.pos += size
+        if not isinstance(crc, int):
+            entry.crc = crc()
+            self.f.seek(entry.offset + 14)
+            self.f.write(struct.pack("<I", entry.crc))
+        self.f.seek(self.pos)
+
+    def close(self) -> None:
+        cd_start = self.pos
+        for e in self.entries:
+            zip64 = e.size >= _U32 or e.offset >= _U32
+            extra = b""
+            if zip64:
+                extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.offset)
+            size = _U32 if zip64 else e.size
+            off = _U32 if zip64 else e.offset
+            rec = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if zip64 else 20, 0, 0, *_DOS_DATE,
+                              e.crc, size, size, len(e.name), len(extra), 0, 0, 0, 0, off)
+            self.f.write(rec + e.name + extra)
+            self.pos += len(rec) + len(e.name) + len(extra)
+        cd_size = self.pos - cd_start
+        n = len(self.entries)
+        if n >= 0xFFFF or cd_start >= _U32 or cd_size >= _U32:
+            eocd64 = self.pos
+            self.f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, cd_size, cd_start))
+            self.f.write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
+            self.f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _U32, _U32, 0))
+        else:
+            self.f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
+        self.f.flush()

@@ -1,0 +1,343 @@
+"""Verify a checkpoint against a model: keys, shapes, dtypes, values, tied weights, forward outputs.
+
+The keys are first adapted to the model with the repair ckptfix knows (:mod:`ckptfix.statedict.repair`).
+Without ``exact`` the checkpoint passes when the repaired state dict loads strictly (dtypes are
+cast, so they are warnings); with ``exact`` it must load as saved through the serving code's own
+loader — plain ``torch.load(weights_only=True)`` for a torch file, ``safetensors.torch.load_file``
+for a safetensors file — and ``load_state_dict(strict=True)``, every dtype the model's (in the
+serving ``dtype`` when one is given). Forward outputs are compared with a ``reference`` checkpoint's
+and with ``golden`` outputs (:mod:`ckptfix.model.golden`).
+
+>>> ckptfix.verify("run.pth", "torchvision:resnet18", reference="orig.pth").ok   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..ops import api
+from ..safety import scanner as safety
+from . import forward as fwd
+from . import golden as gold
+from . import spec as models
+from ..statedict import repair, wrappers
+from .. import text
+from ..core.atomic import sha256_file
+from ..core.devices import storage_id
+from ..errors import GoldenError, LoadError
+from .inputs import InputRecipe, resolve_input
+from ..parse.safetensors_header import read_header
+from ..text import EXACT_LOADERS
+
+_SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # convert --dtype names
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify`; ``to_dict()`` is the CLI's ``--json`` object."""
+
+    ok: bool
+    checkpoint: str
+    model: str
+    fix: str | None
+    missing: list[str]
+    unexpected: list[str]
+    shape_mismatch: list[dict[str, Any]]
+    dtype_mismatch: list[dict[str, Any]]
+    nonfinite: list[str] | None
+    forward: dict[str, Any] | None
+    sha256: str | None
+    exact: bool = False
+    format: str = ""
+    state_dict_key: str | None = None
+    matched: int = 0
+    total: int = 0
+    non_tensor: list[str] = field(default_factory=list)
+    shared_mismatch: list[dict[str, Any]] = field(default_factory=list)
+    tolerated: list[dict[str, str]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    suggestions: list[dict[str, Any]] = field(default_factory=list)
+    convert_command: str | None = None
+    notes: list[str] = field(default_factory=list)
+    model_dtype: str | None = None
+    golden: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def format_text(self) -> str:
+        """The readable summary: verdict, repair, then each problem with its keys, counts first."""
+        return text.verify_text(self)
+
+
+def verify(
+    path: Any,
+    model: Any,
+    reference: Any = None,
+    exact: bool = False,
+    forward: bool = True,
+    atol: float | None = None,
+    rtol: float | None = None,
+    input_shape: tuple[int, ...] | None = None,
+    model_args: dict[str, Any] | None = None,
+    map_location: Any = "cpu",
+    select: str = "auto",
+    trust: bool = False,
+    seed: int = fwd.INPUT_SEED,
+    checksum: bool = True,
+    dtype: Any = None,
+    input_dtype: str | None = None,
+    input_range: tuple[float, float] | None = None,
+    inputs: Any = None,
+    golden: Any = None,
+    record_golden: bool = False,
+) -> VerifyReport:
+    """Check checkpoint ``path`` against ``model`` (an nn.Module, a spec such as
+    ``'torchvision:resnet18'`` with ``model_args``, or a factory).
+
+    ``forward=False`` reads on ``meta``: keys, shapes and dtypes only; with ``checksum=False`` too,
+    nothing is hashed (``sha256`` is then None). A torch zip's CRC-32s are checked either way.
+
+    ``dtype`` (``"fp16"``, ``"bf16"``, ``"fp32"`` or a torch dtype): the serving dtype. The model is
+    built, then ``.to(dtype)``: its dtypes are the ones ``exact`` demands, and the forward runs in it
+    (a ``reference`` too, its weights cast to it).
+
+    The input is ``inputs`` (a file path, a tensor, or a dict of tensors → ``model(**dict)``), else a
+    recipe seeded with ``seed``: ``input_shape``, ``input_dtype`` (``"float"``, ``"long"``, ``"int"``)
+    and ``input_range`` (``(0, 30522)``), inferred where unambiguous
+    (:func:`ckptfix.model.inputs.resolve_input`).
+
+    ``golden`` (a ``.safetensors`` path): when it exists, the outputs are compared with the ones it
+    records, on the input it records; when it doesn't (or ``record_golden``), this run's outputs are
+    written to it — only if everything else passed (``report.golden`` says which).
+
+    ``atol``/``rtol`` (None or 0: not given): with none given, the output is compared bit for bit with
+    ``reference``'s (both computed in this run) — within the default of the serving dtype
+    (:data:`ckptfix.model.forward.RECORDED_TOLERANCE`) when ``dtype`` is half precision — and within the
+    recorded-value default for its dtype with ``golden``'s (recorded elsewhere); given, they apply to
+    every comparison. Each ``forward['against']`` row says the atol/rtol it used and why.
+    """
+    if record_golden and golden is None:
+        raise GoldenError("record_golden needs golden=PATH (--golden PATH): where to write the outputs")
+    path = os.fspath(path)
+    forward = forward and str(map_location).strip().lower() != "meta"  # meta holds no values to run
+    request = fwd.ForwardRequest(reference, golden, record_golden, atol, rtol, input_shape, input_dtype, input_range,
+                                 inputs, seed)
+    source = models.ModelSource(model, model_args, dtype)
+    ckpt = api.read(path, map_location=map_location if forward else "meta", trust=trust, select=select)
+    structure, is_fresh = source.structure(meta=not forward)
+    target = repair.describe_target(structure, float_dtype=source.dtype)
+    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
+    sha = sha256_file(path) if (checksum or forward) and os.path.isfile(path) else None  # a directory: no one hash
+    report = VerifyReport(
+        ok=False, checkpoint=path, model=source.label, fix=chosen.description, missing=fit.missing,
+        unexpected=fit.unexpected, shape_mismatch=fit.shape_mismatch, dtype_mismatch=fit.dtype_mismatch,
+        nonfinite=None, forward=None, sha256=sha, exact=exact, format=ckpt.format,
+        state_dict_key=ckpt.state_dict_key, matched=chosen.matched, total=chosen.total,
+        non_tensor=fit.non_tensor, tolerated=fit.tolerated, notes=list(ckpt.notes), model_dtype=source.dtype_name,
+    )
+    cast = _cast_to(fit, target) if exact else None
+    if chosen.description or cast or (exact and (ckpt.state_dict_key is not None or ckpt.format not in EXACT_LOADERS)):
+        ext = ".safetensors" if "safetensors" in ckpt.format else ".pth"  # a safetensors release stays one
+        report.convert_command = repair.convert_command(path, list(ckpt.state_dict), chosen, target,
+                                                        ckpt.state_dict_key, dtype=cast, ext=ext)
+    _check_values(report, fit, target, has_data=forward)
+    _judge_structure(report, fit, exact, ckpt, target)
+    report.failures += crc_failures(path, ckpt.format)  # with or without the forward check
+    if forward and fit.loads:
+        net = structure if is_fresh else source.fresh()
+        _forward_checks(report, fit.state_dict, net, source, request, map_location, trust)
+    elif forward:
+        report.notes.append("forward check skipped: the checkpoint does not load into the model" + request.ignored)
+    else:
+        report.notes.append("structure only (--no-forward): read on meta; NaN/Inf and forward not checked"
+                            + request.ignored)
+    if golden is not None and report.golden is None:
+        report.golden = {"path": os.fspath(golden), "action": "skipped", "input": None, "outputs": None}
+    report.ok = not report.failures
+    return report
+
+
+def _check_values(report: VerifyReport, fit: repair.Fit, target: repair.Target, has_data: bool) -> None:
+    """NaN/Inf per tensor, and tied parameters that arrive as different tensors."""
+    import torch
+
+    sd = fit.state_dict
+    if has_data:
+        report.nonfinite = repair.nonfinite_keys(sd, target.shapes)
+    for group in target.tied:
+        present = [k for k in group if isinstance(sd.get(k), torch.Tensor)]
+        views = {(storage_id(sd[k]), sd[k].storage_offset(), tuple(sd[k].shape), tuple(sd[k].stride())) for k in present}
+        if len(views) <= 1:
+            continue
+        if not has_data:
+            report.warnings.append(f"tied parameters {', '.join(present)} are separate tensors in the checkpoint; "
+                                   "their values are not compared on meta (run without --no-forward)")
+        elif any(sd[k].shape != sd[present[0]].shape or not torch.equal(sd[k], sd[present[0]]) for k in present[1:]):
+            report.shared_mismatch.append({"keys": present, "reason": "the model ties them but their values differ; "
+                                                                      "only one survives loading"})
+
+
+def crc_failures(path: str, fmt: str) -> list[str]:
+    """One line per zip member whose stored CRC-32 doesn't match its bytes, in a torch zip or
+    TorchScript file or each torch-zip shard of a sharded checkpoint: the file changed after it
+    was written. Reads every byte once (safetensors, legacy and DCP files carry no checksums)."""
+    if fmt not in ("torch-zip", "torchscript", "sharded-pth"):
+        return []
+
+    report = safety.scan(path, check_crc=True)
+    return [f"integrity: {f.where}: its CRC-32 does not match its bytes: the file was damaged or altered after "
+            "it was written (a truncated copy, a bad download or disk); copy or download it again from the original"
+            for f in report.findings if f.kind == "crc-mismatch"]
+
+
+def _judge_structure(report: VerifyReport, fit: repair.Fit, exact: bool, ckpt: Any, target: repair.Target) -> None:
+    fails = report.failures
+    problems = [f"{len(v)} {name}" for name, v in (
+        ("missing", fit.missing), ("unexpected", fit.unexpected), ("shape mismatch", fit.shape_mismatch),
+        ("non-tensor", fit.non_tensor), ("non-finite", report.nonfinite or []),
+        ("tied-weight mismatch", report.shared_mismatch)) if v]
+    if problems:
+        fails.append(("after the repair: " if report.fix else "") + ", ".join(problems))
+        if fit.missing and fit.unexpected:
+            fails[-1] += " (names differ: a renamed layer, or a different architecture)"
+            single = wrappers.strip_wrappers  # convert's --rename applies to the single form
+            report.suggestions = repair.suggest_renames({single(k): repair.shape_of(fit.state_dict[k]) for k in fit.unexpected},
+                                                        {single(k): target.shapes[k] for k in fit.missing}, ckpt.path)
+            if repair.by_order_fits(fit.state_dict, target):
+                report.suggestions.append({"by_order": True, "keys": len(fit.state_dict), "text": (
+                    "the tensors pair up with the model's in order, shapes equal: "
+                    f"ckptfix convert {ckpt.path} OUT --by-order --model SPEC [--arg NAME=VALUE …]")})
+        elif fit.missing or fit.shape_mismatch:
+            fails[-1] += " (a different architecture or configuration than the checkpoint's?)"
+    if fit.dtype_mismatch and not exact:
+        counts = sorted({f"{r['checkpoint']} -> {r['model']}" for r in fit.dtype_mismatch})
+        report.warnings.append(f"{len(fit.dtype_mismatch)} tensors are cast on load ({', '.join(counts)})")
+    if exact:
+        fails += _exact_failures(ckpt, target, report)
+
+
+def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> list[str]:
+    """Why the serving loader — ``torch.load(PATH, weights_only=True)`` or ``safetensors.torch.load_file(PATH)``
+    — followed by ``load_state_dict(…, strict=True)`` would not take the file as is."""
+    out = []
+    how = f" (the repair: {report.fix})" if report.fix else ""
+    if ckpt.format not in EXACT_LOADERS:
+        what = "directory" if os.path.isdir(ckpt.path) else "file"
+        out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
+    if ckpt.state_dict_key is not None:
+        out.append(f"exact: torch.load returns a dict with the state dict under {ckpt.state_dict_key!r}, not the state dict")
+    as_loaded = _as_plainly_loaded(ckpt)
+    plain = repair.check_fit(as_loaded, target, fill=False)
+    missing = plain.missing + [t["key"] for t in plain.tolerated
+                               if not repair.torch_fills_num_batches_tracked(t["key"], as_loaded)]
+    problems = [f"{len(v)} {name}" for name, v in (("missing", missing), ("unexpected", plain.unexpected),
+                                                   ("shape mismatch", plain.shape_mismatch),
+                                                   ("non-tensor", plain.non_tensor)) if v]
+    if problems:
+        out.append(f"exact: load_state_dict(strict=True) would fail as saved: {', '.join(problems)}{how}")
+    if plain.dtype_mismatch:
+        kinds = sorted({f"{r['checkpoint']} vs model {r['model']}" for r in plain.dtype_mismatch})
+        out.append(f"exact: {len(plain.dtype_mismatch)} dtypes differ from the model's ({', '.join(kinds)})")
+    return out
+
+
+def _as_plainly_loaded(ckpt: Any) -> Any:
+    """The state dict as the plain loader returns it: for safetensors, only the header's tensors and no
+    ``_metadata`` (ckptfix's tied-weight aliases and module metadata are ckptfix's reader's, not load_file's)."""
+    if ckpt.format != "safetensors":
+        return ckpt.state_dict
+
+    _, entries, _ = read_header(ckpt.path)
+    return {k: v for k, v in ckpt.state_dict.items() if k in entries}
+
+
+def _cast_to(fit: repair.Fit, target: repair.Target) -> str | None:
+    """``--dtype`` for convert when one cast makes every floating tensor the model's (its floats share one dtype)."""
+    floats = {d for d in target.dtypes.values() if d and d.startswith(("float", "bfloat"))}
+    if not fit.dtype_mismatch or len(floats) != 1:
+        return None
+    return _SHORT_DTYPES.get(floats.pop())
+
+
+def _forward_checks(report: VerifyReport, sd: Any, net: Any, source: models.ModelSource, req: fwd.ForwardRequest,
+                    map_location: Any, trust: bool) -> None:
+    """Load into a fresh model (strictly, as torch does); run it on one input and compare its outputs
+    with the reference's and the golden file's; record the golden file when asked."""
+    try:
+        net.load_state_dict(sd, strict=True)
+    except (RuntimeError, ValueError, TypeError) as e:
+        report.failures.append(f"torch's load_state_dict refused the repaired state dict: {str(e).splitlines()[0]}")
+        return
+    if req.reference is None and req.golden is None:
+        return
+    recorded = _golden_to_compare(req, net)
+    recipe = resolve_input(net, req.input_shape, req.input_dtype, req.input_range, req.seed, req.inputs,
+                           recorded=recorded.input if recorded else None)
+    args, kwargs = recipe.make()
+    out = fwd.named_outputs(fwd.run_model(net, args, kwargs, recipe.describe()))
+    checks = []
+    if recorded is not None:
+        checks.append(fwd.compare_outputs("golden", recorded.path, out, recorded.outputs, req.atol, req.rtol, recipe,
+                                          default="recorded"))
+        report.golden = {"path": recorded.path, "action": "compared", "input": recipe.to_dict(),
+                         "outputs": gold.summary(recorded.outputs)}
+    if req.reference is not None:
+        ref_net = _load_reference(req.reference, source, map_location, trust)
+        want = fwd.named_outputs(fwd.run_model(ref_net, args, kwargs, recipe.describe()))
+        half = source.dtype_name not in (None, "float32")
+        checks.append(fwd.compare_outputs("reference", os.fspath(req.reference), out, want, req.atol, req.rtol, recipe,
+                                          default="dtype" if half else "exact"))
+    if checks:
+        diffs = [c["max_abs_diff"] for c in checks]
+        report.forward = {"max_abs_diff": None if None in diffs else max(diffs), "ok": all(c["ok"] for c in checks),
+                          "atol": float(req.atol or 0.0), "rtol": float(req.rtol or 0.0), "against": checks}
+    for c in checks:
+        if not c["ok"]:
+            how = "a different output structure" if c["max_abs_diff"] is None else f"max abs diff {c['max_abs_diff']:.3g}"
+            report.failures.append(f"forward output differs from the {c['what']} ({how}, {text.describe_tolerance(c)})")
+    if req.golden is not None and recorded is None:
+        _record_golden(report, os.fspath(req.golden), out, recipe, net, source.label)
+
+
+def _golden_to_compare(req: fwd.ForwardRequest, net: Any) -> gold.Golden | None:
+    """The golden file to compare with: None when there is none yet or it is to be recorded again."""
+    if req.golden is None or req.record_golden or not os.path.lexists(req.golden):
+        return None
+    recorded = gold.read_golden(req.golden)
+    runs_in = models.float_dtype(net)
+    if recorded.dtype != runs_in:
+        short = _SHORT_DTYPES.get(recorded.dtype, recorded.dtype)
+        raise GoldenError(f"golden {recorded.path}: recorded with the model in {recorded.dtype}, but it runs in "
+                          f"{runs_in} here; pass --dtype {short} (library: dtype={short!r}), or record it again "
+                          "(--record-golden)")
+    return recorded
+
+
+def _record_golden(report: VerifyReport, where: str, out: dict[str, Any], recipe: InputRecipe, net: Any,
+                   label: str) -> None:
+    """Write this run's outputs as the golden file, only when everything else passed."""
+    entry: dict[str, Any] = {"path": where, "input": recipe.to_dict(), "outputs": gold.summary(out)}
+    if report.failures:
+        report.golden = {**entry, "action": "skipped"}
+        report.notes.append(f"golden outputs not recorded to {where}: the checkpoint failed verification")
+        return
+    gold.write_golden(where, out, entry["input"], models.float_dtype(net), model=label,
+                      checkpoint=os.path.basename(report.checkpoint.rstrip("/")), checkpoint_sha256=report.sha256)
+    report.golden = {**entry, "action": "recorded"}
+
+
+def _load_reference(reference: Any, source: models.ModelSource, map_location: Any, trust: bool) -> Any:
+    ref = api.read(reference, map_location=map_location, trust=trust)
+    net = source.fresh()
+    target = repair.describe_target(net)
+    _, fit = repair.fit_to_model(ref.state_dict, target, source=ref.path)
+    if not fit.loads:
+        raise LoadError(f"reference {ref.path}: does not load into the model ({len(fit.missing)} missing, "
+                        f"{len(fit.unexpected)} unexpected, {len(fit.shape_mismatch)} shape mismatch); "
+                        "`ckptfix verify` it against the model first")
+    net.load_state_dict(fit.state_dict, strict=True)
+    return net

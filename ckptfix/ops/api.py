@@ -1,0 +1,218 @@
+"""The library's verbs: read, load, inspect, convert, load_into.
+
+Data flows one way: path → sniff → read (safe, mapped) → select the state dict → rename keys
+(wrappers, prefixes; ``_metadata`` in step) → write atomically, or load into a model.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+from . import convert as conversion
+from .. import formats
+from ..statedict import repair, transforms
+from .convert import normalise_keys
+from ..errors import LoadError
+from ..formats import describe as structure
+from .reading import read_checkpoint, summarise
+from ..reports import Checkpoint, ConvertReport, LoadReport
+
+
+def _fspath(path: Any) -> str:
+    return os.fspath(path)
+
+
+def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str = "auto") -> Checkpoint:
+    """The whole checkpoint: state dict (as saved, wrappers and all), the rest, and its summary.
+
+    A DeepSpeed ZeRO checkpoint (its directory, a tag directory, or a model_states file with its
+    optim_states beside it) gives the fp32 master weights, consolidated as zero_to_fp32.py does;
+    ``select='module'`` the training-dtype copy. A file that can't give them raises DeepSpeedZeroError.
+
+    >>> ckpt = ckptfix.read("ddp.pth")   # doctest: +SKIP
+    >>> ckpt.wrappers, ckpt.devices      # (['module'], {'cuda:0': 62})
+    """
+    return _read(_fspath(path), map_location, trust, select, refuse=True)
+
+
+def _read(path: str, map_location: Any, trust: bool, select: str, refuse: bool) -> Checkpoint:
+    return read_checkpoint(path, map_location, trust, select, refuse)
+
+
+def inspect(path: Any, trust: bool = False, select: str = "auto") -> Checkpoint:
+    """Summary of a checkpoint without reading tensor data (tensors come back on ``meta``)."""
+    return _read(_fspath(path), "meta", trust, select, refuse=False)
+
+
+def describe(path: Any, select: str = "auto") -> Checkpoint:
+    """``inspect`` without importing torch where the file allows it: tensors come back as
+    :class:`~ckptfix.core.tensorinfo.TensorInfo` (plain data: dtype, shape, stride, byte range); a file only
+    torch can describe exactly (legacy, TorchScript, DeepSpeed, DCP values other than plain data and
+    tensors, tensor subclasses …) goes through ``inspect``, so the summary, and any refusal, is the same
+    either way."""
+    path = _fspath(path)
+    fmt = formats.sniff(path)
+    if structure.enabled():
+        try:
+            raw = structure.read(path, fmt, select)
+        except structure.NotDescribable:
+            pass
+        else:
+            return summarise(path, fmt, raw, select, refuse=False)
+    return inspect(path, select=select)
+
+
+def load(
+    path: Any,
+    map_location: Any = "cpu",
+    to: str = "single",
+    select: str = "auto",
+    trust: bool = False,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    rename: tuple[str, ...] | list[str] = (),
+    dtype: str | None = None,
+    allow_overflow: bool = False,
+) -> Any:
+    """The model's state dict with wrapper segments normalised to ``to`` (default: none).
+
+    ``rename`` takes ``'REGEX=REPLACEMENT'`` rules (full match, in order); ``dtype`` casts
+    floating-point tensors (fp32/fp16/bf16), never integer or bool buffers.
+
+    >>> model.load_state_dict(ckptfix.load("ddp_compiled.pth"))   # doctest: +SKIP
+    """
+    ckpt = read(path, map_location=map_location, trust=trust, select=select)
+    sd, _notes = normalise_keys(ckpt, to, strip_prefix, add_prefix, rename)
+    if dtype is not None:
+        sd, _report = transforms.cast_floating(sd, dtype, allow_overflow)
+    return sd
+
+
+def convert(
+    src: Any,
+    dst: Any,
+    *,
+    to: str = "single",
+    map_location: Any = "cpu",
+    select: str = "auto",
+    keep_extra: bool = False,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    format: str | None = None,  # noqa: A002 - the public keyword; rebound to fmt_requested below
+    force: bool = False,
+    trust: bool = False,
+    progress: bool = False,
+    rename: tuple[str, ...] | list[str] = (),
+    by_order: Any = None,
+    dtype: str | None = None,
+    allow_overflow: bool = False,
+    hash: bool = False,  # noqa: A002 - the public keyword; rebound to hashed below
+    checksums: bool = False,
+    max_shard_size: int | str | None = None,
+) -> ConvertReport:
+    """Read ``src``, normalise its keys and write ``dst`` atomically (format by extension or ``format``).
+
+    From a torch zip or safetensors file to CPU (the default), tensor bytes are never loaded:
+    the structure is read (without importing torch where no tensor needs computing) and each
+    tensor's bytes are copied from ``src`` into ``dst`` in the kernel, so time and memory stay
+    close to ``cp``'s. ``progress`` draws a progress line on stderr when it is a terminal.
+
+    ``rename`` (``'REGEX=REPLACEMENT'`` rules), ``by_order`` (an ``nn.Module`` whose key names are
+    given to the checkpoint's tensors by position) and ``dtype`` (fp32/fp16/bf16, floating-point
+    tensors only) transform the state dict; ``hash`` appends the first 8 hex digits of the output's
+    SHA-256 to its name (torch.hub's convention); ``checksums`` reports both files' SHA-256.
+
+    ``max_shard_size`` (bytes, or ``"5GB"``) writes a Hugging Face sharded directory at ``dst``;
+    ``format="dcp"`` a torch.distributed.checkpoint directory. Into an existing directory (``force``)
+    only the output's own files are replaced; the report's notes list what was kept and removed.
+    """
+    start = time.perf_counter()
+    fmt_requested, hashed = format, hash
+    req = conversion.validate(
+        _fspath(src), _fspath(dst), fmt_requested=fmt_requested, max_shard_size=max_shard_size,
+        map_location=map_location, to=to, select=select, keep_extra=keep_extra, strip_prefix=strip_prefix,
+        add_prefix=add_prefix, force=force, trust=trust, progress=progress, rename=rename, by_order=by_order,
+        dtype=dtype, allow_overflow=allow_overflow, hashed=hashed, checksums=checksums,
+    )
+    return conversion.run(req, start)
+
+
+def load_into(
+    model: Any,
+    path: Any,
+    map_location: Any = "auto",
+    strict: bool = True,
+    select: str = "auto",
+    trust: bool = False,
+    strict_values: bool = False,
+) -> LoadReport:
+    """Load a checkpoint into ``model`` whatever the wrapping of either (plain, DP/DDP, compiled).
+
+    The keys get the repair ``verify`` would choose (wrapper segments matched to the model's,
+    a framework's leading prefix such as Lightning's ``model.`` removed); a checkpoint that still
+    doesn't fit raises LoadError with a short report instead of torch's wall of keys.
+
+    NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's
+    ``nonfinite``); with ``strict_values=True`` they raise LoadError and nothing is loaded.
+    """
+    ckpt = read(path, map_location=map_location, trust=trust, select=select)
+    target = repair.describe_target(model)
+    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
+    if fit.shape_mismatch or fit.non_tensor or (strict and (fit.missing or fit.unexpected)):
+        raise LoadError(_short_report(ckpt.path, fit, chosen))
+    nonfinite = repair.nonfinite_keys(fit.state_dict, target.shapes)
+    values = f"{len(nonfinite)} tensor(s) hold NaN/Inf values: {_few(nonfinite)}"
+    if nonfinite and strict_values:
+        raise LoadError(f"{ckpt.path}: {values}; nothing was loaded (a diverged run, or a damaged file?); "
+                        "pass strict_values=False to load it anyway")
+    model.load_state_dict(fit.state_dict, strict=strict)
+    notes = list(ckpt.notes)
+    if nonfinite:
+        warnings.warn(f"{ckpt.path}: {values} (loaded; strict_values=True refuses them)", UserWarning, stacklevel=2)
+        notes.append(f"{values} (a diverged run, or a damaged file?)")
+    if fit.dtype_mismatch:
+        kinds = sorted({f"{r['checkpoint']} -> {r['model']}" for r in fit.dtype_mismatch})
+        notes.append(f"{len(fit.dtype_mismatch)} tensors cast to the model's dtype ({', '.join(kinds)})")
+    return LoadReport(
+        path=ckpt.path,
+        state_dict_key=ckpt.state_dict_key,
+        checkpoint_wrappers=ckpt.wrappers,
+        model_wrappers=target.wrappers,
+        fix=chosen.description,
+        matched=chosen.matched,
+        missing=fit.missing,
+        unexpected=fit.unexpected,
+        notes=notes,
+        tolerated=[t["key"] for t in fit.tolerated],
+        nonfinite=nonfinite,
+    )
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f" … (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+
+
+def _short_report(path: str, fit: Any, chosen: Any) -> str:
+    """One paragraph: what is missing / unexpected / mismatched after the repair, and the likely cause."""
+    parts = [f"{path}: does not load into the model"]
+    if chosen.description:
+        parts.append(f"after the repair ({chosen.summary})")
+    if fit.missing:
+        parts.append(f"{len(fit.missing)} missing: {_few(fit.missing)}")
+    if fit.unexpected:
+        parts.append(f"{len(fit.unexpected)} unexpected: {_few(fit.unexpected)}")
+    if fit.shape_mismatch:
+        parts.append(
+            f"{len(fit.shape_mismatch)} shape mismatch: "
+            + ", ".join(f"{r['key']} {r['checkpoint']} vs model {r['model']}" for r in fit.shape_mismatch[:5])
+        )
+    if fit.non_tensor:
+        parts.append(f"{len(fit.non_tensor)} not tensors: {_few(fit.non_tensor)}")
+    if fit.missing and fit.unexpected:
+        parts.append("the names differ: a renamed layer, or a different architecture (`ckptfix verify` suggests renames)")
+    elif fit.missing or fit.shape_mismatch:
+        parts.append("likely a different architecture or configuration (e.g. num_classes)")
+    return "; ".join(parts)

@@ -1,0 +1,46 @@
+"""A checkpoint file read into a :class:`~ckptfix.reports.Checkpoint`: sniff → read → find the state dict.
+
+Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`ckptfix.ops.convert`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import formats
+from ..statedict import locate as layout, wrappers
+from ..core.devices import DevicePlan
+from ..reports import Checkpoint, tensor_stats
+
+
+def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refuse: bool,
+                    fmt: str | None = None) -> Checkpoint:
+    """``path`` read with ``map_location`` (``'meta'``: structure only); ``fmt`` when already sniffed."""
+    fmt = fmt or formats.sniff(path)
+    plan = DevicePlan(map_location, source=path)
+    return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse)
+
+
+def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool) -> Checkpoint:
+    """The Checkpoint for what a reader returned: the state dict found, wrappers detected, stats."""
+    sel = layout.find_state_dict(raw.obj, select, source=path)
+    sd = sel.state_dict
+    keys = list(sd.keys())
+    default_tag = "cpu" if fmt in (formats.SAFETENSORS, formats.SHARDED_SAFETENSORS, formats.DCP) else None
+    notes = list(raw.notes) + layout.check_deepspeed(raw.obj, select, path, refuse=refuse)
+    if sel.ema_keys:
+        notes.append(f"EMA weights also present at {', '.join(sel.ema_keys)} (take them with select=KEY)")
+    return Checkpoint(
+        path=path,
+        format=fmt,
+        state_dict=sd,
+        state_dict_key=sel.key,
+        extra=sel.extra,
+        wrappers=wrappers.detect_wrappers(keys),
+        inner_wrappers=wrappers.inner_wrappers(keys),
+        ema_keys=sel.ema_keys,
+        stats=tensor_stats(sd, raw.tags, default_tag),
+        notes=notes,
+        raw=raw.obj,
+        refs=raw.refs,
+    )

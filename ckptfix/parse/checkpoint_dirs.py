@@ -1,0 +1,180 @@
+"""Where the files of a directory checkpoint are: a Hugging Face sharded index, a DCP directory, a
+DeepSpeed tag directory. Paths and names only, no tensor bytes: the scanner (:mod:`ckptfix.safety`) and
+the format readers (:mod:`ckptfix.formats`) both need them, so they sit below both."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import DeepSpeedZeroError, FormatError, MissingFileError
+
+SAFETENSORS = "safetensors"
+TORCH_ZIP = "torch-zip"
+INDEX_NAMES = {SAFETENSORS: "model.safetensors.index.json", TORCH_ZIP: "pytorch_model.bin.index.json"}
+#: the file torch.distributed.checkpoint writes its metadata to
+METADATA = ".metadata"
+#: DeepSpeed's file naming the latest tag, and its model_states / optim_states files
+LATEST = "latest"
+DEEPSPEED_MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
+DEEPSPEED_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+
+
+def no_duplicate_keys(what: str) -> Any:
+    """A ``json`` ``object_pairs_hook`` refusing a key listed twice (JSON allows it; a checkpoint
+    index or header must not: which of the two would a reader take?)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict:
+        seen: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in seen:
+                raise FormatError(f"{what}: duplicate key {k!r}: it is listed twice")
+            seen[k] = v
+        return seen
+
+    return hook
+
+
+# -- Hugging Face sharded checkpoints ------------------------------------------------------------------
+
+def find_index(path: str) -> str | None:
+    """The index json for ``path``: ``path`` itself if it is one (``*.index.json``), else the
+    safetensors or torch index in the directory ``path`` (safetensors when both); else None."""
+    if os.path.isfile(path):
+        return path if path.endswith(".index.json") else None
+    if not os.path.isdir(path):
+        return None
+    for fmt in (SAFETENSORS, TORCH_ZIP):
+        candidate = os.path.join(path, INDEX_NAMES[fmt])
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def member_path(root: str, rel: Any, source: str, what: str = "shard") -> str:
+    """``root/rel`` after checking it stays inside ``root``: not absolute, no ``..``, no symlink
+    leading out. Shared by the directory formats (sharded index, DCP)."""
+    if not isinstance(rel, str) or not rel:
+        raise FormatError(f"{source}: {what} name {rel!r} is not a file name")
+    parts = re.split(r"[/\\]", rel)
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", rel):
+        raise FormatError(f"{source}: {what} path {rel!r} is absolute; shards must sit inside {root}")
+    if ".." in parts:
+        raise FormatError(f"{source}: {what} path {rel!r} leaves the directory ('..'); shards must sit inside {root}")
+    path = os.path.join(root, rel)
+    real_root = os.path.realpath(root)
+    if not os.path.realpath(path).startswith(real_root.rstrip(os.sep) + os.sep):
+        raise FormatError(
+            f"{source}: {what} {rel!r} is a symlink to {os.path.realpath(path)}, outside {root}; "
+            "copy the file into the directory"
+        )
+    if not os.path.isfile(path):
+        raise MissingFileError(f"{source}: {what} {rel!r} is missing from {root} (the download or save did not finish?)",
+                               path)
+    return path
+
+
+def load_index(index_path: str) -> dict[str, str]:
+    """The validated ``weight_map`` (key → shard file name, in file order) of an index json."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f, object_pairs_hook=no_duplicate_keys(index_path))
+    except OSError as e:
+        raise FormatError(f"{index_path}: can't be read: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"{index_path}: is not valid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FormatError(f"{index_path}: has no \"weight_map\" object: not a sharded-checkpoint index")
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise FormatError(f"{index_path}: key {key!r} maps to {shard!r}, not a shard file name")
+    return weight_map
+
+
+# -- torch.distributed.checkpoint -----------------------------------------------------------------------
+
+def is_dcp_dir(path: str) -> bool:
+    """A directory holding a DCP ``.metadata`` file."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
+
+
+# -- DeepSpeed -------------------------------------------------------------------------------------------
+
+@dataclass
+class Layout:
+    """One checkpoint tag's files, each list in rank order."""
+
+    tag_dir: str
+    tag: str
+    model_files: list[str]
+    optim_files: list[str]
+
+
+def names_matching(directory: str, pattern: re.Pattern) -> list[str]:
+    """The sorted names in ``directory`` that ``pattern`` matches whole ([] when it can't be listed)."""
+    try:
+        return sorted(n for n in os.listdir(directory) if pattern.fullmatch(n))
+    except OSError:
+        return []
+
+
+def is_deepspeed_dir(path: str) -> bool:
+    """A directory holding DeepSpeed's ``latest`` file or model_states files."""
+    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, LATEST))
+                                    or bool(names_matching(path, DEEPSPEED_MODEL)))
+
+
+def locate(path: str) -> Layout:
+    """The tag directory ``path`` means (the checkpoint directory via ``latest``, a tag directory, or a
+    model_states file in one) and its files; DeepSpeedZeroError saying what is missing."""
+    if os.path.isfile(path):
+        tag_dir = os.path.dirname(os.path.abspath(path))
+    elif os.path.isfile(os.path.join(path, LATEST)):
+        tag_dir = os.path.join(path, _read_tag(path))
+    else:
+        tag_dir = path
+    models = names_matching(tag_dir, DEEPSPEED_MODEL)
+    if not models:
+        raise DeepSpeedZeroError(f"{path}: no DeepSpeed *_model_states.pt files in {tag_dir}; give the checkpoint "
+                                 "directory (the one holding `latest`) or one of its tag directories")
+    optims = names_matching(tag_dir, DEEPSPEED_OPTIM)
+    if any(m.group(2) != "00" for m in map(DEEPSPEED_MODEL.fullmatch, models)) or \
+            any(m.group(3) != "00" for m in map(DEEPSPEED_OPTIM.fullmatch, optims)):
+        raise DeepSpeedZeroError(f"{tag_dir}: holds model-parallel ranks other than mp_rank_00: ckptfix (like "
+                                 "zero_to_fp32.py) consolidates data-parallel ZeRO checkpoints only")
+    if len({DEEPSPEED_OPTIM.fullmatch(n).group(1) for n in optims}) > 1:
+        raise DeepSpeedZeroError(f"{tag_dir}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optim_states files "
+                                 "(two runs saved into one tag?); keep one set")
+    return Layout(tag_dir, os.path.basename(os.path.normpath(tag_dir)),
+                  [os.path.join(tag_dir, n) for n in _by_rank(models, DEEPSPEED_MODEL, 1, tag_dir)],
+                  [os.path.join(tag_dir, n) for n in _by_rank(optims, DEEPSPEED_OPTIM, 2, tag_dir)])
+
+
+def _read_tag(path: str) -> str:
+    latest = os.path.join(path, LATEST)
+    try:
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read(4096).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise FormatError(f"{latest}: can't be read: {e}") from None
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
+        raise DeepSpeedZeroError(f"{latest}: names {tag!r}, not a tag directory inside {path}; give the tag directory itself")
+    tag_dir = os.path.join(path, tag)
+    if not os.path.isdir(tag_dir):
+        raise DeepSpeedZeroError(f"{latest}: names tag {tag!r} but {tag_dir} is not a directory; give an existing tag directory")
+    if os.path.dirname(os.path.realpath(tag_dir)) != os.path.realpath(path):
+        raise DeepSpeedZeroError(f"{tag_dir}: is a symlink out of {path}; give the directory it points to yourself")
+    return tag
+
+
+def _by_rank(names: list[str], pattern: re.Pattern, group: int, where: str) -> list[str]:
+    """The names in rank order, refusing gaps (zero_pp_rank_0, _2 without _1)."""
+    ranked = sorted((int(pattern.fullmatch(n).group(group) or 0), n) for n in names)
+    if [r for r, _ in ranked] != list(range(len(ranked))):
+        raise DeepSpeedZeroError(f"{where}: rank files {', '.join(n for _, n in ranked)} are not ranks 0..{len(ranked) - 1}: "
+                                 "a rank's file is missing (the save did not finish?)")
+    return [n for _, n in ranked]

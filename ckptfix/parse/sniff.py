@@ -1,0 +1,173 @@
+"""Name a checkpoint's format from its bytes (never its extension), and read a zip's central directory once.
+
+Pure Python below every reader: the safety scan (:mod:`ckptfix.safety`) sniffs before it scans, the format
+readers (:mod:`ckptfix.formats`, which re-exports all of this) before they read.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickletools
+import struct
+from typing import Any
+
+from ..core import limits
+from .checkpoint_dirs import SAFETENSORS, TORCH_ZIP, find_index, is_dcp_dir, is_deepspeed_dir
+from ..errors import FormatError, MissingFileError
+from .zipdir import read_directory
+
+# the format names (TORCH_ZIP and SAFETENSORS come from checkpoint_dirs, whose index names need them)
+TORCH_LEGACY = "torch-legacy"
+TORCHSCRIPT = "torchscript"
+SHARDED_SAFETENSORS = "sharded-safetensors"
+SHARDED_PTH = "sharded-pth"
+DCP = "dcp"
+DEEPSPEED = "deepspeed"
+SHARDED = (SHARDED_SAFETENSORS, SHARDED_PTH)
+
+# torch.serialization.MAGIC_NUMBER: the first pickle of every legacy (non-zip) torch file.
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LFS_PREFIX = b"version https://git-lfs.github.com/spec/"
+
+
+def sniff(path: str) -> str:
+    """Name the format of ``path`` from its bytes, or raise a FormatError that says what it is."""
+    if not os.path.exists(path):
+        raise MissingFileError(f"{path}: no such file", path)
+    if os.path.isdir(path) or path.endswith(".index.json"):
+        return _sniff_dir(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise FormatError(f"{path}: can't be read: {e.strerror or e}") from None
+    if size == 0:
+        raise FormatError(f"{path}: is empty (0 bytes): the save or the download did not finish")
+    if head.startswith(b"PK\x03\x04"):
+        return _zip_kind(path)
+    if head.startswith(_LFS_PREFIX):
+        raise FormatError(f"{path}: this is a Git LFS pointer file, not the checkpoint; run `git lfs pull`")
+    if head[8:9] == b"{":
+        n = struct.unpack("<Q", head[:8])[0]
+        if n == 0 or n + 8 > size:
+            raise FormatError(
+                f"{path}: looks like safetensors but its header length ({n} bytes) runs past the "
+                f"end of the file ({size} bytes): truncated or corrupt"
+            )
+        return SAFETENSORS
+    if head[:1] == b"\x80" and _first_pickle_is_magic(head):
+        return TORCH_LEGACY
+    if opens_as_tar(path):
+        return TORCH_LEGACY  # torch < 0.4 tar layout (torch.load tries tarfile before the pickle stream)
+    low = head.removeprefix(b"\xef\xbb\xbf").lstrip()[:64].lower()  # (a UTF-8 byte order mark first)
+    if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<!--")):
+        raise FormatError(
+            f"{path}: is an HTML page, not a checkpoint (a failed or login-walled download?); "
+            "download the file itself"
+        )
+    if low[:1] in (b"{", b"["):
+        raise FormatError(
+            f"{path}: is a JSON document (starts with {low[:24]!r}), not a checkpoint: a server's error "
+            "response saved in its place?"
+        )
+    if head[:1] == b"\x80":
+        raise FormatError(f"{path}: is a plain pickle, not a torch checkpoint (no torch magic number)")
+    raise FormatError(
+        f"{path}: unknown format (starts with {head[:8]!r}): not a torch zip, torch legacy "
+        "or safetensors file"
+    )
+
+
+def opens_as_tar(path: str) -> bool:
+    """Whether ``tarfile.open(mode="r:")`` takes the file, exactly as torch.load's legacy path tries it
+    first (an old-style tar needs no ``ustar`` magic: a header block with a valid checksum is enough)."""
+    import tarfile
+
+    try:
+        with open(path, "rb") as f:
+            block = f.read(512)
+            if block.count(0) == 512:
+                return False  # all zeros: an empty tar to tarfile, but torch then fails (no 'storages')
+            try:
+                first = tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
+            except tarfile.HeaderError:
+                return False  # tarfile refuses the first block: torch goes on to the pickle stream
+            if first.type in _TAR_EXTENDED and first.size > limits.current().max_pickle_bytes:
+                return True  # a header extension tarfile would read whole: a tar, refused unread
+            f.seek(0)
+            with tarfile.open(fileobj=f, mode="r:"):
+                return True
+    except (tarfile.TarError, OSError, ValueError, EOFError):
+        return False
+
+
+_TAR_EXTENDED = (b"L", b"K", b"x", b"g", b"X")  # GNU long names/links, pax headers: data read into memory
+
+
+def _sniff_dir(path: str) -> str:
+    """A torch.distributed.checkpoint directory, a DeepSpeed one, or a Hugging Face sharded one (or its index)."""
+    if os.path.isdir(path) and is_dcp_dir(path):
+        return DCP
+    if is_deepspeed_dir(path):
+        return DEEPSPEED
+    index = find_index(path)
+    if index is not None:
+        return SHARDED_SAFETENSORS if index.endswith("safetensors.index.json") else SHARDED_PTH
+    if not os.path.isdir(path):
+        raise FormatError(f"{path}: is not a sharded-checkpoint index (expected a JSON file with a weight_map)")
+    singles = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, n))]
+    hint = f"; give the file inside it: {os.path.join(path, singles[0])}" if singles else ""
+    raise FormatError(
+        f"{path}: is a directory but neither a torch.distributed.checkpoint (no .metadata), a DeepSpeed checkpoint "
+        f"(no latest) nor a sharded checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json){hint}"
+    )
+
+
+def _first_pickle_is_magic(head: bytes) -> bool:
+    try:
+        for op, arg, _pos in pickletools.genops(io.BytesIO(head)):
+            if op.name in ("PROTO", "FRAME"):
+                continue
+            return op.name in ("LONG1", "LONG", "LONG4") and arg == LEGACY_MAGIC
+    except Exception:  # noqa: BLE001 - any parse failure means "not a legacy torch file"
+        return False
+    return False
+
+
+_ZIP_CACHE: dict[tuple, Any] = {}
+
+
+def zip_directory(path: str) -> Any:
+    """The zip's central directory as torch reads it (:class:`ckptfix.parse.zipdir.Directory`), parsed once
+    per file version: sniffing, the safety checks and the structure reader all need it, and for a
+    checkpoint of 20,000 tensors parsing it costs a noticeable fraction of a second.
+    Raises ``zipfmt.ZipFormatError`` (a ValueError) where torch's reader would fail."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _ZIP_CACHE:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            directory = read_directory(buf, len(buf))
+        _ZIP_CACHE.clear()  # keep only the latest file: conversions read one source at a time
+        _ZIP_CACHE[key] = directory
+    return _ZIP_CACHE[key]
+
+
+def _zip_kind(path: str) -> str:
+    try:
+        names = [e.name for e in zip_directory(path).entries]
+    except (ValueError, OSError, struct.error) as e:
+        import zipfile
+
+        try:  # torch can't read it; if Python's zipfile can, the safety check reports the disagreement
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError):
+            raise FormatError(f"{path}: is a truncated or corrupt zip archive ({e})") from None
+    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        return TORCHSCRIPT
+    if any(n.lower().endswith("data.pkl") for n in names):
+        return TORCH_ZIP
+    raise FormatError(f"{path}: is a zip archive but not a torch checkpoint (no data.pkl inside)")

@@ -1,0 +1,228 @@
+"""numpy inside checkpoints: arrays, scalars and dtypes rebuilt from bytes, plain numeric kinds only.
+
+numpy pickles a dtype as ``numpy.dtype('f4', False, True)`` + BUILD ``(3, '<', None, None, None, -1,
+-1, 0)``, an array as ``_reconstruct(numpy.ndarray, (0,), b'b')`` + BUILD ``(1, shape, dtype,
+fortran, raw bytes)`` and a scalar as ``scalar(dtype, raw bytes)``. numpy's own ``__setstate__``
+trusts those tuples: a dtype state can declare object fields while its flags claim none, and
+an array then takes PyObject pointers from the file. Here the dtype and the array are stand-ins
+whose ``__setstate__`` accepts only plain numeric/bool dtypes (no fields, no objects, no
+subarrays) and raw bytes of exactly the right length; the finished load replaces each stand-in
+with the real numpy object (``real()``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..parse.pickle_ops import Refused
+from .standins import note_made, short_args
+from ..parse.unpickler import build_setstate, type_name
+
+_NUMPY_CODE = re.compile(r"^[<>|=]?(b1|\?|[iu][1248]|f[248]|c(8|16))$")
+_NUMPY_ENDIAN = frozenset("<>|=")
+
+
+def _refuse(message: str) -> Exception:
+    return Refused(message)
+
+
+class NumpyDType:
+    """``numpy.dtype(code, align, copy=True)`` of a plain numeric/bool code (a fresh copy, never numpy's
+    shared one), given numpy's own ``__setstate__`` once the state is checked to describe a plain dtype."""
+
+    def __init__(self, code: str, align: bool):
+        import numpy as np
+
+        self.dtype = np.dtype(code, align, True)
+        note_made()
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) in (8, 9) and state[0] in (3, 4) and state[1] in _NUMPY_ENDIAN
+                and state[2:5] == (None, None, None) and state[5:8] == (-1, -1, 0) and state[8:] in ((), (None,))):
+            raise _refuse(f"numpy dtype state {state!r:.100}: only plain numeric/bool dtypes "
+                          "(no fields, objects, subarrays or metadata) are loaded")
+        self.dtype.__setstate__(state)
+
+    def real(self) -> Any:
+        return self.dtype
+
+
+class NumpyArray:
+    """``_reconstruct(numpy.ndarray, (0,), b'b')``: an array filled by BUILD from checked raw bytes."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        note_made()
+
+    def __setstate__(self, state: Any) -> None:
+        import numpy as np
+
+        ok = isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and isinstance(state[1], tuple)
+        dtype = _plain_dtype(state[2]) if ok else None
+        shape = state[1] if ok else ()
+        if not ok or dtype is None or type(state[3]) is not bool or not isinstance(state[4], bytes) or not all(
+                type(n) is int and n >= 0 for n in shape) or self.value is not None:
+            raise _refuse("numpy array state: only (1, shape, plain numeric dtype, fortran, raw bytes) is loaded; "
+                          "object arrays and arrays of structured dtypes are refused")
+        count = 1
+        for n in shape:
+            count *= n
+        if count * dtype.itemsize != len(state[4]):
+            raise _refuse(f"numpy array of shape {shape} {dtype} needs {count * dtype.itemsize} bytes, "
+                          f"the pickle holds {len(state[4])}")
+        from numpy._core import multiarray
+
+        array = multiarray._reconstruct(np.ndarray, (0,), b"b")
+        array.__setstate__((1, shape, dtype, state[3], state[4]))  # numpy's own, on checked plain data
+        self.value = array
+
+    def real(self) -> Any:
+        if self.value is None:
+            raise _refuse("a numpy array is created but never filled (uninitialised memory): refused")
+        return self.value
+
+
+NUMPY_STAND_INS = (NumpyDType, NumpyArray)
+
+
+def _plain_dtype(d: Any) -> Any:
+    """A plain numeric/bool numpy dtype from a stand-in or a real dtype, else None."""
+    real = d.dtype if isinstance(d, NumpyDType) else d
+    if type(real).__module__.startswith("numpy") and getattr(real, "fields", 1) is None and not real.hasobject \
+            and real.subdtype is None and real.kind in "biufc":
+        return real
+    return None
+
+
+class _ClassToken:
+    """A class named in a pickle only to be handed to one constructor that checks for it (numpy's
+    ``_reconstruct``); the token itself can't be called or instantiated."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse(f"{self.name} is allowed only as the subtype numpy's _reconstruct is given")
+
+
+NDARRAY = _ClassToken("numpy.ndarray")
+_RECONSTRUCT = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct")
+_SCALAR = ("numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar")
+
+
+def _dtype(code: Any, align: Any = False, copy: Any = True) -> NumpyDType:
+    if not isinstance(code, str) or not _NUMPY_CODE.match(code) or type(align) is not bool or type(copy) is not bool:
+        raise _refuse(f"numpy dtype {code!r:.40}: only plain numeric/bool dtypes are loaded")
+    return NumpyDType(code, align)
+
+
+def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> NumpyArray:
+    if subtype is not NDARRAY or shape != (0,) or dtype_code != b"b":
+        raise _refuse("numpy _reconstruct is allowed only as numpy pickles an array: "
+                      "_reconstruct(numpy.ndarray, (0,), b'b'); subclasses such as memmap are refused")
+    return NumpyArray()
+
+
+def _scalar(dtype: Any, raw: Any = None) -> Any:
+    import numpy as np
+
+    real = _plain_dtype(dtype)
+    if real is None or not isinstance(raw, bytes) or len(raw) != real.itemsize:
+        raise _refuse("numpy scalar: only a plain numeric dtype with exactly its bytes is loaded")
+    return np.frombuffer(raw, dtype=real)[0]
+
+
+def _dtype_class_call(cls: Any) -> Any:
+    def make(*args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            raise _refuse(f"numpy.dtypes.{cls.__name__} is called with arguments")
+        return cls()
+
+    return make
+
+
+def _numpy_dtype_classes() -> dict[str, Any]:
+    """numpy's DType classes (numpy >= 1.25) of plain numeric/bool kinds: values, or called empty."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is optional
+        return {}
+    out = {}
+    for name in dir(getattr(np, "dtypes", None) or ()):
+        cls = getattr(np.dtypes, name)
+        if name.endswith("DType") and isinstance(cls, type):
+            try:
+                plain = _plain_dtype(cls()) is not None
+            except TypeError:  # parametric (strings, datetimes): never plain
+                plain = False
+            if plain:
+                out[f"numpy.dtypes.{name}"] = cls
+    return out
+
+
+def numpy_entries() -> list[tuple[str, Any]]:
+    """The numpy names a pickle may use → the objects the unpickler gives for them."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:  # pragma: no cover - numpy is optional
+        return []
+    out: list[tuple[str, Any]] = [("numpy.dtype", _dtype), ("numpy.ndarray", NDARRAY)]
+    out += [(name, _reconstruct) for name in _RECONSTRUCT] + [(name, _scalar) for name in _SCALAR]
+    out += list(_numpy_dtype_classes().items())
+    return out
+
+
+def numpy_guards() -> dict[str, Any]:
+    """Guards for the numpy callables (numpy's dtype classes are called only without arguments)."""
+    def plain(u: Any, f: Any, args: tuple, kwargs: dict) -> Any:
+        u.charge(sum(len(a) for a in args if isinstance(a, (bytes, str, tuple))), type_name(f))
+        return f(*args, **kwargs)
+
+    def dtype_class(u: Any, f: Any, args: tuple, kwargs: dict) -> Any:
+        return _dtype_class_call(f)(*args, **kwargs)
+
+    guards = {name: plain for name in ("numpy.dtype", *_RECONSTRUCT, *_SCALAR)}
+    guards.update((name, dtype_class) for name in _numpy_dtype_classes())
+    return guards
+
+
+def numpy_builds() -> dict[type, Any]:
+    return {NumpyDType: build_setstate, NumpyArray: build_setstate}
+
+
+NUMPY_BUILDABLE = frozenset({"numpy.dtype", *_RECONSTRUCT})
+
+
+def refused_numpy_call(name: str, args: Any) -> str | None:
+    """The static scanner's view of the numpy rules (arguments as walked: globals have ``.full``)."""
+    if name == "numpy.ndarray":
+        return "numpy.ndarray is called; it is allowed only as the subtype numpy's _reconstruct is given"
+    if name.startswith("numpy.dtypes.") and args:
+        return f"{name} is called with arguments"
+    if name == "numpy.dtype" and not (isinstance(args, tuple) and args and isinstance(args[0], str)
+                                      and _NUMPY_CODE.match(args[0])):
+        return f"numpy dtype{short_args(args)}: only plain numeric/bool dtypes are loaded"
+    if name in _RECONSTRUCT and not (isinstance(args, tuple) and len(args) == 3
+                                     and getattr(args[0], "full", None) == "numpy.ndarray" and args[1] == (0,)):
+        return f"numpy _reconstruct{short_args(args)} is not how numpy pickles an array: _reconstruct(numpy.ndarray, (0,), b'b')"
+    if name in _SCALAR:
+        dtype = args[0] if isinstance(args, tuple) and args else None
+        func = getattr(getattr(dtype, "func", None), "full", None) or getattr(dtype, "full", None)
+        if func != "numpy.dtype" and not str(func).startswith("numpy.dtypes."):
+            return "numpy scalar of something other than a numpy dtype"
+    return None
+
+
+def refused_numpy_build(name: str, state: Any) -> str | None:
+    """Why BUILD with ``state`` on what ``name`` made (a numpy dtype or array) would be refused."""
+    if name == "numpy.dtype":
+        ok = (isinstance(state, tuple) and len(state) in (8, 9) and state[0] in (3, 4) and state[1] in _NUMPY_ENDIAN
+              and state[2:5] == (None, None, None) and state[5:8] == (-1, -1, 0) and state[8:] in ((), (None,)))
+        return None if ok else f"numpy dtype state {short_args(state)}: only plain numeric/bool dtypes are loaded"
+    if name in _RECONSTRUCT:
+        ok = isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and type(state[3]) is bool
+        raw = state[4] if ok else None
+        raw_ok = isinstance(raw, bytes) or getattr(getattr(raw, "func", None), "full", None) == "_codecs.encode"
+        return None if ok and raw_ok else "numpy array state: only (1, shape, dtype, fortran, raw bytes) is loaded"
+    return None

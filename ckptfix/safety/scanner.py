@@ -1,0 +1,169 @@
+"""Safe loading: the static scan run before every untrusted torch load, and ``ckptfix scan``.
+
+Nothing in a file is imported or executed here: pickles are walked opcode by opcode
+(:mod:`ckptfix.parse.pickle_walk`), zip archives are checked byte by byte (:mod:`ckptfix.parse.zipcheck`),
+and every global is classed against torch's weights_only defaults and ckptfix's allow-list
+(:mod:`ckptfix.safety.allowlist`); :mod:`ckptfix.safety.file_scanners` holds the per-format scanners, this module
+the entry points and the directory formats. A file with an unsafe global or an ambiguous structure is
+refused before torch opens it; ckptfix's restricted unpickler (:mod:`ckptfix.parse.unpickler`) is the
+second line.
+
+>>> report = ckptfix.scan("model.pth")          # doctest: +SKIP
+>>> report.ok, [g.name for g in report.globals if g.category == "unsafe"]
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+from . import dcp_policy as dcp_metadata
+from ..parse import pickle_walk as pickle_scan
+from ..core import limits as _limits
+from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals
+from ..parse.checkpoint_dirs import find_index, load_index, locate, member_path
+from .deepspeed_policy import optim_names
+from ..errors import FormatError, UnsafeCheckpointError, trust_advice
+from ..parse.safetensors_header import check_file
+from .file_scanners import (PICKLE, Collector, Finding, GlobalRef, ScanReport, scan_legacy, scan_tar, scan_zip,
+                            starts_with_magic)
+from ..parse.sniff import (DCP, DEEPSPEED, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar,
+                           sniff)
+
+__all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe", "allowed_globals", "SAFE", "ALLOWED", "UNSAFE"]
+
+_CODE_KINDS = {"unsafe-global", "unsafe-construct", "torchscript-code", "malformed"}
+
+
+def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by_caller: str | None = None) -> ScanReport:
+    """Statically analyse ``path``: every pickle's globals and, for zips, the archive's structure.
+
+    Raises FormatError when the file is unreadable (and nothing unsafe was seen before the
+    damage). ``check_crc=False`` skips the CRC of tensor data (still checked for pickles).
+    """
+    path = os.fspath(path)
+    _limits.current()  # a malformed CKPTFIX_MAX_* variable is an error of its own, not a finding
+    fmt = fmt or _scan_format(path)
+    if fmt in SHARDED:
+        return _scan_sharded(path, fmt, check_crc)
+    if fmt == DCP:
+        return _scan_dcp(path, check_crc)
+    if fmt == DEEPSPEED:
+        return _scan_deepspeed(path, check_crc)
+    if fmt not in (SAFETENSORS, TORCH_ZIP, TORCHSCRIPT, TORCH_LEGACY, PICKLE):
+        raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors), "
+                          f"sharded checkpoints and DCP directories, not {fmt}")
+    c = Collector(path, fmt)
+    if fmt == SAFETENSORS:
+        check_file(path)  # no pickle inside; a malformed header or contradicting aliases raise FormatError
+        return c.finish()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        size = len(buf)
+        if fmt in (TORCH_ZIP, TORCHSCRIPT):
+            scan_zip(c, buf, size, fmt == TORCHSCRIPT, check_crc, unpickled_by_caller)
+        elif fmt == TORCH_LEGACY and opens_as_tar(path):  # torch.load tries tar first, as tarfile reads it
+            scan_tar(c, legacy_too=starts_with_magic(buf))
+        elif fmt == TORCH_LEGACY:
+            scan_legacy(c, buf, size)
+        else:
+            for w in pickle_scan.walk_stack(buf, 0, min(size, _limits.current().max_pickle_bytes), "pickle"):
+                c.add_walk(w)
+    return c.finish()
+
+
+def _scan_sharded(path: str, fmt: str, check_crc: bool) -> ScanReport:
+    """Every shard an index lists, scanned as a file of its own; ``where`` names the shard."""
+    index = find_index(path) or path
+    root = os.path.dirname(os.path.abspath(index))
+    c = Collector(path, fmt)
+    for shard in dict.fromkeys(load_index(index).values()):
+        c.merge_report(shard, scan(member_path(root, shard, index), check_crc=check_crc))
+    return c.finish()
+
+
+def _scan_deepspeed(path: str, check_crc: bool) -> ScanReport:
+    """A DeepSpeed checkpoint's tag directory: every model_states and optim_states file as a torch zip of
+    its own, DeepSpeed's loss scaler, ZeRO stage and fragment address allowed in the optim_states files
+    (ckptfix loads them as inert stand-ins; DeepSpeed's zero_to_fp32.py unpickles them fully)."""
+    layout = locate(path)
+    c = Collector(path, DEEPSPEED)
+    for file in [*layout.model_files, *layout.optim_files]:
+        part = Collector(os.path.basename(file), TORCH_ZIP)
+        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            scan_zip(part, buf, len(buf), False, check_crc, also=optim_names() if file in layout.optim_files
+                      else frozenset())
+        c.merge(part)
+    return c.finish()
+
+
+def _scan_dcp(path: str, check_crc: bool) -> ScanReport:
+    """A DCP directory: ``.metadata`` (which torch's own DCP loader unpickles with plain pickle) walked
+    with DCP's metadata classes allowed, then every record it lists (torch.save zips inside the
+    ``.distcp`` files) checked and walked like a torch zip of its own."""
+    c = Collector(path, DCP)
+    meta_path = os.path.join(path, dcp_metadata.METADATA)
+    data = dcp_metadata.read_bytes(meta_path)
+    also = dcp_metadata.metadata_names()
+    walks = pickle_scan.walk_stack(data, 0, len(data), ".metadata")
+    for w in walks:
+        c.add_walk(w, also)
+    if walks and walks[0].end is not None and walks[0].end < len(data):
+        c.find("trailing-data", ".metadata", f"{len(data) - walks[0].end} bytes follow the pickle in .metadata")
+    meta_pt = os.path.join(path, "meta.pt")  # Lightning's sharded checkpoints: everything but the weights
+    if os.path.isfile(meta_pt):
+        c.merge_report("meta.pt", scan(meta_pt, check_crc=check_crc))
+    if c.findings or any(g.category == UNSAFE for g in c.globals.values()):
+        return c.finish()  # the records' places come from .metadata: not read unless it is clean
+    for file, ranges in dcp_metadata.record_ranges(path).items():
+        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            for what, start, length in ranges:
+                record = Collector(f"{os.path.basename(file)} [{what}]", TORCH_ZIP)
+                scan_zip(record, memoryview(buf)[start : start + length], length, False, check_crc)
+                c.merge(record)
+    return c.finish()
+
+
+def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_caller: str | None = None) -> None:
+    """Raise UnsafeCheckpointError naming every unsafe global (sorted) and structural problem.
+
+    Called before every untrusted torch load. ``structure_only`` checks just the zip structure,
+    for readers that execute nothing themselves (the TorchScript inspector).
+    ``unpickled_by_caller`` (``"data.pkl"``) skips walking that one member: the caller unpickles it
+    with torch's weights_only unpickler, which refuses any global outside the allow-list before
+    building it, checks that nothing follows its STOP, and calls ``ensure_safe`` again without the
+    skip when anything fails, so the refusal still names every global. This halves the pure-Python
+    pickle work of a streaming conversion of a checkpoint with many tensors.
+    """
+    report = scan(path, fmt, check_crc=False, unpickled_by_caller=unpickled_by_caller)
+    findings = [f for f in report.findings if not (structure_only and f.kind in _CODE_KINDS)]
+    if not findings:
+        return
+    if unpickled_by_caller:  # refused anyway: scan everything so the message names every global
+        return ensure_safe(path, fmt, structure_only)
+    parts = []
+    if report.unsafe_globals and not structure_only:
+        parts.append("it references globals outside the safe allow-list: " + ", ".join(report.unsafe_globals))
+    parts += [f.message for f in findings if f.kind != "unsafe-global"]
+    raise UnsafeCheckpointError(
+        f"{path}: refused: loading it could run code or read the wrong bytes: {'; '.join(parts)}. "
+        f"{trust_advice()}; "
+        f"`ckptfix scan {path}` lists everything it references.",
+        [] if structure_only else report.unsafe_globals,
+    )
+
+
+def _scan_format(path: str) -> str:
+    """The checkpoint's format, or ``pickle`` for a plain pickle (not a checkpoint, but scannable)."""
+    try:
+        return sniff(path)
+    except FormatError as e:
+        not_checkpoint = e
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        head = b""
+    if len(head) == 2 and head[0] == 0x80 and head[1] <= 5:
+        return PICKLE
+    raise not_checkpoint

@@ -31,7 +31,7 @@ def _torch_ranges(path: Path) -> Any:
 def _outcome(f: Any) -> Any:
     try:
         return "ok", f()
-    except Exception as e:  # noqa: BLE001 - compared: the same class and message from both reads
+    except Exception as e:  # compared: the same class and message from both reads
         return type(e).__name__, str(e)
 
 

@@ -316,7 +316,7 @@ def _bytes_entries(path: Path) -> dict[str, Any]:
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    meta = pickle.loads((path / ".metadata").read_bytes())  # noqa: S301 - the test's own saves
+    meta = pickle.loads((path / ".metadata").read_bytes())  # the test's own saves
     return {i.fqn: info for i, info in meta.storage_data.items()
             if isinstance(meta.state_dict_metadata[i.fqn], BytesStorageMetadata)}
 
@@ -426,7 +426,7 @@ def test_dcp_malformed_metadata_refused_the_same_way(fsdp2_model_only: dict[str,
                                "os-global": original.replace(b"\x8c\x05torch\x94\x8c\x04Size",
                                                              b"\x8c\x05posix\x94\x8c\x04Size", 1)}
     for name, edit in _meta_edits().items():
-        meta = pickle.loads(original)  # noqa: S301 - written by this test's own dcp.save
+        meta = pickle.loads(original)  # written by this test's own dcp.save
         replaced = edit(meta)
         cases[name] = pickle.dumps(meta if replaced is None else replaced, protocol=4)
     refused = 0
@@ -529,7 +529,7 @@ def test_dcp_malformed_bytes_entries_refused_the_same_way(tmp_path: Path, monkey
     torch_free: list[str] = []
     for name, edit in _bytes_entry_edits(canary).items():
         path = Path(shutil.copytree(source, tmp_path / name))
-        meta = pickle.loads(original)  # noqa: S301 - the committed fixture, written by dcp.save
+        meta = pickle.loads(original)  # the committed fixture, written by dcp.save
         info = next(v for k, v in meta.storage_data.items() if k.fqn == "optim.param_groups.0.lr")
         distcp = path / info.relative_path
         distcp.write_bytes(edit(info, distcp.read_bytes()))

@@ -215,7 +215,7 @@ def _refused_by_torch(path: Path, in_child: bool = False) -> bool:
         return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=120).returncode != 0
     try:
         torch.load(path, weights_only=True)
-    except Exception:  # noqa: BLE001 - any refusal or failure counts
+    except Exception:  # any refusal or failure counts
         return True
     return False
 

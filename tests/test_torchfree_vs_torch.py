@@ -87,7 +87,7 @@ def torch_load(path: Path, in_child: bool = False) -> tuple[Any, dict[int, str]]
 
     try:
         return torch.load(path, weights_only=True, map_location=where), locations
-    except Exception:  # noqa: BLE001 - any refusal or failure counts, as in _refused_by_torch
+    except Exception:  # any refusal or failure counts, as in _refused_by_torch
         return None
 
 
@@ -95,8 +95,8 @@ def safetensors_load(path: Path) -> dict[str, torch.Tensor] | None:
     """Every tensor the ``safetensors`` library reads from ``path`` (its own key order), or None if it refuses."""
     try:
         with safe_open(str(path), "pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
-    except BaseException as e:  # noqa: BLE001 - a Rust panic is a BaseException (pyo3's PanicException)
+            return {k: f.get_tensor(k) for k in f.keys()}  # safe_open is not a mapping
+    except BaseException as e:  # a Rust panic is a BaseException (pyo3's PanicException)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         return None

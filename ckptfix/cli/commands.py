@@ -65,7 +65,7 @@ class Group(click.Group):
             ctx.exit(141)
         except CkptfixError as e:
             _fail(ctx, str(e), e)
-        except Exception as e:  # noqa: BLE001 - the CLI's edge: no traceback for users
+        except Exception as e:  # the CLI's edge: no traceback for users
             _fail(ctx, f"unexpected {type(e).__name__}: {e} (a bug in ckptfix; CKPTFIX_DEBUG=1 shows the traceback)", e)
 
 

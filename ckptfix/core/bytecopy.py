@@ -107,7 +107,7 @@ class CrcWorker:
                     break
                 self.results[r] = self._compute(r)
                 self._done[r].set()
-        except BaseException as e:  # noqa: BLE001 - re-raised in get()
+        except BaseException as e:  # re-raised in get()
             self.error = e
             for ev in self._done.values():
                 ev.set()

@@ -107,7 +107,7 @@ def read_torch_zip(path: str) -> RawRead:
     ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl")  # what the torch path runs first
     try:
         directory = zip_directory(path)
-    except Exception as e:  # noqa: BLE001 - torch's reader gives the refusal
+    except Exception as e:  # torch's reader gives the refusal
         raise NotDescribable(f"zip directory: {e}") from None
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         obj, tags = _describe_zip(_Archive(path, directory, buf), f"{path}: data.pkl")
@@ -131,7 +131,7 @@ def read_torch_record(path: str, data: bytes, base: int, where: str) -> tuple[An
         scan_zip(report, data, len(data), False, False, unpickled_by_caller="data.pkl")
         findings = report.finish().findings
         directory = read_directory(data, len(data))
-    except Exception as e:  # noqa: BLE001 - damage: torch's read gives the refusal
+    except Exception as e:  # damage: torch's read gives the refusal
         raise NotDescribable(f"{where}: {e}") from None
     if findings:
         raise NotDescribable(f"{where}: {findings[0].message}")
@@ -184,7 +184,7 @@ class _Archive:
         """Where the record's bytes start in ``buf``, checked to be stored plainly inside it."""
         try:
             start = data_start(self.buf, self.size, entry)[0]
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise NotDescribable(str(e)) from None
         if entry.method != 0 or entry.flags & 1 or entry.compress_size != entry.file_size \
                 or start + entry.file_size > self.size:
@@ -218,7 +218,7 @@ class _Token:
         return self.name
 
 
-class dtype(_Token):  # noqa: N801 - named as torch's, so a dtype value renders as torch's does
+class dtype(_Token):  # named as torch's, so a dtype value renders as torch's does
     """``torch.float32`` etc.: the dtype's name."""
 
 
@@ -320,7 +320,7 @@ def _unpickle(where: str, data: bytes, archive: _Archive) -> tuple[Any, dict[int
     unpickler.persistent_load = persistent_load
     try:
         obj = unpickler.load()
-    except Exception as e:  # noqa: BLE001 - the torch path refuses it its own way
+    except Exception as e:  # the torch path refuses it its own way
         raise NotDescribable(f"{where}: {type(e).__name__}: {e}") from None
     if stream.tell() != len(data):
         raise NotDescribable("bytes follow the pickle")
@@ -388,7 +388,7 @@ def read_dcp(path: str) -> RawRead:
                 files[info.relative_path] = member_path(path, info.relative_path, meta_path, what="chunk file")
             offset = index.offset
             records[(index.fqn, None if offset is None else tuple(offset))] = info
-    except Exception as e:  # noqa: BLE001 - the torch read gives the refusal
+    except Exception as e:  # the torch read gives the refusal
         raise NotDescribable(f"storage data: {e}") from None
     flat: dict[str, Any] = {}
     tags: dict[int, str] = {}
@@ -404,7 +404,7 @@ def read_dcp(path: str) -> RawRead:
              f"from {len(files)} file(s)"]
     try:
         obj = unflatten(flat, meta.planner_data, meta_path)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise NotDescribable(f"planner data: {e}") from None
     return with_meta(RawRead(obj=obj, format=DCP, tags=tags, notes=notes), path, None, False, read_file=_read_meta)
 

@@ -79,7 +79,7 @@ def run_model(net: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = N
     try:
         with torch.no_grad():
             return net(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the user's forward can raise anything
+    except Exception as e:  # the user's forward can raise anything
         raise ForwardError(f"the model's forward on {what} failed ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}); pass the right --input-shape, --input-dtype "
                            "and --input-range, or the tensors themselves with --input FILE") from None

@@ -88,7 +88,7 @@ def _import(module_name: str, spec: str) -> Any:
         return importlib.import_module(module_name)
     except ImportError as e:
         raise ModelSpecError(f"model spec {spec!r}: can't import {module_name!r} ({e}); is it installed?") from None
-    except Exception as e:  # noqa: BLE001 - any error raised by the user's module while importing
+    except Exception as e:  # any error raised by the user's module while importing
         raise ModelSpecError(f"model spec {spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
 
 
@@ -106,7 +106,7 @@ def _module_from_file(path: str, spec: str) -> Any:
     sys.modules[name] = module
     try:
         loader_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - any error raised by the user's file while running
+    except Exception as e:  # any error raised by the user's file while running
         del sys.modules[name]
         raise ModelSpecError(f"model spec {spec!r}: running {path!r} failed: {type(e).__name__}: {e}") from None
     return module
@@ -129,7 +129,7 @@ def call_factory(factory: Any, args: dict[str, Any], spec: str) -> Any:
 
     try:
         model = factory(**args)
-    except Exception as e:  # noqa: BLE001 - the user's builder can raise anything
+    except Exception as e:  # the user's builder can raise anything
         raise ModelSpecError(f"model spec {spec!r}: building it with {args or 'no arguments'} failed: "
                              f"{type(e).__name__}: {e}") from None
     if not isinstance(model, torch.nn.Module):
@@ -259,7 +259,7 @@ def deepcopy_model(model: Any) -> Any:
     """A fresh copy of a user's module for the forward check; a ModelSpecError says why one can't be made."""
     try:
         return copy.deepcopy(model)
-    except Exception as e:  # noqa: BLE001 - whatever the module holds that can't be copied
+    except Exception as e:  # whatever the module holds that can't be copied
         raise ModelSpecError(f"model: can't make a fresh copy for the forward check ({type(e).__name__}: {e}); "
                              "pass a model spec or a factory instead of an instance") from None
 

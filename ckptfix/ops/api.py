@@ -101,7 +101,7 @@ def convert(
     keep_extra: bool = False,
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
-    format: str | None = None,  # noqa: A002 - the public keyword; rebound to fmt_requested below
+    format: str | None = None,  # the public keyword; rebound to fmt_requested below
     force: bool = False,
     trust: bool = False,
     progress: bool = False,
@@ -109,7 +109,7 @@ def convert(
     by_order: Any = None,
     dtype: str | None = None,
     allow_overflow: bool = False,
-    hash: bool = False,  # noqa: A002 - the public keyword; rebound to hashed below
+    hash: bool = False,  # the public keyword; rebound to hashed below
     checksums: bool = False,
     max_shard_size: int | str | None = None,
 ) -> ConvertReport:

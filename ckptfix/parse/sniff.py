@@ -132,7 +132,7 @@ def _first_pickle_is_magic(head: bytes) -> bool:
             if op.name in ("PROTO", "FRAME"):
                 continue
             return op.name in ("LONG1", "LONG", "LONG4") and arg == LEGACY_MAGIC
-    except Exception:  # noqa: BLE001 - any parse failure means "not a legacy torch file"
+    except Exception:  # any parse failure means "not a legacy torch file"
         return False
     return False
 

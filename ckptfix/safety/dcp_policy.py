@@ -100,13 +100,13 @@ def load_metadata(path: str, trust: bool) -> Any:
         if trust:
             import pickle
 
-            meta = pickle.loads(data)  # noqa: S301 - the caller trusts this file
+            meta = pickle.loads(data)  # the caller trusts this file
         else:
             start_load()
             meta = loads(data, metadata_policy(), where=meta_path)
     except CkptfixError:
         raise
-    except Exception as e:  # noqa: BLE001 - a hostile or broken pickle fails in many ways
+    except Exception as e:  # a hostile or broken pickle fails in many ways
         if isinstance(e, Refused):
             raise UnsafeCheckpointError(
                 f"{meta_path}: refused: {e}. {trust_advice('checkpoint')}.",
@@ -273,7 +273,7 @@ def load_inert(path: str) -> Any:
     data = read_bytes(meta_path)
     try:
         meta = loads(data, inert_policy(), where=meta_path)
-    except Exception:  # noqa: BLE001 - anything unexpected is the torch path's to answer
+    except Exception:  # anything unexpected is the torch path's to answer
         return None
     if not is_inert(meta, "Metadata") or type(getattr(meta, "state_dict_metadata", None)) is not dict \
             or type(meta.storage_data) is not dict:

@@ -48,7 +48,7 @@ class DynamicLossScaler(_Attributes):
     """DeepSpeed's fp16 dynamic loss scaler: ``cur_scale``, ``scale_window``, ``dtype``…"""
 
 
-class fragment_address(_Attributes):  # noqa: N801 - DeepSpeed's name
+class fragment_address(_Attributes):  # DeepSpeed's name
     """Where a parameter's slice sits in a rank's flat partition: ``numel``, ``start``."""
 
 

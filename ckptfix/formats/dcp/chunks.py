@@ -146,7 +146,7 @@ class Chunks:
     def _blob(self, fqn: str, info: Any) -> RangeFile:
         file = self.files[info.relative_path]
         if file not in self.handles:
-            self.handles[file] = open(file, "rb")  # noqa: SIM115 - closed in close()
+            self.handles[file] = open(file, "rb")  # closed in close()
         f = self.handles[file]
         size = os.fstat(f.fileno()).st_size
         if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
@@ -209,7 +209,7 @@ class Chunks:
             offset = getattr(shell.untyped_storage(), "_checkpoint_offset", None)
         except CkptfixError:
             raise
-        except Exception as e:  # noqa: BLE001 - torch raises many types for a bad record
+        except Exception as e:  # torch raises many types for a bad record
             raise translate_load_error(f"{file}: {fqn!r} chunk", DCP, e) from None
         if offset is not None and not 0 <= offset <= info.length - nbytes:
             offset = None
@@ -225,7 +225,7 @@ class Chunks:
                 return torch_load(self._blob(fqn, info), "cpu", trust=False)
             except CkptfixError:
                 raise
-            except Exception as e:  # noqa: BLE001 - torch raises many types for a bad record
+            except Exception as e:  # torch raises many types for a bad record
                 raise translate_load_error(f"{file}: {fqn!r} chunk", DCP, e) from None
         nbytes = shell.untyped_storage().nbytes()
         if nbytes == 0:
@@ -247,7 +247,7 @@ class Chunks:
             return torch_load(blob, plan.torch_map_location(tags), trust=trust)
         except CkptfixError:
             raise
-        except Exception as e:  # noqa: BLE001 - all become FormatError / UnsafeCheckpointError
+        except Exception as e:  # all become FormatError / UnsafeCheckpointError
             raise translate_load_error(f"{self.path}: entry {fqn!r}", DCP, e) from None
 
     def close(self) -> None:

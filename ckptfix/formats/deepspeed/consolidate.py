@@ -55,7 +55,7 @@ class _Source:
             try:
                 return torch_load(path, DevicePlan("meta" if self.meta else "cpu").torch_map_location(self.tags),
                                   trust=True, mmap=True)
-            except Exception as e:  # noqa: BLE001 - torch raises many types for bad files
+            except Exception as e:  # torch raises many types for bad files
                 raise translate_load_error(path, TORCH_ZIP, e) from None
 
         safety.ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl")  # data.pkl: the restricted unpickler

@@ -87,7 +87,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
     except pickle.UnpicklingError as e:  # the restricted unpickler refused something
         safety.ensure_safe(path, TORCH_ZIP)  # the full static scan names every offending global
         raise _unpickling_error(path, e) from None
-    except Exception as e:  # noqa: BLE001 - every failure of a hostile or broken pickle becomes a FormatError
+    except Exception as e:  # every failure of a hostile or broken pickle becomes a FormatError
         safety.ensure_safe(path, TORCH_ZIP)
         raise translate_load_error(path, TORCH_ZIP, e) from None
     return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)

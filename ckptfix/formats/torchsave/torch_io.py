@@ -35,7 +35,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
                              mmap=fmt == TORCH_ZIP and by_name, skip_data=fmt == TORCH_LEGACY and plan.is_meta)
     except CkptfixError:
         raise
-    except Exception as e:  # noqa: BLE001 - torch raises many types for bad files; all become FormatError
+    except Exception as e:  # torch raises many types for bad files; all become FormatError
         raise translate_load_error(path, fmt, e) from None
     return RawRead(obj=obj, format=fmt, tags=tags)
 

@@ -8,6 +8,7 @@ import os
 import threading
 import zlib
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Protocol
 
 _CHUNK = 64 * 2**20
@@ -91,10 +92,10 @@ def crc32_range(fd: int, offset: int, size: int, crc: int = 0) -> int:
 class CrcWorker:
     """Compute CRCs of file ranges on a background thread (zlib releases the GIL)."""
 
-    def __init__(self, fd: int, ranges: list[tuple[int, int]]):
+    def __init__(self, fd: int, ranges: Sequence[tuple]):
         self.fd = fd
         self.ranges = ranges
-        self.results: dict[tuple[int, int], int] = {}
+        self.results: dict[tuple, int] = {}
         self._done = {r: threading.Event() for r in ranges}
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)

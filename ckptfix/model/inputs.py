@@ -58,7 +58,7 @@ class InputRecipe:
         lo, hi = self.range
         if self.dtype == "float":
             return (lo + (hi - lo) * torch.rand(*shape, generator=g),), {}
-        return (torch.randint(int(lo), int(hi), shape, generator=g, dtype=getattr(torch, INPUT_DTYPES[self.dtype])),), {}
+        return (torch.randint(int(lo), int(hi), shape, generator=g, dtype=getattr(torch, str(INPUT_DTYPES[self.dtype]))),), {}
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as JSON (a verify row's ``input``; a golden file's metadata)."""

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConversionError, DeepSpeedZeroError, SelectError
-from ..core.tensorinfo import is_tensor as _is_tensor
+from ..core.tensorinfo import is_tensor
 
-KNOWN_KEYS = ("state_dict", "model_state_dict", "model", "net", "network", "module", "params")
 EMA_KEYS = ("state_dict_ema", "model_ema", "ema", "ema_state_dict", "model_ema_state_dict", "ema_model")
 
 
@@ -28,11 +27,6 @@ class Selection:
     key: str | None
     extra: dict[str, Any] = field(default_factory=dict)
     ema_keys: list[str] = field(default_factory=list)
-
-
-def is_tensor(v: Any) -> bool:
-    """A tensor, or a TensorInfo from a torch-free structure read (no torch import for either)."""
-    return _is_tensor(v)
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -180,7 +174,7 @@ def deepspeed_info(obj: Any) -> DeepSpeedInfo | None:
     """
     if not isinstance(obj, Mapping) or not isinstance(obj.get("module"), Mapping) or not {"ds_config", "ds_version"} & set(obj):
         return None
-    config = obj.get("ds_config") if isinstance(obj.get("ds_config"), Mapping) else {}
+    config: Mapping[str, Any] = obj["ds_config"] if isinstance(obj.get("ds_config"), Mapping) else {}
     zero = config.get("zero_optimization")
     stage = zero.get("stage") if isinstance(zero, Mapping) else None
     enabled = [name for name in ("bf16", "bfloat16", "fp16")

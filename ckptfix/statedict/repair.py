@@ -218,7 +218,7 @@ def apply_repair(state_dict: Mapping[str, Any], repair: Repair, target: Target, 
             name = modules.get(single, single)
             return f"{name}.x" if name else "x"
 
-        out._metadata = wrappers.rename_metadata(meta, path_fn)
+        out._metadata = wrappers.rename_metadata(meta, path_fn)  # type: ignore[attr-defined]  # torch's own attribute
     return out
 
 

@@ -31,7 +31,7 @@ def _delta(what: str, frozen: set | frozenset, live: set, where: str) -> str:
             f"remove {sorted(set(frozen) - live)} ({where})")
 
 
-# -- ckptfix/torch_tables.py ------------------------------------------------------------------------------
+# -- ckptfix/core/torch_tables.py ------------------------------------------------------------------------------
 
 def test_series_is_read_without_importing_torch() -> None:
     torch_series.cache_clear()
@@ -48,7 +48,7 @@ def test_frozen_allow_list_is_torchs() -> None:
     live = set(_get_allowed_globals())
     assert series in TORCH_SAFE_GLOBALS, f'no frozen allow-list for torch {series}: add "{series}": frozenset({sorted(live)})'
     assert set(TORCH_SAFE_GLOBALS[series]) == live, _delta(f"TORCH_SAFE_GLOBALS[{series!r}]", TORCH_SAFE_GLOBALS[series],
-                                                           live, "ckptfix/torch_tables.py")
+                                                           live, "ckptfix/core/torch_tables.py")
 
 
 def test_frozen_dtype_tables_are_torchs() -> None:
@@ -58,11 +58,11 @@ def test_frozen_dtype_tables_are_torchs() -> None:
                               or getattr(torch, n).is_complex}
     live = {cls: str(dt).removeprefix("torch.") for dt, cls in torch.storage._dtype_to_storage_type_map().items()}
     assert STORAGE_DTYPES == live, _delta("STORAGE_DTYPES", set(STORAGE_DTYPES.items()), set(live.items()),
-                                          "ckptfix/torch_tables.py")
+                                          "ckptfix/core/torch_tables.py")
     assert set(_DTYPES.values()) <= set(DTYPE_ITEMSIZE)
 
 
-# -- ckptfix/dcp_metadata.py ------------------------------------------------------------------------------
+# -- ckptfix/safety/dcp_policy.py ------------------------------------------------------------------------------
 
 def _name(obj: Any) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
@@ -78,19 +78,19 @@ INSTALLED_CLASSES = _defined(md, dataclasses.is_dataclass) | _defined(fs, datacl
 def test_metadata_classes_match_installed_torch() -> None:
     installed = {_name(c) for c in INSTALLED_CLASSES}
     assert DCP_METADATA_CLASSES == installed, _delta("DCP_METADATA_CLASSES", DCP_METADATA_CLASSES, installed,
-                                                     "ckptfix/dcp_metadata.py")
+                                                     "ckptfix/safety/dcp_policy.py")
 
 
 def test_metadata_enums_match_installed_torch() -> None:
     installed = {_name(c) for c in _defined(md, lambda o: issubclass(o, enum.Enum))}
     assert DCP_METADATA_ENUMS == installed, _delta("DCP_METADATA_ENUMS", DCP_METADATA_ENUMS, installed,
-                                                   "ckptfix/dcp_metadata.py")
+                                                   "ckptfix/safety/dcp_policy.py")
 
 
 def test_setstate_classes_match_installed_torch() -> None:
     installed = {_name(c) for c in INSTALLED_CLASSES if "__setstate__" in vars(c)}
     assert DCP_SETSTATE_CLASSES == installed, _delta("DCP_SETSTATE_CLASSES", DCP_SETSTATE_CLASSES, installed,
-                                                     "ckptfix/dcp_metadata.py")
+                                                     "ckptfix/safety/dcp_policy.py")
 
 
 def test_defaults_match_installed_torch() -> None:

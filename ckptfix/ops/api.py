@@ -14,15 +14,11 @@ from typing import Any
 from . import convert as conversion
 from .. import formats
 from ..statedict import repair, transforms
-from .convert import normalise_keys
 from ..errors import LoadError
 from ..formats import describe as structure
+from .options import ConvertOptions, takes
 from .reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
-
-
-def _fspath(path: Any) -> str:
-    return os.fspath(path)
 
 
 def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str = "auto") -> Checkpoint:
@@ -35,16 +31,12 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
     >>> ckpt = ckptfix.read("ddp.pth")   # doctest: +SKIP
     >>> ckpt.wrappers, ckpt.devices      # (['module'], {'cuda:0': 62})
     """
-    return _read(_fspath(path), map_location, trust, select, refuse=True)
-
-
-def _read(path: str, map_location: Any, trust: bool, select: str, refuse: bool) -> Checkpoint:
-    return read_checkpoint(path, map_location, trust, select, refuse)
+    return read_checkpoint(os.fspath(path), map_location, trust, select, refuse=True)
 
 
 def inspect(path: Any, trust: bool = False, select: str = "auto") -> Checkpoint:
     """Summary of a checkpoint without reading tensor data (tensors come back on ``meta``)."""
-    return _read(_fspath(path), "meta", trust, select, refuse=False)
+    return read_checkpoint(os.fspath(path), "meta", trust, select, refuse=False)
 
 
 def describe(path: Any, select: str = "auto") -> Checkpoint:
@@ -53,7 +45,7 @@ def describe(path: Any, select: str = "auto") -> Checkpoint:
     torch can describe exactly (legacy, TorchScript, DeepSpeed, DCP values other than plain data and
     tensors, tensor subclasses …) goes through ``inspect``, so the summary, and any refusal, is the same
     either way."""
-    path = _fspath(path)
+    path = os.fspath(path)
     fmt = formats.sniff(path)
     if structure.enabled():
         try:
@@ -85,34 +77,14 @@ def load(
     >>> model.load_state_dict(ckptfix.load("ddp_compiled.pth"))   # doctest: +SKIP
     """
     ckpt = read(path, map_location=map_location, trust=trust, select=select)
-    sd, _notes = normalise_keys(ckpt, to, strip_prefix, add_prefix, rename)
+    sd, _notes = conversion.normalise_keys(ckpt, to, strip_prefix, add_prefix, rename)
     if dtype is not None:
         sd, _report = transforms.cast_floating(sd, dtype, allow_overflow)
     return sd
 
 
-def convert(
-    src: Any,
-    dst: Any,
-    *,
-    to: str = "single",
-    map_location: Any = "cpu",
-    select: str = "auto",
-    keep_extra: bool = False,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    format: str | None = None,  # the public keyword; rebound to fmt_requested below
-    force: bool = False,
-    trust: bool = False,
-    progress: bool = False,
-    rename: tuple[str, ...] | list[str] = (),
-    by_order: Any = None,
-    dtype: str | None = None,
-    allow_overflow: bool = False,
-    hash: bool = False,  # the public keyword; rebound to hashed below
-    checksums: bool = False,
-    max_shard_size: int | str | None = None,
-) -> ConvertReport:
+@takes(ConvertOptions)
+def convert(src: Any, dst: Any, **options: Any) -> ConvertReport:
     """Read ``src``, normalise its keys and write ``dst`` atomically (format by extension or ``format``).
 
     From a torch zip or safetensors file to CPU (the default), tensor bytes are never loaded:
@@ -130,13 +102,7 @@ def convert(
     only the output's own files are replaced; the report's notes list what was kept and removed.
     """
     start = time.perf_counter()
-    fmt_requested, hashed = format, hash
-    req = conversion.validate(
-        _fspath(src), _fspath(dst), fmt_requested=fmt_requested, max_shard_size=max_shard_size,
-        map_location=map_location, to=to, select=select, keep_extra=keep_extra, strip_prefix=strip_prefix,
-        add_prefix=add_prefix, force=force, trust=trust, progress=progress, rename=rename, by_order=by_order,
-        dtype=dtype, allow_overflow=allow_overflow, hashed=hashed, checksums=checksums,
-    )
+    req = conversion.validate(os.fspath(src), os.fspath(dst), ConvertOptions(**options))
     return conversion.run(req, start)
 
 

@@ -27,6 +27,7 @@ from ..core.atomic import atomic_path, check_destination, check_destination_dir,
 from ..core.devices import DevicePlan, normalise_device, storage_id
 from ..errors import ConversionError, DeviceError, WrapperError
 from ..core.progress import Progress, peak_rss_bytes
+from .options import ConvertOptions
 from .reading import read_checkpoint, summarise
 from ..formats.dcp import directory as dcp
 from ..formats import sharded, describe as structure, torchfree
@@ -38,9 +39,9 @@ TORCH_FREE, STREAMED, LOADED = "torch-free", "streamed", "loaded"
 _DESCRIBABLE = (formats.TORCH_ZIP, formats.SAFETENSORS, *formats.SHARDED)
 
 
-@dataclass(frozen=True)
-class Request:
-    """A validated convert call: everything after ``dst`` as ``convert`` takes it, resolved."""
+@dataclass(frozen=True, kw_only=True)
+class Request(ConvertOptions):
+    """A validated convert call: its options, and what checking them resolved (formats, shard size, devices)."""
 
     src: str
     dst: str
@@ -48,37 +49,19 @@ class Request:
     fmt_out: str
     shard_size: int | None
     plan: DevicePlan
-    map_location: Any
-    to: str = "single"
-    select: str = "auto"
-    keep_extra: bool = False
-    strip_prefix: str | None = None
-    add_prefix: str | None = None
-    force: bool = False
-    trust: bool = False
-    progress: bool = False
-    rename: tuple[str, ...] = ()
-    by_order: Any = None
-    dtype: str | None = None
-    allow_overflow: bool = False
-    hashed: bool = False
-    checksums: bool = False
 
 
-def validate(src: str, dst: str, *, fmt_requested: str | None, max_shard_size: int | str | None,
-             map_location: Any, **options: Any) -> Request:
+def validate(src: str, dst: str, options: ConvertOptions) -> Request:
     """Check the request before anything is read: source format, destination, device, dtype."""
     fmt_in = formats.sniff(src)
-    shard_size, fmt_out = _plan_output(src, dst, fmt_requested, max_shard_size, options["keep_extra"],
-                                       options["hashed"], options["force"])
-    plan = DevicePlan(map_location, source=src)
+    shard_size, fmt_out = _plan_output(src, dst, options.format, options.max_shard_size, options.keep_extra,
+                                       options.hash, options.force)
+    plan = DevicePlan(options.map_location, source=src)
     if plan.is_meta:
         raise ConversionError("map_location='meta' reads no tensor data; convert needs real tensors")
-    if options["dtype"] is not None:
-        transforms.parse_dtype(options["dtype"])
-    options["rename"] = tuple(options["rename"])
-    return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan,
-                   map_location=map_location, **options)
+    if options.dtype is not None:
+        transforms.parse_dtype(options.dtype)
+    return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan, **vars(options))
 
 
 def _plan_output(src: str, dst: str, fmt_requested: str | None, max_shard_size: int | str | None, keep_extra: bool,
@@ -231,9 +214,9 @@ class _Finalizer:
         self.sha256: str | None = None
 
     def __call__(self, tmp: str) -> str:
-        if self.req.hashed or self.req.checksums:
+        if self.req.hash or self.req.checksums:
             self.sha256 = sha256_file(tmp)
-        if self.req.hashed:
+        if self.req.hash:
             assert self.sha256 is not None
             self.dst = hashed_name(self.req.dst, self.sha256)
             check_destination(self.req.src, self.dst, self.req.force)

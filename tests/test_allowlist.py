@@ -51,7 +51,7 @@ def test_every_stand_in_kind_has_its_maker() -> None:
 
 
 def test_build_kinds_and_refused_rules_are_consistent() -> None:
-    assert {r.build for r in _rules() if r.build} == {"attributes", "setstate", "tensor", *numpy_policy.BUILDS}
+    assert {r.build for r in _rules() if r.build} == {*guards._BUILDS, *numpy_policy.BUILDS}
     for name, r in RULES.items():
         assert not r.refused or (r.origin == "torch" and r == Rule("torch", refused=True)), name
         assert r.new is None or r.build is not None or r.call is not None, name

@@ -226,6 +226,12 @@ def _guards() -> dict[str, Guard]:
     }
 
 
+#: ``Rule.build`` → how BUILD gives state (numpy's: :data:`ckptfix.safety.numpy_policy.BUILDS`)
+_BUILDS: dict[str, Callable[[Unpickler, Any, Any], None]] = {
+    "attributes": build_attributes, "setstate": build_setstate, "tensor": _build_tensor,
+}
+
+
 def _fixed(obj: Any) -> Callable[[str], Any]:
     return lambda name: obj
 
@@ -286,7 +292,7 @@ def torch_policy() -> Policy:
             build[numpy_safe.BUILDS[r.build]] = build_setstate
         elif r.build is not None:
             made = obj if isinstance(obj, type) else torch.Tensor  # the rebuild functions make tensors
-            build[made] = {"attributes": build_attributes, "setstate": build_setstate, "tensor": _build_tensor}[r.build]
+            build[made] = _BUILDS[r.build]
     return Policy(table, calls, newobj, build, append=(list, standins.Deque),
                   setitem=(dict, collections.OrderedDict, collections.Counter), finish=_finish)
 

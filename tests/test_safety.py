@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.safety.allowlist import allowed_table, classify
+from ckptfix.safety.allowlist import classify
+from ckptfix.safety.guards import ckptfix_objects
 from ckptfix.cli import cli
 from ckptfix.errors import UnsafeCheckpointError
 
@@ -129,11 +130,10 @@ def test_paths_from_other_pythons_and_systems(old: bytes, new: bytes, expected: 
 
 def test_allow_list_holds_no_function_that_runs_code() -> None:
     """Every entry is a data class or one of ckptfix's own guarded stand-ins; builtin types are inert tokens."""
-    from ckptfix.safety import allowlist, numpy_policy as numpy_safe, standins
+    from ckptfix.safety import numpy_policy as numpy_safe, standins
 
-    own = {allowlist._defaultdict, allowlist._empty_bytes, standins.getattr_method, numpy_safe._dtype,
-           numpy_safe._reconstruct, numpy_safe._scalar}
-    for name, obj in allowed_table().items():
+    own = {standins.defaultdict_stand_in, standins.empty_bytes, standins.getattr_method, *numpy_safe.STAND_INS.values()}
+    for name, obj in ckptfix_objects().items():
         assert classify(*name.rsplit(".", 1)) == "allowed"
         if name == "builtins.getattr":  # only getattr(HistoryBuffer, <statistic>), giving an inert name
             with pytest.raises(Exception, match="getattr is allowed only as"):

@@ -51,6 +51,19 @@ def test_frozen_allow_list_is_torchs() -> None:
                                                            live, "ckptfix/core/torch_tables.py")
 
 
+def test_allow_list_rules_of_torch_defaults_are_torchs() -> None:
+    """Each rule the allow-list keeps for one of torch's defaults (a guard, a refusal) names a global torch
+    allows, and none of ckptfix's additions is one of torch's."""
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    from ckptfix.safety.allowlist import RULES, TORCH
+
+    live = set(_get_allowed_globals())
+    torchs = {name for name, r in RULES.items() if r.origin == TORCH}
+    assert torchs <= live, f"rules for globals torch {torch.__version__} no longer allows: {sorted(torchs - live)}"
+    assert not (set(RULES) - torchs) & live, sorted((set(RULES) - torchs) & live)
+
+
 def test_frozen_dtype_tables_are_torchs() -> None:
     for name, size in DTYPE_ITEMSIZE.items():
         assert torch._utils._element_size(getattr(torch, name)) == size, name

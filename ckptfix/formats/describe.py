@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..safety import guards
+from ..safety.allowlist import (BUILTIN_COMPLEX, BUILTIN_SET, ORDERED_DICT, REBUILD_PARAMETER, REBUILD_TENSOR_V2,
+                                REBUILD_TENSOR_V3)
 from ..core import limits
 from ..parse.checkpoint_dirs import find_index, member_path
 from ..safety.dcp_policy import METADATA, Token, is_inert, load_inert
@@ -236,17 +238,17 @@ class _Typed:
 
 
 def _policy() -> Any:
-    table: dict[str, Any] = {"collections.OrderedDict": OrderedDict, "builtins.set": set, "builtins.complex": complex}
+    table: dict[str, Any] = {ORDERED_DICT: OrderedDict, BUILTIN_SET: set, BUILTIN_COMPLEX: complex}
     for name in DTYPE_ITEMSIZE:
         table[f"torch.{name}"] = dtype(name)
     for cls, dtype_name in STORAGE_DTYPES.items():
         if dtype_name in DTYPE_ITEMSIZE:  # quantized storages: torch's path
             table[f"torch.{cls}"] = table[f"torch.cuda.{cls}"] = _StorageType(cls, dtype_name)
     table["torch.storage.UntypedStorage"] = _StorageType("UntypedStorage", "uint8")
-    table["torch._utils._rebuild_tensor_v2"] = _rebuild_v2 = _Token("_rebuild_tensor_v2")
-    table["torch._utils._rebuild_tensor_v3"] = _rebuild_v3 = _Token("_rebuild_tensor_v3")
-    table["torch._utils._rebuild_parameter"] = _rebuild_param = _Token("_rebuild_parameter")
-    calls = {id(OrderedDict): guards._plain, id(set): guards._plain, id(complex): guards._plain,
+    table[REBUILD_TENSOR_V2] = _rebuild_v2 = _Token("_rebuild_tensor_v2")
+    table[REBUILD_TENSOR_V3] = _rebuild_v3 = _Token("_rebuild_tensor_v3")
+    table[REBUILD_PARAMETER] = _rebuild_param = _Token("_rebuild_parameter")
+    calls = {id(OrderedDict): guards.plain, id(set): guards.plain, id(complex): guards.plain,
              id(_rebuild_v2): _guard_v2, id(_rebuild_v3): _guard_v3, id(_rebuild_param): _guard_parameter}
     return Policy(table, calls, set(), {OrderedDict: build_attributes}, append=(list,), setitem=(dict, OrderedDict))
 

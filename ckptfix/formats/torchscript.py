@@ -17,14 +17,15 @@ from typing import Any
 
 from ..parse import pickle_walk as pickle_scan, zipcheck as zip_check
 from ..safety import scanner as safety
+from ..safety.allowlist import REBUILD_PARAMETER, REBUILD_PARAMETER_WITH_STATE, REBUILD_TENSOR, REBUILD_TENSOR_V2
 from ..core.devices import storage_id
 from ..errors import FormatError
 from ..parse.pickle_walk import Call, Persistent, Ref
 from ..parse.zipcheck import read_member
 from . import TORCHSCRIPT, RawRead
 
-_TENSOR = {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor"}
-_PARAMETER = {"torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"}
+_TENSOR = {REBUILD_TENSOR_V2, REBUILD_TENSOR}
+_PARAMETER = {REBUILD_PARAMETER, REBUILD_PARAMETER_WITH_STATE}
 _CLASS = re.compile(r"^class (\w+)\(")
 _DECLARED = re.compile(r"^\s+__(?:parameters|buffers)__ = (\[.*\])\s*$")
 

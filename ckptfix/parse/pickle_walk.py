@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import pickletools
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +106,8 @@ def walk(buf: Any, start: int = 0, where: str = "pickle") -> Walk:
     machine = _Machine(result, buf)
     pos = start
     try:
-        for opcode, arg, pos in pickletools.genops(stream):
+        for opcode, arg, at in pickletools.genops(stream):
+            pos = at if at is not None else pos  # None only for a stream without tell(): never here
             machine.step(opcode.name, arg, pos)
             if opcode.name == "STOP":
                 result.end = stream.tell()
@@ -396,8 +398,8 @@ class _Machine:
         self.r.value = self.pop()
 
 
-_NEW = {"NONE": lambda: None, "NEWTRUE": lambda: True, "NEWFALSE": lambda: False, "EMPTY_TUPLE": tuple,
-        "EMPTY_LIST": list, "EMPTY_DICT": dict, "EMPTY_SET": set}
+_NEW: dict[str, Callable[[], Any]] = {"NONE": lambda: None, "NEWTRUE": lambda: True, "NEWFALSE": lambda: False,
+                                      "EMPTY_TUPLE": tuple, "EMPTY_LIST": list, "EMPTY_DICT": dict, "EMPTY_SET": set}
 _CONSTANTS = frozenset({
     "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT",
     "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",

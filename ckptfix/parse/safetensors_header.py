@@ -51,12 +51,12 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
         raise FormatError(f"{path}: safetensors __metadata__ must map strings to strings")
     data_len = size - 8 - n
     spans = []
-    for key, e in header.items():
-        if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
+    for key, entry in header.items():
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
             raise FormatError(f"{path}: tensor {key!r}: header entry needs dtype, shape and data_offsets")
-        if e["dtype"] not in _DTYPES:
-            raise FormatError(f"{path}: tensor {key!r}: unknown dtype {e['dtype']!r}")
-        shape, offs = e["shape"], e["data_offsets"]
+        if entry["dtype"] not in _DTYPES:
+            raise FormatError(f"{path}: tensor {key!r}: unknown dtype {entry['dtype']!r}")
+        shape, offs = entry["shape"], entry["data_offsets"]
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise FormatError(f"{path}: tensor {key!r}: shape {shape!r} is not a list of sizes")
         if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
@@ -65,10 +65,10 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
         numel = 1
         for d in shape:
             numel *= d
-        itemsize = _itemsize(_DTYPES[e["dtype"]])
+        itemsize = _itemsize(_DTYPES[entry["dtype"]])
         if numel * itemsize != offs[1] - offs[0]:
             raise FormatError(
-                f"{path}: tensor {key!r}: shape {shape} × {e['dtype']} is {numel * itemsize} bytes "
+                f"{path}: tensor {key!r}: shape {shape} × {entry['dtype']} is {numel * itemsize} bytes "
                 f"but its byte range holds {offs[1] - offs[0]}"
             )
         if offs[1] > offs[0]:

@@ -257,14 +257,10 @@ class SafePickle:
     def __init__(self, policy: Policy, where: str = "pickle"):
         self.__name__ = "ckptfix.parse.unpickler"
         self.Unpickler = type("Unpickler", (Unpickler,), {"policy": policy, "default_where": where})
-        self.where = where
 
     def load(self, file: Any, **kwargs: Any) -> Any:
         unpickler = self.Unpickler(file, **kwargs)
         return unpickler.load()
-
-    def loads(self, data: bytes, **kwargs: Any) -> Any:
-        return self.load(io.BytesIO(data), **kwargs)
 
 
 def loads(data: bytes, policy: Policy, encoding: str = "utf-8", persistent_load: Callable | None = None,

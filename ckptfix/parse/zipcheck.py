@@ -250,15 +250,15 @@ def _compare_with_zipfile(layout: ZipLayout, buf: Any, size: int, directory: Dir
                     "(two central directories, or a count that does not match the directory's size)")
         _python_view(layout, buf, size)
         return
-    for index, (e, i) in enumerate(zip(directory.entries, infos)):  # pairs made one at a time: no copy of either list
-        a = (e.raw_name, e.header_offset, e.compress_size, e.file_size, e.crc, e.method)
-        b = (i.orig_filename.encode("utf-8" if i.flag_bits & 0x800 else "cp437", errors="replace"), i.header_offset,
-             i.compress_size, i.file_size, i.CRC, i.compress_type)
+    for index, (entry, info) in enumerate(zip(directory.entries, infos)):  # pairs made one at a time: no copy of either list
+        a = (entry.raw_name, entry.header_offset, entry.compress_size, entry.file_size, entry.crc, entry.method)
+        b = (info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", errors="replace"), info.header_offset,
+             info.compress_size, info.file_size, info.CRC, info.compress_type)
         if a != b:
             what = ("name", "offset", "compressed size", "size", "CRC", "compression")
             diff = ", ".join(w for w, x, y in zip(what, a, b) if x != y)
-            layout.find("reader-disagreement", e.name,
-                        f"member {index + 1} ({e.name}) differs between torch's zip reader "
+            layout.find("reader-disagreement", entry.name,
+                        f"member {index + 1} ({entry.name}) differs between torch's zip reader "
                         f"and Python's zipfile ({diff}): readers disagree on the archive")
             _python_view(layout, buf, size)
             return
@@ -309,6 +309,7 @@ def _check_gaps(layout: ZipLayout, buf: Any, cd_start: int) -> None:
         layout.unreferenced.append((0, ordered[0].offset))
     for m, nxt in zip(ordered, [*ordered[1:], None]):
         data_end = m.data_start + m.compress_size
+        extra: tuple[int, ...]
         if m.flags & 0x8:
             extra = (16, 24) if bytes(buf[data_end : data_end + 4]) == _DESCRIPTOR else (12, 20)
         else:

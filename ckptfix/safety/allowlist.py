@@ -1,141 +1,239 @@
-"""The allow-list and what each allowed global may do: the policy of ckptfix's unpickler and scanner.
+"""The allow-list: every global an untrusted pickle may name, each once, with what may be done with it.
 
 torch's ``weights_only`` defaults name tensors, storages, dtypes, ``OrderedDict``, ``Counter``,
-``set``, ``complex`` and friends; training checkpoints also hold hyper-parameters
-(``argparse.Namespace``), numpy scalars and arrays, paths, timestamps and torch's version string.
-Every global here constructs plain data and runs no code taken from the file; ``classify`` names a
-global ``safe`` (torch's own), ``allowed`` (ckptfix's additions) or ``unsafe`` (anything else).
+``set``, ``complex`` and friends (:mod:`ckptfix.core.torch_tables` keeps torch's own list); training
+checkpoints also hold hyper-parameters (``argparse.Namespace``), numpy scalars and arrays, paths,
+timestamps and torch's version string. :data:`RULES` holds a :class:`Rule` for each of ckptfix's
+additions and for each of torch's defaults that ckptfix treats specially. Everything else reads it:
+the unpickler's policy and its guards (:mod:`ckptfix.safety.guards`), the static scanner
+(:mod:`ckptfix.safety.static_checks`), the DCP metadata reader. :func:`classify` names a global
+``safe`` (torch's own), ``allowed`` (ckptfix's additions) or ``unsafe`` (anything else).
 
-Being named is not enough to be called: :func:`torch_policy` gives each callable a guard that checks
-its arguments (``torch.ByteTensor(n)`` is never called: uninitialised memory; a tensor view must lie
-inside its storage; ``bytearray(n)`` stays within the limits), and BUILD only reaches instances of
-the types listed. :func:`refused_call` and :func:`refused_build` are the same rules for the static
-scanner, which sees arguments only as far as they are constants.
+Being named is not enough to be called: a rule's ``call`` names the guard that checks a call's
+arguments (``torch.ByteTensor(n)`` has none: uninitialised memory), and BUILD reaches only what a
+rule's ``build`` allows. Nothing here imports torch or numpy at import time.
+
+Names other modules must refer to are constants below, so each name is spelled once in the package
+(``tests/test_safety.py`` checks that no other module spells one).
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
-import datetime
 import functools
-import os
-import pathlib
 import re
+from dataclasses import dataclass
 from typing import Any
 
-from ..core import limits as _limits
-from . import numpy_policy as numpy_safe, standins
-from ..parse.pickle_ops import Refused, type_name
-from .standins import short_args
 from ..core.torch_tables import torch_safe_names
 
 SAFE, ALLOWED, UNSAFE = "safe", "allowed", "unsafe"
-
-#: torch's weights_only defaults that ckptfix does not call at all: tensors without bounds checks
-#: (nested offsets), storage-less wrapper subclasses, tensors from numpy arrays.
-REFUSED_REBUILDS = frozenset({"torch._utils._rebuild_nested_tensor", "torch._utils._rebuild_wrapper_subclass",
-                              "torch._utils._rebuild_device_tensor_from_numpy"})
-_VIEW_REBUILDS = frozenset({"torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2",
-                            "torch._utils._rebuild_tensor_v3", "torch._utils._rebuild_qtensor"})
-_CODEC_NAMES = frozenset({"latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"})
+TORCH, CKPTFIX = "torch", "ckptfix"  # a rule's origin: torch's weights_only defaults, or ckptfix's additions
+NEW, GUARD = "new", "guard"  # how NEWOBJ may create a global (see Rule.new)
 
 
-class _FactoryType:
-    """A builtin type named in a pickle, accepted only as a defaultdict's ``default_factory``.
+@dataclass(frozen=True)
+class Rule:
+    """What may be done with one allowed global.
 
-    The token itself can't be called, so a pickle can't use ``builtins.str`` etc. as a function.
+    ``origin``: :data:`TORCH` (the object is torch's, from its weights_only table) or :data:`CKPTFIX`.
+    ``call``: the guard a call (REDUCE, OBJ, INST) goes through, by name: the loader's in
+    :mod:`ckptfix.safety.guards`, the scanner's static check of the same name in
+    :mod:`ckptfix.safety.static_checks`; None: never called.
+    ``stand_in``: what the unpickler gives instead of the real object (a stand-in or an inert token,
+    made by :mod:`ckptfix.safety.guards`); None: the real object.
+    ``new``: NEWOBJ may create it: :data:`NEW` with ``cls.__new__`` (then BUILD gives it state),
+    :data:`GUARD` through its call guard; None: the scanner refuses NEWOBJ (the loader still sends a
+    NEWOBJ of a guarded callable through its guard).
+    ``build``: BUILD may give state to what it makes, and how: ``attributes`` (pickle's default, a dict
+    of attributes), ``setstate`` (the stand-in's own checking ``__setstate__``), ``tensor`` (legacy
+    ``set_`` inside the storage), ``numpy dtype``/``numpy array`` (numpy's stand-ins).
+    ``refused``: one of torch's defaults that ckptfix never calls (no bounds checks, or not plain data).
     """
 
-    def __init__(self, type_: type):
-        self.type = type_
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise Refused(f"{self.type.__name__} is allowed only as a defaultdict's default factory")
-
-
-_FACTORY_TYPES = (list, dict, set, int, float, str, tuple, bool, collections.OrderedDict, collections.Counter)
+    origin: str = CKPTFIX
+    call: str | None = None
+    stand_in: str | None = None
+    new: str | None = None
+    build: str | None = None
+    refused: bool = False
 
 
-def _defaultdict(default_factory: Any = None, *rest: Any) -> dict:
-    """Stands in for ``collections.defaultdict`` while the unpickler fills it (it fills only exact
-    dicts); the plain dict becomes a real defaultdict once loading ends."""
-    factory = default_factory.type if isinstance(default_factory, _FactoryType) else default_factory
-    if rest or not (factory is None or factory in _FACTORY_TYPES):
-        raise Refused(f"defaultdict with default factory {type_name(factory)} is not allowed "
-                      "(only builtin containers and numbers)")
-    d: dict = {}
-    standins.remember(d, factory)
-    return d
+# Names other modules refer to (each spelled once, here).
+ORDERED_DICT = "collections.OrderedDict"
+BUILTIN_SET = "builtins.set"
+BUILTIN_COMPLEX = "builtins.complex"
+CODECS_ENCODE = "_codecs.encode"
+TORCH_SIZE = "torch.Size"
+GET_LAYOUT = "torch.serialization._get_layout"
+REBUILD_TENSOR = "torch._utils._rebuild_tensor"
+REBUILD_TENSOR_V2 = "torch._utils._rebuild_tensor_v2"
+REBUILD_TENSOR_V3 = "torch._utils._rebuild_tensor_v3"
+REBUILD_PARAMETER = "torch._utils._rebuild_parameter"
+REBUILD_PARAMETER_WITH_STATE = "torch._utils._rebuild_parameter_with_state"
+HISTORY_BUFFER = "mmengine.logging.history_buffer.HistoryBuffer"
+NDARRAY = "numpy.ndarray"
+NUMPY_DTYPE = "numpy.dtype"
+#: numpy's DType classes (numpy >= 1.25): a family, not listed: the plain numeric/bool ones are allowed
+NUMPY_DTYPE_CLASSES = "numpy.dtypes."
+_NUMPY = "numpy."
+
+_VIEW = Rule(TORCH, call="view", build="tensor")
+_PLAIN = Rule(call="plain")
+_FACTORY = Rule(stand_in="factory token")  # a defaultdict's default_factory: a token, never called
+_PATH = Rule(call="plain", stand_in="path")  # the other OS's concrete class loads as its pure counterpart
+
+#: every global a pickle may name beyond torch's plain defaults (name as pickled: ``module.qualname``)
+RULES: dict[str, Rule] = {
+    # torch's defaults, called through guards (the rest of torch's list are values: classes, dtypes)
+    ORDERED_DICT: Rule(TORCH, call="plain", build="attributes"),
+    "collections.Counter": Rule(TORCH, call="plain", build="attributes"),
+    BUILTIN_SET: Rule(TORCH, call="plain"),
+    BUILTIN_COMPLEX: Rule(TORCH, call="plain"),
+    "builtins.bytearray": Rule(TORCH, call="bytearray"),  # within max_alloc_bytes
+    CODECS_ENCODE: Rule(TORCH, call="codecs encode"),  # only the encodings pickle writes bytes with
+    TORCH_SIZE: Rule(TORCH, call="plain"),
+    "torch.device": Rule(TORCH, call="plain"),
+    GET_LAYOUT: Rule(TORCH, call="plain"),
+    "torch.nn.parameter.Parameter": Rule(TORCH, call="parameter", new=GUARD, build="tensor"),
+    REBUILD_TENSOR: Rule(TORCH, call="view v1", build="tensor"),  # views inside their storage
+    REBUILD_TENSOR_V2: _VIEW,
+    REBUILD_TENSOR_V3: Rule(TORCH, call="view v3", build="tensor"),
+    "torch._utils._rebuild_qtensor": Rule(TORCH, call="qtensor"),
+    REBUILD_PARAMETER: Rule(TORCH, call="rebuild parameter"),  # no hooks, plain state
+    REBUILD_PARAMETER_WITH_STATE: Rule(TORCH, call="rebuild parameter"),
+    "torch._utils._rebuild_sparse_tensor": Rule(TORCH, call="sparse tensor"),  # indices inside its size
+    "torch._utils._rebuild_meta_tensor_no_storage": Rule(TORCH, call="plain"),  # no memory: meta
+    "torch._utils._rebuild_device_tensor_from_cpu_tensor": Rule(TORCH, call="device tensor"),
+    "torch._tensor._rebuild_from_type_v2": Rule(TORCH, call="from type"),  # plain tensors only
+    # torch's defaults ckptfix refuses: tensors without bounds checks (nested offsets), storage-less
+    # wrapper subclasses, tensors from numpy arrays
+    "torch._utils._rebuild_nested_tensor": Rule(TORCH, refused=True),
+    "torch._utils._rebuild_wrapper_subclass": Rule(TORCH, refused=True),
+    "torch._utils._rebuild_device_tensor_from_numpy": Rule(TORCH, refused=True),
+    # ckptfix's additions
+    "argparse.Namespace": Rule(call="empty", new=NEW, build="attributes"),  # hyper-parameters
+    "collections.defaultdict": Rule(call="defaultdict", stand_in="defaultdict"),  # a real one once loaded
+    "collections.deque": Rule(call="plain", stand_in="deque"),
+    "datetime.datetime": _PLAIN,  # timestamps: built from bytes, numbers, fixed offsets
+    "datetime.date": _PLAIN,
+    "datetime.time": _PLAIN,
+    "datetime.timedelta": _PLAIN,
+    "datetime.timezone": _PLAIN,
+    "torch.torch_version.TorchVersion": Rule(call="plain", new=NEW, build="attributes"),  # a str subclass
+    "builtins.list": _FACTORY,
+    "builtins.dict": _FACTORY,
+    "builtins.int": _FACTORY,
+    "builtins.float": _FACTORY,
+    "builtins.str": _FACTORY,
+    "builtins.tuple": _FACTORY,
+    "builtins.bool": _FACTORY,
+    "builtins.bytes": Rule(call="empty bytes", stand_in="empty bytes"),  # protocol 2 pickles b"" as bytes()
+    "pathlib.PosixPath": _PATH,
+    "pathlib.WindowsPath": _PATH,
+    "pathlib.PurePosixPath": _PATH,
+    "pathlib.PureWindowsPath": _PATH,
+    "pathlib._local.PosixPath": _PATH,  # Python 3.13
+    "pathlib._local.WindowsPath": _PATH,
+    "pathlib._local.PurePosixPath": _PATH,
+    "pathlib._local.PureWindowsPath": _PATH,
+    # numpy: plain numeric/bool dtypes, arrays and scalars only (ckptfix.safety.numpy_policy)
+    NUMPY_DTYPE: Rule(call="numpy dtype", stand_in="numpy dtype", build="numpy dtype"),
+    NDARRAY: Rule(stand_in="ndarray token"),  # only as the subtype _reconstruct is given
+    "numpy.core.multiarray._reconstruct": Rule(call="numpy reconstruct", stand_in="numpy reconstruct",
+                                               build="numpy array"),
+    "numpy._core.multiarray._reconstruct": Rule(call="numpy reconstruct", stand_in="numpy reconstruct",
+                                                build="numpy array"),
+    "numpy.core.multiarray.scalar": Rule(call="numpy scalar", stand_in="numpy scalar"),
+    "numpy._core.multiarray.scalar": Rule(call="numpy scalar", stand_in="numpy scalar"),
+    # mmengine's message_hub: HistoryBuffer as an inert stand-in, getattr only as getattr(HistoryBuffer,
+    # 'min'|'max'|'current'|'mean') (a protocol-2 pickle of its statistics_methods): an inert token
+    HISTORY_BUFFER: Rule(stand_in="history buffer", new=NEW, build="setstate"),
+    "builtins.getattr": Rule(call="getattr", stand_in="getattr"),
+}
+
+#: the rule of every allowed numpy DType class (:data:`NUMPY_DTYPE_CLASSES`): values, or called empty
+NUMPY_DTYPE_CLASS = Rule(call="numpy dtype class")
+
+#: torch's tensor and storage classes: values only (calling one hands out uninitialised memory)
+VALUE_ONLY = re.compile(r"^torch\.(cuda\.)?(sparse\.)?\w*Tensor$|^torch\.(cuda\.)?\w*Storage$|"
+                        r"^torch\.storage\.(Typed|Untyped)Storage$")
+
+#: the encodings pickle writes bytes with (protocol < 3: ``_codecs.encode(str, 'latin1')``)
+PICKLE_CODECS = frozenset({"latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"})
 
 
-class _Deque(list):
-    """Stands in for ``collections.deque`` while the unpickler appends to it; a real deque afterwards."""
-
-    def __init__(self, iterable: Any = (), maxlen: int | None = None):
-        super().__init__(iterable)
-        self.maxlen = maxlen
-        standins.remember(self, None)
-
-
-def _empty_bytes(*args: Any) -> bytes:
-    """``bytes()`` — how protocol 2 pickles ``b""`` (other bytes go through ``_codecs.encode``)."""
-    if args:
-        raise Refused("builtins.bytes is allowed only as bytes(), how pickle writes b''")
-    return b""
+def rule(name: str) -> Rule | None:
+    """The rule that governs the global ``name`` (``module.qualname``) where it is allowed (whether it
+    is: :func:`classify`); None for torch's plain values and any other name."""
+    found = RULES.get(name)
+    if found is None and name.startswith(NUMPY_DTYPE_CLASSES):
+        return NUMPY_DTYPE_CLASS
+    return found
 
 
-def _path_classes() -> list[tuple[str, Any]]:
-    # A path object is a tuple of strings. The concrete class of the other OS can't be
-    # instantiated here, so it loads as its pure counterpart, which holds the same parts.
-    posix = pathlib.PosixPath if os.name != "nt" else pathlib.PurePosixPath
-    windows = pathlib.WindowsPath if os.name == "nt" else pathlib.PureWindowsPath
-    out = []
-    for module in ("pathlib", "pathlib._local"):  # Python 3.13 pickles pathlib._local.PosixPath
-        out += [(f"{module}.PosixPath", posix), (f"{module}.WindowsPath", windows),
-                (f"{module}.PurePosixPath", pathlib.PurePosixPath),
-                (f"{module}.PureWindowsPath", pathlib.PureWindowsPath)]
+def refused_names() -> frozenset[str]:
+    """torch's defaults that ckptfix refuses."""
+    return frozenset(name for name, r in RULES.items() if r.refused)
+
+
+@functools.lru_cache(maxsize=1)
+def ckptfix_names() -> frozenset[str]:
+    """ckptfix's additions to torch's defaults, less numpy's (see :func:`numpy_names`)."""
+    return frozenset(name for name, r in RULES.items() if r.origin == CKPTFIX and not name.startswith(_NUMPY))
+
+
+@functools.lru_cache(maxsize=1)
+def numpy_names() -> frozenset[str]:
+    """The numpy names allowed when numpy is installed (none without it), DType classes included."""
+    if not _has_numpy():
+        return frozenset()
+    return frozenset(name for name in RULES if name.startswith(_NUMPY)) | frozenset(numpy_dtype_classes())
+
+
+def _has_numpy() -> bool:
+    try:
+        import numpy  # noqa: F401
+    except ImportError:  # pragma: no cover - numpy is optional
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def numpy_dtype_classes() -> dict[str, type]:
+    """numpy's DType classes (numpy >= 1.25) of plain numeric/bool kinds: name → class."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is optional
+        return {}
+    out = {}
+    for name in dir(getattr(np, "dtypes", None) or ()):
+        cls = getattr(np.dtypes, name)
+        if name.endswith("DType") and isinstance(cls, type):
+            try:
+                plain = is_plain_dtype(cls())
+            except TypeError:  # parametric (strings, datetimes): never plain
+                plain = False
+            if plain:
+                out[f"{NUMPY_DTYPE_CLASSES}{name}"] = cls
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def allowed_table() -> dict[str, Any]:
-    """ckptfix's additions to torch's defaults: name as pickled (``module.qualname``) → object."""
-    from torch.torch_version import TorchVersion
-
-    table: dict[str, Any] = {
-        "argparse.Namespace": argparse.Namespace,  # hyper-parameters: NEWOBJ + BUILD of an attribute dict
-        "collections.defaultdict": _defaultdict,
-        "collections.deque": _Deque,
-        "datetime.datetime": datetime.datetime,  # timestamps: built from bytes, numbers, fixed offsets
-        "datetime.date": datetime.date,
-        "datetime.time": datetime.time,
-        "datetime.timedelta": datetime.timedelta,
-        "datetime.timezone": datetime.timezone,
-        "torch.torch_version.TorchVersion": TorchVersion,  # torch.__version__: a str subclass
-    }
-    for t in (list, dict, int, float, str, tuple, bool):  # a defaultdict's default_factory: tokens only
-        table[f"builtins.{t.__name__}"] = _FactoryType(t)
-    table["builtins.bytes"] = _empty_bytes  # protocol 2 pickles b"" as bytes()
-    table.update(_path_classes())
-    table.update(numpy_safe.numpy_entries())
-    # mmengine's message_hub: HistoryBuffer as an inert stand-in, getattr only as getattr(HistoryBuffer,
-    # 'min'|'max'|'current'|'mean') (a protocol-2 pickle of its statistics_methods): an inert token.
-    table[standins.HISTORY_BUFFER] = standins.HistoryBuffer
-    table["builtins.getattr"] = standins.getattr_method
-    return table
+def is_plain_dtype(dtype: Any) -> bool:
+    """A numpy dtype of a plain numeric/bool kind: no fields, no objects, no sub-arrays."""
+    return bool(type(dtype).__module__.startswith("numpy") and getattr(dtype, "fields", 1) is None
+                and not dtype.hasobject and dtype.subdtype is None and dtype.kind in "biufc")
 
 
 @functools.lru_cache(maxsize=1)
-def _torch_safe_names() -> frozenset[str]:
-    """torch's weights_only defaults (less the rebuilds ckptfix refuses): the frozen table for the
+def torch_names() -> frozenset[str]:
+    """torch's weights_only defaults (less the ones ckptfix refuses): the frozen table for the
     installed torch series (no torch import), else torch's own list."""
     names = torch_safe_names()
     if names is None:
         from torch._weights_only_unpickler import _get_allowed_globals
 
         names = frozenset(_get_allowed_globals())
-    return names - REFUSED_REBUILDS
+    return names - refused_names()
 
 
 def classify(module: str, name: str) -> str:
@@ -147,121 +245,8 @@ def classify(module: str, name: str) -> str:
     full = f"{module}.{name}"
     if "." in name or not module:
         return UNSAFE
-    if full in _torch_safe_names():
+    if full in torch_names():
         return SAFE
-    if _is_allowed_name(full):
+    if full in ckptfix_names() or full.startswith(_NUMPY) and full in numpy_names():
         return ALLOWED
     return UNSAFE
-
-
-_FACTORY_NAMES = frozenset(f"builtins.{t.__name__}" for t in (list, dict, int, float, str, tuple, bool))
-
-
-@functools.lru_cache(maxsize=1)
-def _plain_allowed_names() -> frozenset[str]:
-    return frozenset({"argparse.Namespace", "collections.defaultdict", "collections.deque", "datetime.datetime",
-                      "datetime.date", "datetime.time", "datetime.timedelta", "datetime.timezone",
-                      "torch.torch_version.TorchVersion", *_FACTORY_NAMES, "builtins.bytes",
-                      *(name for name, _ in _path_classes()), standins.HISTORY_BUFFER, "builtins.getattr"})
-
-
-def allowed_names() -> frozenset[str]:
-    """The names :func:`allowed_table` holds, without importing torch (numpy only for a numpy name)."""
-    return _plain_allowed_names() | _numpy_names()
-
-
-@functools.lru_cache(maxsize=1)
-def _numpy_names() -> frozenset[str]:
-    return frozenset(name for name, _ in numpy_safe.numpy_entries())
-
-
-def _is_allowed_name(full: str) -> bool:
-    return full in _plain_allowed_names() or full.startswith("numpy.") and full in _numpy_names()
-
-
-def allowed_globals() -> list[Any]:
-    """The allow-list in the form ``torch.serialization.safe_globals`` takes: ``(object, name)``."""
-    return [(obj, name) for name, obj in allowed_table().items()]
-
-
-# -- the same rules for the static scanner ------------------------------------------------------------
-
-_STORAGE_ITEMSIZE = {"Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
-                     "Char": 1, "Byte": 1, "Bool": 1, "ComplexDouble": 16, "ComplexFloat": 8, "QInt8": 1,
-                     "QUInt8": 1, "QInt32": 4, "QUInt4x2": 1, "QUInt2x4": 1, "Untyped": 1}
-_VALUE_ONLY = re.compile(r"^torch\.(cuda\.)?(sparse\.)?\w*Tensor$|^torch\.(cuda\.)?\w*Storage$|"
-                         r"^torch\.storage\.(Typed|Untyped)Storage$")
-
-
-def refused_call(name: str, args: Any, op: str = "REDUCE") -> str | None:
-    """Why calling the safe/allowed global ``name`` with ``args`` (as walked statically: globals are
-    objects with ``.full``, persistent ids ``.pid``) would be refused by the loader, or None."""
-    if _VALUE_ONLY.match(name):
-        return (f"{op} calls {name}, which would create uninitialised memory (ckptfix allows it only as a "
-                "value, as torch.save writes it)")
-    if name == "builtins.bytes":
-        return None if args == () else "builtins.bytes is allowed only as bytes(), how pickle writes b''"
-    if name in _FACTORY_NAMES:
-        return f"{name} is allowed only as a defaultdict's default factory, not called"
-    if name == "builtins.getattr":
-        ok = (isinstance(args, tuple) and len(args) == 2 and getattr(args[0], "full", None) == standins.HISTORY_BUFFER
-              and args[1] in standins.STATISTICS_METHODS)
-        return None if ok else f"getattr{short_args(args)} reaches an attribute; only getattr({standins.HISTORY_BUFFER}, " \
-                               "'min'|'max'|'current'|'mean') is allowed"
-    if name == "collections.defaultdict" and isinstance(args, tuple) and args and args[0] is not None and getattr(
-            args[0], "full", None) not in {f"builtins.{t.__name__}" for t in _FACTORY_TYPES} | {
-            "collections.OrderedDict", "collections.Counter"}:
-        return f"defaultdict{short_args(args)}: only builtin containers and numbers may be its default factory"
-    if name == "builtins.bytearray" and isinstance(args, tuple) and args and type(args[0]) is int:
-        limit = _limits.current().max_alloc_bytes
-        if args[0] > limit:
-            return f"bytearray({args[0]}) asks for more than the limit max_alloc_bytes = {limit:,}"
-    if name == "_codecs.encode" and isinstance(args, tuple) and len(args) == 2 and str(args[1]).lower() not in _CODEC_NAMES:
-        return f"_codecs.encode with encoding {args[1]!r}: only latin1/utf-8 (as pickle writes bytes) is allowed"
-    if name in _VIEW_REBUILDS and isinstance(args, tuple) and len(args) >= 4:
-        return _static_view(args)
-    if op in ("NEWOBJ", "NEWOBJ_EX") and name not in ("argparse.Namespace", "torch.torch_version.TorchVersion",
-                                                      standins.HISTORY_BUFFER, "torch.nn.parameter.Parameter"):
-        return f"{op} creates a {name}, which ckptfix never creates that way"
-    return numpy_safe.refused_numpy_call(name, args)
-
-
-def storage_itemsize(name: str) -> int | None:
-    """Bytes per element of a legacy storage type named ``FloatStorage`` etc., None if unknown."""
-    return _STORAGE_ITEMSIZE.get(name[: -len("Storage")] if name.endswith("Storage") else "")
-
-
-def _static_view(args: tuple) -> str | None:
-    """The view bounds check on constants: storage size from its persistent id."""
-    pid = getattr(args[0], "pid", None)
-    offset, size, stride = args[1], args[2], args[3]
-    if not (isinstance(pid, tuple) and len(pid) >= 5 and isinstance(size, tuple) and isinstance(stride, tuple)
-            and all(type(i) is int for i in (offset, *size, *stride, pid[4]))):
-        return None  # not constants: the loader checks when it runs
-    itemsize = storage_itemsize(getattr(pid[1], "name", ""))
-    if offset < 0 or any(n < 0 for n in (*size, *stride)) or len(size) != len(stride):
-        return "a tensor view has a negative offset, size or stride"
-    if itemsize is None or 0 in size:
-        return None
-    reach = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
-    if reach > pid[4]:
-        return f"a tensor view reaches element {reach} of a storage of {pid[4]} elements (out of bounds)"
-    return None
-
-
-#: names whose results BUILD may give state to (the scanner's view of the policy's ``build`` table)
-BUILDABLE = frozenset({"collections.OrderedDict", "collections.Counter", "argparse.Namespace",
-                       "torch.torch_version.TorchVersion", standins.HISTORY_BUFFER, "torch.nn.parameter.Parameter",
-                       *(n for n in _VIEW_REBUILDS if n != "torch._utils._rebuild_qtensor")})
-
-
-def refused_build(name: str, state: Any) -> str | None:
-    """Why BUILD on the result of calling ``name`` with ``state`` would be refused, or None."""
-    reason = numpy_safe.refused_numpy_build(name, state)
-    if reason is not None or name in numpy_safe.NUMPY_BUILDABLE:
-        return reason
-    if name not in BUILDABLE:
-        return f"BUILD gives state to the result of {name}, which ckptfix never does"
-    return None
-
-

@@ -18,14 +18,15 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
 from ..core import limits
 from ..parse.checkpoint_dirs import METADATA, member_path
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
+from .allowlist import GET_LAYOUT, RULES, TORCH_SIZE
 from .guards import start_load, torch_policy
+from .standins import path_class
 from ..core.torch_tables import DTYPE_ITEMSIZE
 from ..parse.unpickler import Policy, Refused, build_attributes, build_setstate, loads
 
@@ -213,7 +214,7 @@ def _build_properties(u: Any, inst: Any, state: Any) -> None:
 def _size(u: Any, f: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
     if kwargs or len(args) != 1 or type(args[0]) not in (tuple, list) or not all(type(n) is int for n in args[0]):
         raise NeedsTorch("torch.Size of something other than ints")
-    u.charge(len(args[0]), "torch.Size")
+    u.charge(len(args[0]), TORCH_SIZE)
     return tuple(args[0])
 
 
@@ -247,15 +248,13 @@ def inert_policy() -> Policy:
         build[cls] = _build_properties if name in DCP_SETSTATE_CLASSES else build_attributes
     for name in DTYPE_ITEMSIZE:
         table[f"torch.{name}"] = Token("dtype", name)
-    for name, guard in (("torch.Size", _size), ("torch.serialization._get_layout", _layout),
-                        (f"{_MD}._MEM_FORMAT_ENCODING", _memory_format)):
+    for name, guard in ((TORCH_SIZE, _size), (GET_LAYOUT, _layout), (f"{_MD}._MEM_FORMAT_ENCODING", _memory_format)):
         table[name] = token = Token("callable", name)
         calls[id(token)] = guard
-    for module in ("pathlib", "pathlib._local"):
-        for cls_name, pure in (("PosixPath", pathlib.PurePosixPath), ("PurePosixPath", pathlib.PurePosixPath),
-                               ("WindowsPath", pathlib.PureWindowsPath), ("PureWindowsPath", pathlib.PureWindowsPath)):
-            table[f"{module}.{cls_name}"] = pure
-    calls[id(pathlib.PurePosixPath)] = calls[id(pathlib.PureWindowsPath)] = _path
+    for name, r in RULES.items():
+        if r.stand_in == "path":
+            table[name] = pure = path_class(name, pure=True)
+            calls[id(pure)] = _path
     return Policy(table, calls, {id(c) for c in INERT_CLASSES.values()}, build, append=(list,), setitem=(dict,),
                   persistent=False)
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from ..core import limits as _limits
 from ..parse import pickle_walk as pickle_scan, zipcheck as zip_check
-from .allowlist import ALLOWED, UNSAFE, classify, refused_build, refused_call, storage_itemsize
+from .allowlist import ALLOWED, UNSAFE, classify
+from .static_checks import refused_build, refused_call, storage_itemsize
 from ..errors import FormatError, LimitError
 from ..parse.sniff import LEGACY_MAGIC
 

@@ -1,30 +1,35 @@
 """The executing policy: what each allowed global may be called with, and turning stand-ins into objects.
 
-:func:`torch_policy` is the :class:`ckptfix.parse.unpickler.Policy` for torch checkpoints. Every callable
-the allow-list names (:mod:`ckptfix.safety.allowlist`) gets a guard here that checks its arguments before the
-real call: tensor views inside their storage, ``bytearray`` and copies within ``max_alloc_bytes``,
-Parameters and rebuilt tensors without hooks; torch's tensor and storage classes get no guard at all
-(uninitialised memory). BUILD reaches only the types in the policy's table.
+:func:`torch_policy` is the :class:`ckptfix.parse.unpickler.Policy` for torch checkpoints, read from the
+allow-list (:data:`ckptfix.safety.allowlist.RULES`). Each rule's ``call`` names a guard here that checks
+the arguments before the real call: tensor views inside their storage, ``bytearray`` and copies within
+``max_alloc_bytes``, Parameters and rebuilt tensors without hooks; torch's tensor and storage classes
+get no guard at all (uninitialised memory). BUILD reaches only the types a rule's ``build`` names.
 """
 
 from __future__ import annotations
 
-import argparse
+import builtins
 import collections
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 from . import numpy_policy as numpy_safe, standins
-from .allowlist import _CODEC_NAMES, REFUSED_REBUILDS, _Deque, _path_classes, allowed_table
+from .allowlist import (NEW, PICKLE_CODECS, RULES, ckptfix_names, numpy_dtype_classes, numpy_names, refused_names,
+                        rule)
 from ..parse.unpickler import Policy, Refused, Unpickler, build_attributes, build_setstate, type_name
+
+Guard = Callable[[Unpickler, Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
 def _sizes(args: Any) -> int:
     return sum(len(a) for a in args if isinstance(a, (str, bytes, bytearray, tuple, list, dict, set, frozenset)))
 
 
-def _plain(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
+def plain(u: Unpickler, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The guard of a callable that only builds data: what the call copies is charged to max_alloc_bytes."""
     u.charge(_sizes(args) + _sizes(tuple(kwargs.values())), type_name(f))
     return f(*args, **kwargs)
 
@@ -42,14 +47,14 @@ def _bytearray(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
         u.charge(args[0], f"bytearray({args[0]})")
     elif args and not isinstance(args[0], (bytes, bytearray, str, list)):
         raise Refused(f"bytearray of a {type_name(args[0])} is not allowed")
-    return _plain(u, f, args, {})
+    return plain(u, f, args, {})
 
 
 def _codecs_encode(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
     if kwargs or not 1 <= len(args) <= 2 or not isinstance(args[0], str) or (
-            len(args) == 2 and str(args[1]).lower() not in _CODEC_NAMES):
+            len(args) == 2 and str(args[1]).lower() not in PICKLE_CODECS):
         raise Refused("_codecs.encode is allowed only as pickle writes bytes: encode(str, 'latin1')")
-    return _plain(u, f, args, {})
+    return plain(u, f, args, {})
 
 
 def check_view(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = None,
@@ -209,36 +214,57 @@ def _build_tensor(u: Unpickler, inst: Any, state: Any) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _torch_guards() -> dict[str, Callable]:
-    guards: dict[str, Callable] = {
-        "collections.OrderedDict": _plain, "collections.Counter": _plain, "builtins.set": _plain,
-        "builtins.complex": _plain, "builtins.bytearray": _bytearray, "_codecs.encode": _codecs_encode,
-        "torch.Size": _plain, "torch.device": _plain, "torch.serialization._get_layout": _plain,
-        "torch.nn.parameter.Parameter": _parameter,
-        "torch._utils._rebuild_tensor": _rebuild_view(hooks_at=None),
-        "torch._utils._rebuild_tensor_v2": _rebuild_view(),
-        "torch._utils._rebuild_tensor_v3": _rebuild_view(position_of_dtype=6),
-        "torch._utils._rebuild_qtensor": _rebuild_view(hooks_at=6, allocates=True),
-        "torch._utils._rebuild_parameter": _rebuild_parameter,
-        "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-        "torch._utils._rebuild_sparse_tensor": _sparse_tensor,
-        "torch._utils._rebuild_meta_tensor_no_storage": _plain,  # no memory: meta
-        "torch._utils._rebuild_device_tensor_from_cpu_tensor": _device_tensor,
-        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
+def _guards() -> dict[str, Guard]:
+    """``Rule.call`` → the guard a call goes through."""
+    return {
+        "plain": plain, "empty": _no_args, "empty bytes": _no_args, "defaultdict": plain, "getattr": plain,
+        "bytearray": _bytearray, "codecs encode": _codecs_encode, "parameter": _parameter,
+        "view v1": _rebuild_view(hooks_at=None), "view": _rebuild_view(), "view v3": _rebuild_view(position_of_dtype=6),
+        "qtensor": _rebuild_view(hooks_at=6, allocates=True), "rebuild parameter": _rebuild_parameter,
+        "sparse tensor": _sparse_tensor, "device tensor": _device_tensor, "from type": _rebuild_from_type,
+        **numpy_safe.GUARDS,
     }
-    return guards
 
 
-def _ckptfix_guards() -> dict[str, Callable]:
-    guards: dict[str, Callable] = {"argparse.Namespace": _no_args, "builtins.bytes": _no_args, "collections.defaultdict": _plain,
-                                   "collections.deque": _plain, "builtins.getattr": _plain,
-                                   "torch.torch_version.TorchVersion": _plain}
-    for name in ("datetime.datetime", "datetime.date", "datetime.time", "datetime.timedelta", "datetime.timezone"):
-        guards[name] = _plain
-    for name, _ in _path_classes():
-        guards[name] = _plain
-    guards.update(numpy_safe.numpy_guards())
-    return guards
+#: ``Rule.build`` → how BUILD gives state (numpy's: :data:`ckptfix.safety.numpy_policy.BUILDS`)
+_BUILDS: dict[str, Callable[[Unpickler, Any, Any], None]] = {
+    "attributes": build_attributes, "setstate": build_setstate, "tensor": _build_tensor,
+}
+
+
+def _fixed(obj: Any) -> Callable[[str], Any]:
+    return lambda name: obj
+
+
+#: ``Rule.stand_in`` → what the unpickler gives for the name (made from the name)
+_STAND_INS: dict[str, Callable[[str], Any]] = {
+    "defaultdict": _fixed(standins.defaultdict_stand_in),
+    "deque": _fixed(standins.Deque),
+    "empty bytes": _fixed(standins.empty_bytes),
+    "factory token": lambda name: standins.FactoryToken(getattr(builtins, name.rpartition(".")[2])),
+    "path": standins.path_class,
+    "getattr": _fixed(standins.getattr_method),
+    "history buffer": _fixed(standins.HistoryBuffer),
+    **{kind: _fixed(obj) for kind, obj in numpy_safe.STAND_INS.items()},
+}
+
+
+@functools.lru_cache(maxsize=1)
+def ckptfix_objects() -> dict[str, Any]:
+    """ckptfix's additions to torch's defaults: name as pickled (``module.qualname``) → the object the
+    unpickler gives (the real class, or a stand-in); numpy's only where numpy is installed."""
+    names = ckptfix_names() | numpy_names()
+    table: dict[str, Any] = {}
+    for name, r in RULES.items():
+        if name not in names:
+            continue
+        if r.stand_in is not None:
+            table[name] = _STAND_INS[r.stand_in](name)
+        else:  # one of the table's own names, never one from a file
+            module, _, qualname = name.rpartition(".")
+            table[name] = getattr(importlib.import_module(module), qualname)
+    table.update(numpy_dtype_classes())
+    return table
 
 
 @functools.lru_cache(maxsize=1)
@@ -246,24 +272,29 @@ def torch_policy() -> Policy:
     """The policy for torch checkpoints (zip, legacy and tar pickles, DCP records)."""
     import torch
     from torch._weights_only_unpickler import _get_allowed_globals
-    from torch.torch_version import TorchVersion
 
-    table = {k: v for k, v in _get_allowed_globals().items() if k not in REFUSED_REBUILDS}
-    table.update(allowed_table())
-    calls: dict[int, Callable] = {}
-    for name, guard in {**_torch_guards(), **_ckptfix_guards()}.items():
-        if name in table:
-            calls[id(table[name])] = guard
-    newobj = {id(c) for c in (argparse.Namespace, TorchVersion, standins.HistoryBuffer)}
-    build: dict[type, Callable] = {
-        collections.OrderedDict: build_attributes, collections.Counter: build_attributes,
-        argparse.Namespace: build_attributes, TorchVersion: build_attributes,
-        standins.HistoryBuffer: build_setstate, torch.Tensor: _build_tensor, torch.nn.Parameter: _build_tensor,
-        **numpy_safe.numpy_builds(),
-    }
-    return Policy(table, calls, newobj, build, append=(list, _Deque), setitem=(dict, collections.OrderedDict,
-                                                                              collections.Counter),
-                  finish=_finish)
+    refused = refused_names()
+    table = {k: v for k, v in _get_allowed_globals().items() if k not in refused}
+    table.update(ckptfix_objects())
+    guards = _guards()
+    calls: dict[int, Callable[..., Any]] = {}
+    newobj: set[int] = set()
+    build: dict[type, Callable[..., Any]] = {}
+    for name, obj in table.items():
+        r = rule(name)
+        if r is None:
+            continue  # torch's values: classes, dtypes
+        if r.call is not None:
+            calls[id(obj)] = guards[r.call]
+        if r.new == NEW:
+            newobj.add(id(obj))
+        if r.build in numpy_safe.BUILDS:
+            build[numpy_safe.BUILDS[r.build]] = build_setstate
+        elif r.build is not None:
+            made = obj if isinstance(obj, type) else torch.Tensor  # the rebuild functions make tensors
+            build[made] = _BUILDS[r.build]
+    return Policy(table, calls, newobj, build, append=(list, standins.Deque),
+                  setitem=(dict, collections.OrderedDict, collections.Counter), finish=_finish)
 
 
 def _finish(obj: Any) -> Any:
@@ -325,7 +356,7 @@ class _Restorer:
 
         if isinstance(x, numpy_safe.NUMPY_STAND_INS):
             return x.real()
-        if isinstance(x, _Deque):
+        if isinstance(x, standins.Deque):
             out: Any = collections.deque((get(v) for v in x), maxlen=x.maxlen)
         elif isinstance(x, dict) and id(x) in self.factories:
             out = collections.defaultdict(self.factories[id(x)])

@@ -13,11 +13,13 @@ with the real numpy object (``real()``).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ..parse.pickle_ops import Refused
+from .allowlist import CODECS_ENCODE, NDARRAY, NUMPY_DTYPE, NUMPY_DTYPE_CLASSES, is_plain_dtype
 from .standins import note_made, short_args
-from ..parse.unpickler import build_setstate, type_name
+from ..parse.unpickler import type_name
 
 _NUMPY_CODE = re.compile(r"^[<>|=]?(b1|\?|[iu][1248]|f[248]|c(8|16))$")
 _NUMPY_ENDIAN = frozenset("<>|=")
@@ -27,6 +29,12 @@ def _refuse(message: str) -> Exception:
     return Refused(message)
 
 
+def _is_plain_dtype_state(state: Any) -> bool:
+    """numpy's dtype state ``(3, '<', None, None, None, -1, -1, 0)``: no fields, objects, subarrays or metadata."""
+    return (isinstance(state, tuple) and len(state) in (8, 9) and state[0] in (3, 4) and state[1] in _NUMPY_ENDIAN
+            and state[2:5] == (None, None, None) and state[5:8] == (-1, -1, 0) and state[8:] in ((), (None,)))
+
+
 class NumpyDType:
     """``numpy.dtype(code, align, copy=True)`` of a plain numeric/bool code (a fresh copy, never numpy's
     shared one), given numpy's own ``__setstate__`` once the state is checked to describe a plain dtype."""
@@ -34,12 +42,12 @@ class NumpyDType:
     def __init__(self, code: str, align: bool):
         import numpy as np
 
-        self.dtype = np.dtype(code, align, True)
+        # Any: numpy's stubs leave out the dtype's __setstate__, which BUILD calls
+        self.dtype: Any = np.dtype(code, align, True)
         note_made()
 
     def __setstate__(self, state: Any) -> None:
-        if not (isinstance(state, tuple) and len(state) in (8, 9) and state[0] in (3, 4) and state[1] in _NUMPY_ENDIAN
-                and state[2:5] == (None, None, None) and state[5:8] == (-1, -1, 0) and state[8:] in ((), (None,))):
+        if not _is_plain_dtype_state(state):
             raise _refuse(f"numpy dtype state {state!r:.100}: only plain numeric/bool dtypes "
                           "(no fields, objects, subarrays or metadata) are loaded")
         self.dtype.__setstate__(state)
@@ -73,7 +81,7 @@ class NumpyArray:
                           f"the pickle holds {len(state[4])}")
         from numpy._core import multiarray
 
-        array = multiarray._reconstruct(np.ndarray, (0,), b"b")
+        array: Any = multiarray._reconstruct(np.ndarray, (0,), b"b")  # its __setstate__ isn't in numpy's stubs
         array.__setstate__((1, shape, dtype, state[3], state[4]))  # numpy's own, on checked plain data
         self.value = array
 
@@ -89,13 +97,10 @@ NUMPY_STAND_INS = (NumpyDType, NumpyArray)
 def _plain_dtype(d: Any) -> Any:
     """A plain numeric/bool numpy dtype from a stand-in or a real dtype, else None."""
     real = d.dtype if isinstance(d, NumpyDType) else d
-    if type(real).__module__.startswith("numpy") and getattr(real, "fields", 1) is None and not real.hasobject \
-            and real.subdtype is None and real.kind in "biufc":
-        return real
-    return None
+    return real if is_plain_dtype(real) else None
 
 
-class _ClassToken:
+class ClassToken:
     """A class named in a pickle only to be handed to one constructor that checks for it (numpy's
     ``_reconstruct``); the token itself can't be called or instantiated."""
 
@@ -106,9 +111,7 @@ class _ClassToken:
         raise _refuse(f"{self.name} is allowed only as the subtype numpy's _reconstruct is given")
 
 
-NDARRAY = _ClassToken("numpy.ndarray")
-_RECONSTRUCT = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct")
-_SCALAR = ("numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar")
+NDARRAY_TOKEN = ClassToken(NDARRAY)
 
 
 def _dtype(code: Any, align: Any = False, copy: Any = True) -> NumpyDType:
@@ -118,7 +121,7 @@ def _dtype(code: Any, align: Any = False, copy: Any = True) -> NumpyDType:
 
 
 def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> NumpyArray:
-    if subtype is not NDARRAY or shape != (0,) or dtype_code != b"b":
+    if subtype is not NDARRAY_TOKEN or shape != (0,) or dtype_code != b"b":
         raise _refuse("numpy _reconstruct is allowed only as numpy pickles an array: "
                       "_reconstruct(numpy.ndarray, (0,), b'b'); subclasses such as memmap are refused")
     return NumpyArray()
@@ -133,96 +136,81 @@ def _scalar(dtype: Any, raw: Any = None) -> Any:
     return np.frombuffer(raw, dtype=real)[0]
 
 
-def _dtype_class_call(cls: Any) -> Any:
-    def make(*args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            raise _refuse(f"numpy.dtypes.{cls.__name__} is called with arguments")
-        return cls()
-
-    return make
+#: the allow-list's numpy stand-in kinds (``Rule.stand_in``) → what the unpickler gives for the name
+STAND_INS: dict[str, Any] = {"numpy dtype": _dtype, "ndarray token": NDARRAY_TOKEN, "numpy reconstruct": _reconstruct,
+                             "numpy scalar": _scalar}
 
 
-def _numpy_dtype_classes() -> dict[str, Any]:
-    """numpy's DType classes (numpy >= 1.25) of plain numeric/bool kinds: values, or called empty."""
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is optional
-        return {}
-    out = {}
-    for name in dir(getattr(np, "dtypes", None) or ()):
-        cls = getattr(np.dtypes, name)
-        if name.endswith("DType") and isinstance(cls, type):
-            try:
-                plain = _plain_dtype(cls()) is not None
-            except TypeError:  # parametric (strings, datetimes): never plain
-                plain = False
-            if plain:
-                out[f"numpy.dtypes.{name}"] = cls
-    return out
+def _charged(u: Any, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    u.charge(sum(len(a) for a in args if isinstance(a, (bytes, str, tuple))), type_name(f))
+    return f(*args, **kwargs)
 
 
-def numpy_entries() -> list[tuple[str, Any]]:
-    """The numpy names a pickle may use → the objects the unpickler gives for them."""
-    try:
-        import numpy  # noqa: F401
-    except ImportError:  # pragma: no cover - numpy is optional
-        return []
-    out: list[tuple[str, Any]] = [("numpy.dtype", _dtype), ("numpy.ndarray", NDARRAY)]
-    out += [(name, _reconstruct) for name in _RECONSTRUCT] + [(name, _scalar) for name in _SCALAR]
-    out += list(_numpy_dtype_classes().items())
-    return out
+def _dtype_class(u: Any, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """numpy's DType classes are called only without arguments."""
+    if args or kwargs:
+        raise _refuse(f"numpy.dtypes.{f.__name__} is called with arguments")
+    return f()
 
 
-def numpy_guards() -> dict[str, Any]:
-    """Guards for the numpy callables (numpy's dtype classes are called only without arguments)."""
-    def plain(u: Any, f: Any, args: tuple, kwargs: dict) -> Any:
-        u.charge(sum(len(a) for a in args if isinstance(a, (bytes, str, tuple))), type_name(f))
-        return f(*args, **kwargs)
-
-    def dtype_class(u: Any, f: Any, args: tuple, kwargs: dict) -> Any:
-        return _dtype_class_call(f)(*args, **kwargs)
-
-    guards = {name: plain for name in ("numpy.dtype", *_RECONSTRUCT, *_SCALAR)}
-    guards.update((name, dtype_class) for name in _numpy_dtype_classes())
-    return guards
+#: the allow-list's numpy call kinds (``Rule.call``) → the loader's guard
+GUARDS: dict[str, Any] = {"numpy dtype": _charged, "numpy reconstruct": _charged, "numpy scalar": _charged,
+                          "numpy dtype class": _dtype_class}
+#: the allow-list's numpy build kinds (``Rule.build``) → the stand-in type BUILD gives state to
+BUILDS: dict[str, type] = {"numpy dtype": NumpyDType, "numpy array": NumpyArray}
 
 
-def numpy_builds() -> dict[type, Any]:
-    return {NumpyDType: build_setstate, NumpyArray: build_setstate}
+# -- the same rules for the static scanner (arguments as walked: globals have ``.full``) ----------------
+
+def _refused_ndarray_call(name: str, args: Any) -> str | None:
+    return f"{name} is called; it is allowed only as the subtype numpy's _reconstruct is given"
 
 
-NUMPY_BUILDABLE = frozenset({"numpy.dtype", *_RECONSTRUCT})
+def _refused_dtype_class_call(name: str, args: Any) -> str | None:
+    return f"{name} is called with arguments" if args else None
 
 
-def refused_numpy_call(name: str, args: Any) -> str | None:
-    """The static scanner's view of the numpy rules (arguments as walked: globals have ``.full``)."""
-    if name == "numpy.ndarray":
-        return "numpy.ndarray is called; it is allowed only as the subtype numpy's _reconstruct is given"
-    if name.startswith("numpy.dtypes.") and args:
-        return f"{name} is called with arguments"
-    if name == "numpy.dtype" and not (isinstance(args, tuple) and args and isinstance(args[0], str)
-                                      and _NUMPY_CODE.match(args[0])):
-        return f"numpy dtype{short_args(args)}: only plain numeric/bool dtypes are loaded"
-    if name in _RECONSTRUCT and not (isinstance(args, tuple) and len(args) == 3
-                                     and getattr(args[0], "full", None) == "numpy.ndarray" and args[1] == (0,)):
-        return f"numpy _reconstruct{short_args(args)} is not how numpy pickles an array: _reconstruct(numpy.ndarray, (0,), b'b')"
-    if name in _SCALAR:
-        dtype = args[0] if isinstance(args, tuple) and args else None
-        func = getattr(getattr(dtype, "func", None), "full", None) or getattr(dtype, "full", None)
-        if func != "numpy.dtype" and not str(func).startswith("numpy.dtypes."):
-            return "numpy scalar of something other than a numpy dtype"
+def _refused_dtype_call(name: str, args: Any) -> str | None:
+    if isinstance(args, tuple) and args and isinstance(args[0], str) and _NUMPY_CODE.match(args[0]):
+        return None
+    return f"numpy dtype{short_args(args)}: only plain numeric/bool dtypes are loaded"
+
+
+def _refused_reconstruct_call(name: str, args: Any) -> str | None:
+    if isinstance(args, tuple) and len(args) == 3 and getattr(args[0], "full", None) == NDARRAY and args[1] == (0,):
+        return None
+    return f"numpy _reconstruct{short_args(args)} is not how numpy pickles an array: _reconstruct(numpy.ndarray, (0,), b'b')"
+
+
+def _refused_scalar_call(name: str, args: Any) -> str | None:
+    dtype = args[0] if isinstance(args, tuple) and args else None
+    func = getattr(getattr(dtype, "func", None), "full", None) or getattr(dtype, "full", None)
+    if func != NUMPY_DTYPE and not str(func).startswith(NUMPY_DTYPE_CLASSES):
+        return "numpy scalar of something other than a numpy dtype"
     return None
 
 
-def refused_numpy_build(name: str, state: Any) -> str | None:
-    """Why BUILD with ``state`` on what ``name`` made (a numpy dtype or array) would be refused."""
-    if name == "numpy.dtype":
-        ok = (isinstance(state, tuple) and len(state) in (8, 9) and state[0] in (3, 4) and state[1] in _NUMPY_ENDIAN
-              and state[2:5] == (None, None, None) and state[5:8] == (-1, -1, 0) and state[8:] in ((), (None,)))
-        return None if ok else f"numpy dtype state {short_args(state)}: only plain numeric/bool dtypes are loaded"
-    if name in _RECONSTRUCT:
-        ok = isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and type(state[3]) is bool
-        raw = state[4] if ok else None
-        raw_ok = isinstance(raw, bytes) or getattr(getattr(raw, "func", None), "full", None) == "_codecs.encode"
-        return None if ok and raw_ok else "numpy array state: only (1, shape, dtype, fortran, raw bytes) is loaded"
-    return None
+#: the scanner's view of the numpy calls, by call kind (``ndarray token``: by stand-in kind, never called)
+STATIC_CALLS: dict[str, Callable[[str, Any], str | None]] = {
+    "numpy dtype": _refused_dtype_call, "numpy reconstruct": _refused_reconstruct_call,
+    "numpy scalar": _refused_scalar_call, "numpy dtype class": _refused_dtype_class_call,
+    "ndarray token": _refused_ndarray_call,
+}
+
+
+def _refused_dtype_build(state: Any) -> str | None:
+    if _is_plain_dtype_state(state):
+        return None
+    return f"numpy dtype state {short_args(state)}: only plain numeric/bool dtypes are loaded"
+
+
+def _refused_array_build(state: Any) -> str | None:
+    ok = isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and type(state[3]) is bool
+    raw = state[4] if ok else None
+    raw_ok = isinstance(raw, bytes) or getattr(getattr(raw, "func", None), "full", None) == CODECS_ENCODE
+    return None if ok and raw_ok else "numpy array state: only (1, shape, dtype, fortran, raw bytes) is loaded"
+
+
+#: why BUILD with a state on what a numpy name made would be refused, by build kind
+STATIC_BUILDS: dict[str, Callable[[Any], str | None]] = {"numpy dtype": _refused_dtype_build,
+                                                         "numpy array": _refused_array_build}

@@ -3,8 +3,9 @@
 Nothing in a file is imported or executed here: pickles are walked opcode by opcode
 (:mod:`ckptfix.parse.pickle_walk`), zip archives are checked byte by byte (:mod:`ckptfix.parse.zipcheck`),
 and every global is classed against torch's weights_only defaults and ckptfix's allow-list
-(:mod:`ckptfix.safety.allowlist`); :mod:`ckptfix.safety.file_scanners` holds the per-format scanners, this module
-the entry points and the directory formats. A file with an unsafe global or an ambiguous structure is
+(:mod:`ckptfix.safety.allowlist`, its rules applied to constant arguments by :mod:`ckptfix.safety.static_checks`);
+:mod:`ckptfix.safety.file_scanners` holds the per-format scanners, this module the entry points and the
+directory formats. A file with an unsafe global or an ambiguous structure is
 refused before torch opens it; ckptfix's restricted unpickler (:mod:`ckptfix.parse.unpickler`) is the
 second line.
 
@@ -21,7 +22,7 @@ from typing import Any
 from . import dcp_policy as dcp_metadata
 from ..parse import pickle_walk as pickle_scan
 from ..core import limits as _limits
-from .allowlist import ALLOWED, SAFE, UNSAFE, allowed_globals
+from .allowlist import UNSAFE
 from ..parse.checkpoint_dirs import find_index, load_index, locate, member_path
 from .deepspeed_policy import optim_names
 from ..errors import FormatError, UnsafeCheckpointError, trust_advice
@@ -31,7 +32,7 @@ from .file_scanners import (PICKLE, Collector, Finding, GlobalRef, ScanReport, s
 from ..parse.sniff import (DCP, DEEPSPEED, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar,
                            sniff)
 
-__all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe", "allowed_globals", "SAFE", "ALLOWED", "UNSAFE"]
+__all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe"]
 
 _CODE_KINDS = {"unsafe-global", "unsafe-construct", "torchscript-code", "malformed"}
 

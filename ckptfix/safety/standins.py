@@ -1,5 +1,6 @@
 """Inert stand-ins for the few classes of other libraries that real training checkpoints pickle,
-and a pickler that writes them back under the original names.
+a pickler that writes them back under the original names, and the stand-ins the unpickler fills in
+place of ``defaultdict``, ``deque`` and ``bytes`` (turned into the real objects once a load ends).
 
 mmengine's ``message_hub`` holds ``mmengine.logging.history_buffer.HistoryBuffer`` objects (numpy
 histories of the logged scalars). Unpickling the real class runs mmengine's ``__setstate__``; the
@@ -17,15 +18,18 @@ when :func:`contains_stand_ins` finds one.
 
 from __future__ import annotations
 
+import collections
+import os
+import pathlib
 import pickle
 import threading
 from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..parse.pickle_ops import Refused
+from ..parse.pickle_ops import Refused, type_name
+from .allowlist import HISTORY_BUFFER
 
-HISTORY_BUFFER = "mmengine.logging.history_buffer.HistoryBuffer"
 _made = [0]  # stand-ins unpickled in this process: none, and no object can hold one (writers skip the walk)
 #: getattr(HistoryBuffer, name) in a HistoryBuffer's statistics_methods: its four default statistics
 STATISTICS_METHODS = frozenset({"min", "max", "current", "mean"})
@@ -86,7 +90,7 @@ def getattr_method(obj: Any, name: Any, *default: Any) -> StatisticsMethod:
 
 
 #: stand-in class → the (module, qualname) it is pickled under
-ORIGINAL_NAMES: dict[type, tuple[str, str]] = {HistoryBuffer: tuple(HISTORY_BUFFER.rsplit(".", 1))}  # type: ignore[dict-item]
+ORIGINAL_NAMES: dict[type, tuple[str, str]] = {HistoryBuffer: (HistoryBuffer.__module__, HistoryBuffer.__qualname__)}
 _STAND_IN_TYPES = (HistoryBuffer, StatisticsMethod)
 
 
@@ -114,7 +118,22 @@ def contains_stand_ins(obj: Any) -> bool:
     return False
 
 
-class NamePickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+if TYPE_CHECKING:
+    class _PurePickler(pickle._Pickler):
+        """pickle's pure-Python pickler with the undocumented internals NamePickler uses (typeshed leaves
+        them out)."""
+
+        proto: int
+
+        def save(self, obj: Any) -> None: ...
+        def save_global(self, obj: Any, name: str | None = None) -> None: ...
+        def write(self, data: bytes) -> None: ...
+        def memoize(self, obj: Any) -> None: ...
+else:
+    _PurePickler = pickle._Pickler
+
+
+class NamePickler(_PurePickler):
     """Python's own pickler, writing each stand-in class as a global under its original name."""
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
@@ -147,6 +166,66 @@ def pickle_module_for(obj: Any) -> Any:
 def pickler_base_for(obj: Any) -> type:
     """The pickler class to subclass for writing ``obj``: the C one unless it holds stand-ins."""
     return NamePickler if contains_stand_ins(obj) else pickle.Pickler
+
+
+# -- defaultdict, deque and bytes while the unpickler fills them --------------------------------------
+
+#: what a defaultdict's default_factory may be: builtin containers and numbers
+FACTORY_TYPES = (list, dict, set, int, float, str, tuple, bool, collections.OrderedDict, collections.Counter)
+
+
+class FactoryToken:
+    """A builtin type named in a pickle, accepted only as a defaultdict's ``default_factory``.
+
+    The token itself can't be called, so a pickle can't use ``builtins.str`` etc. as a function.
+    """
+
+    def __init__(self, type_: type):
+        self.type = type_
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise Refused(f"{self.type.__name__} is allowed only as a defaultdict's default factory")
+
+
+def defaultdict_stand_in(default_factory: Any = None, *rest: Any) -> dict[Any, Any]:
+    """Stands in for ``collections.defaultdict`` while the unpickler fills it (it fills only exact
+    dicts); the plain dict becomes a real defaultdict once loading ends."""
+    factory = default_factory.type if isinstance(default_factory, FactoryToken) else default_factory
+    if rest or not (factory is None or factory in FACTORY_TYPES):
+        raise Refused(f"defaultdict with default factory {type_name(factory)} is not allowed "
+                      "(only builtin containers and numbers)")
+    d: dict[Any, Any] = {}
+    remember(d, factory)
+    return d
+
+
+class Deque(list[Any]):
+    """Stands in for ``collections.deque`` while the unpickler appends to it; a real deque afterwards."""
+
+    def __init__(self, iterable: Any = (), maxlen: int | None = None):
+        super().__init__(iterable)
+        self.maxlen = maxlen
+        remember(self, None)
+
+
+def path_class(name: str, pure: bool = False) -> type:
+    """The class a pickled ``pathlib`` class name loads as: a path object is a tuple of strings, and
+    the concrete class of the other OS can't be instantiated here, so it (or any, with ``pure``) loads
+    as its pure counterpart, which holds the same parts."""
+    qualname = name.rpartition(".")[2]
+    posix = "Posix" in qualname
+    counterpart = pathlib.PurePosixPath if posix else pathlib.PureWindowsPath
+    native = (os.name != "nt") == posix
+    if pure or qualname.startswith("Pure") or not native:
+        return counterpart
+    return pathlib.PosixPath if posix else pathlib.WindowsPath
+
+
+def empty_bytes(*args: Any) -> bytes:
+    """``bytes()`` — how protocol 2 pickles ``b""`` (other bytes go through ``_codecs.encode``)."""
+    if args:
+        raise Refused("builtins.bytes is allowed only as bytes(), how pickle writes b''")
+    return b""
 
 
 # -- what one load made, to be turned into the real objects when it finishes ---------------------------

@@ -1,4 +1,4 @@
-"""Convert's options are declared once (ckptfix.ops.options.ConvertOptions): ``ckptfix.convert``'s keywords,
+"""Convert's options are declared once (ckptfix.ops.convert_options.ConvertOptions): ``ckptfix.convert``'s keywords,
 ``ckptfix convert``'s flags and what the command passes to the library all come from it."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import ckptfix.ops.api
 import ckptfix.text
 from ckptfix.cli import cli
 from ckptfix.core.devices import parse_cli_map_location
-from ckptfix.ops.options import ConvertOptions, flag_of
+from ckptfix.ops.convert_options import ConvertOptions, flag_of
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYWORDS = list(inspect.signature(ckptfix.convert).parameters)[2:]  # after src, dst

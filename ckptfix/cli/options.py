@@ -1,6 +1,6 @@
 """The command-line options, each defined once.
 
-``ckptfix convert``'s options come from :class:`ckptfix.ops.options.ConvertOptions`, one click option per
+``ckptfix convert``'s options come from :class:`ckptfix.ops.convert_options.ConvertOptions`, one click option per
 field in its order (:func:`convert_options`), and go back to ``ckptfix.convert``'s keywords through
 :func:`convert_kwargs`. The options several commands share are decorators made from the same declarations
 (``--select``, ``--trust``, ``--map-location``, ``--json``) or defined here (``--model``/``--arg``,
@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from ..ops.options import DTYPES, JSON, ConvertOptions, Flag, flag_of
+from ..ops.convert_options import DTYPES, JSON, ConvertOptions, Flag, flag_of
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 _FIELDS = {f.name: f for f in fields(ConvertOptions)}

@@ -16,7 +16,7 @@ from .. import formats
 from ..statedict import repair, transforms
 from ..errors import LoadError
 from ..formats import describe as structure
-from .options import ConvertOptions, takes
+from .convert_options import ConvertOptions, takes
 from .reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
 

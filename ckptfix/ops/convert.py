@@ -27,7 +27,7 @@ from ..core.atomic import atomic_path, check_destination, check_destination_dir,
 from ..core.devices import DevicePlan, normalise_device, storage_id
 from ..errors import ConversionError, DeviceError, WrapperError
 from ..core.progress import Progress, peak_rss_bytes
-from .options import ConvertOptions
+from .convert_options import ConvertOptions
 from .reading import read_checkpoint, summarise
 from ..formats.dcp import directory as dcp
 from ..formats import sharded, describe as structure, torchfree

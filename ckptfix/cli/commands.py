@@ -19,6 +19,7 @@ import click
 
 from .. import __version__
 from ..errors import NOTHING_WRITTEN, CkptfixError
+from ..parse.format_registry import WRITE_NAMES
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FINDING = 0, 1, 2, 3
 _JSON = "ckptfix.json"  # ctx.meta key: --json was on the command line
@@ -149,7 +150,7 @@ def cli() -> None:
 @click.option("--keep-extra", is_flag=True, help="Keep optimizer, epoch, … around the fixed state dict (pth only).")
 @click.option("--strip-prefix", metavar="P", help="Remove this leading prefix (whole segments), e.g. model.")
 @click.option("--add-prefix", metavar="P", help="Add this prefix (whole segments), e.g. backbone.")
-@click.option("--format", "fmt", type=click.Choice(["pth", "safetensors", "dcp"]),
+@click.option("--format", "fmt", type=click.Choice(list(WRITE_NAMES)),
               help="Output format (default: by DST's extension; dcp: a torch.distributed.checkpoint directory).")
 @click.option("--max-shard-size", metavar="SIZE",
               help="Write a Hugging Face sharded directory at DST, shards at most SIZE (5GB, 500MiB, 40KB).")

@@ -15,8 +15,9 @@ from . import convert as conversion
 from .. import formats
 from ..statedict import repair, transforms
 from .convert import normalise_keys
+from ..core import torch_free
+from ..core.torch_free import NeedsTorch
 from ..errors import LoadError
-from ..formats import describe as structure
 from .reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
 
@@ -55,10 +56,10 @@ def describe(path: Any, select: str = "auto") -> Checkpoint:
     either way."""
     path = _fspath(path)
     fmt = formats.sniff(path)
-    if structure.enabled():
+    if torch_free.enabled():
         try:
-            raw = structure.read(path, fmt, select)
-        except structure.NotDescribable:
+            raw = formats.describe(path, fmt, select)
+        except NeedsTorch:
             pass
         else:
             return summarise(path, fmt, raw, select, refuse=False)

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DeepSpeedZeroError, FormatError, MissingFileError
+from .format_registry import SHARDED, SHARDED_PTH, get
 
-SAFETENSORS = "safetensors"
-TORCH_ZIP = "torch-zip"
-INDEX_NAMES = {SAFETENSORS: "model.safetensors.index.json", TORCH_ZIP: "pytorch_model.bin.index.json"}
 #: the file torch.distributed.checkpoint writes its metadata to
 METADATA = ".metadata"
 #: DeepSpeed's file naming the latest tag, and its model_states / optim_states files
@@ -47,11 +45,20 @@ def find_index(path: str) -> str | None:
         return path if path.endswith(".index.json") else None
     if not os.path.isdir(path):
         return None
-    for fmt in (SAFETENSORS, TORCH_ZIP):
-        candidate = os.path.join(path, INDEX_NAMES[fmt])
+    for fmt in SHARDED:
+        candidate = os.path.join(path, str(get(fmt).index_name))
         if os.path.isfile(candidate):
             return candidate
     return None
+
+
+def index_format(index_path: str) -> str:
+    """The sharded format of an index json: the one whose index name it ends like (``…safetensors.index.json``),
+    else torch's (any other ``*.index.json``)."""
+    for fmt in SHARDED:
+        if index_path.endswith(str(get(fmt).index_name).partition(".")[2]):
+            return fmt
+    return SHARDED_PTH
 
 
 def member_path(root: str, rel: Any, source: str, what: str = "shard") -> str:
@@ -120,6 +127,12 @@ def names_matching(directory: str, pattern: re.Pattern) -> list[str]:
         return sorted(n for n in os.listdir(directory) if pattern.fullmatch(n))
     except OSError:
         return []
+
+
+def deepspeed_beside(path: str) -> bool:
+    """Whether ``path`` is named as a DeepSpeed model_states file with optim_states files beside it."""
+    return bool(DEEPSPEED_MODEL.fullmatch(os.path.basename(path))) and \
+        bool(names_matching(os.path.dirname(os.path.abspath(path)), DEEPSPEED_OPTIM))
 
 
 def is_deepspeed_dir(path: str) -> bool:

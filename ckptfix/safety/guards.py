@@ -24,7 +24,8 @@ def _sizes(args: Any) -> int:
     return sum(len(a) for a in args if isinstance(a, (str, bytes, bytearray, tuple, list, dict, set, frozenset)))
 
 
-def _plain(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
+def plain_call(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
+    """The guard of a call that builds plain data: charged for its arguments' sizes, then made."""
     u.charge(_sizes(args) + _sizes(tuple(kwargs.values())), type_name(f))
     return f(*args, **kwargs)
 
@@ -42,14 +43,14 @@ def _bytearray(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
         u.charge(args[0], f"bytearray({args[0]})")
     elif args and not isinstance(args[0], (bytes, bytearray, str, list)):
         raise Refused(f"bytearray of a {type_name(args[0])} is not allowed")
-    return _plain(u, f, args, {})
+    return plain_call(u, f, args, {})
 
 
 def _codecs_encode(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
     if kwargs or not 1 <= len(args) <= 2 or not isinstance(args[0], str) or (
             len(args) == 2 and str(args[1]).lower() not in _CODEC_NAMES):
         raise Refused("_codecs.encode is allowed only as pickle writes bytes: encode(str, 'latin1')")
-    return _plain(u, f, args, {})
+    return plain_call(u, f, args, {})
 
 
 def check_view(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = None,
@@ -211,9 +212,9 @@ def _build_tensor(u: Unpickler, inst: Any, state: Any) -> None:
 @functools.lru_cache(maxsize=1)
 def _torch_guards() -> dict[str, Callable]:
     guards: dict[str, Callable] = {
-        "collections.OrderedDict": _plain, "collections.Counter": _plain, "builtins.set": _plain,
-        "builtins.complex": _plain, "builtins.bytearray": _bytearray, "_codecs.encode": _codecs_encode,
-        "torch.Size": _plain, "torch.device": _plain, "torch.serialization._get_layout": _plain,
+        "collections.OrderedDict": plain_call, "collections.Counter": plain_call, "builtins.set": plain_call,
+        "builtins.complex": plain_call, "builtins.bytearray": _bytearray, "_codecs.encode": _codecs_encode,
+        "torch.Size": plain_call, "torch.device": plain_call, "torch.serialization._get_layout": plain_call,
         "torch.nn.parameter.Parameter": _parameter,
         "torch._utils._rebuild_tensor": _rebuild_view(hooks_at=None),
         "torch._utils._rebuild_tensor_v2": _rebuild_view(),
@@ -222,7 +223,7 @@ def _torch_guards() -> dict[str, Callable]:
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
         "torch._utils._rebuild_sparse_tensor": _sparse_tensor,
-        "torch._utils._rebuild_meta_tensor_no_storage": _plain,  # no memory: meta
+        "torch._utils._rebuild_meta_tensor_no_storage": plain_call,  # no memory: meta
         "torch._utils._rebuild_device_tensor_from_cpu_tensor": _device_tensor,
         "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
     }
@@ -230,13 +231,13 @@ def _torch_guards() -> dict[str, Callable]:
 
 
 def _ckptfix_guards() -> dict[str, Callable]:
-    guards: dict[str, Callable] = {"argparse.Namespace": _no_args, "builtins.bytes": _no_args, "collections.defaultdict": _plain,
-                                   "collections.deque": _plain, "builtins.getattr": _plain,
-                                   "torch.torch_version.TorchVersion": _plain}
+    guards: dict[str, Callable] = {"argparse.Namespace": _no_args, "builtins.bytes": _no_args,
+                                   "collections.defaultdict": plain_call, "collections.deque": plain_call,
+                                   "builtins.getattr": plain_call, "torch.torch_version.TorchVersion": plain_call}
     for name in ("datetime.datetime", "datetime.date", "datetime.time", "datetime.timedelta", "datetime.timezone"):
-        guards[name] = _plain
+        guards[name] = plain_call
     for name, _ in _path_classes():
-        guards[name] = _plain
+        guards[name] = plain_call
     guards.update(numpy_safe.numpy_guards())
     return guards
 

@@ -17,13 +17,12 @@ import tempfile
 from typing import Any
 
 from ...core import limits
-from ...parse.checkpoint_dirs import METADATA, member_path
 from ...errors import CkptfixError, ConversionError, FormatError
+from ...parse.checkpoint_dirs import METADATA, member_path
+from ...parse.format_registry import DCP
 from ...parse.zipdir import RangeFile
 from .. import PiecedRef
 from ..torchsave.torch_io import torch_load, translate_load_error
-
-DCP = "dcp"
 
 
 def whole(md: Any) -> bool:

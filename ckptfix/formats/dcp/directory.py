@@ -21,20 +21,20 @@ from typing import Any
 
 from ...core import interrupts
 from ...core.atomic import DirOutput, atomic_dir
-from ...safety.dcp_policy import METADATA, load_metadata
 from ...core.devices import storage_id
 from ...errors import CkptfixError, ConversionError, FormatError
-from .. import PiecedRef, RawRead
+from ...parse.format_registry import DCP
+from ...safety.dcp_policy import METADATA, load_metadata
+from .. import PiecedRef, RawRead, Reader
 from .chunks import Chunks, Scratch, TensorRef, aligned, tensor_nbytes, whole
 from .lightning import with_meta
-
-DCP = "dcp"
 # what a DCP output consists of (FileSystemWriter, single_file_per_rank): all that --force replaces
 DIR_OUTPUT = DirOutput("DCP", re.compile(r"\.metadata|__\d+_\d+\.distcp"), METADATA)
 
 
-def read(path: str, plan: Any, trust: bool) -> RawRead:
-    """Consolidate the DCP checkpoint in directory ``path``: one whole tensor per entry, nested again.
+def read(path: str, plan: Any, trust: bool, read_meta: Reader) -> RawRead:
+    """Consolidate the DCP checkpoint in directory ``path``: one whole tensor per entry, nested again;
+    a Lightning ``meta.pt`` beside it read by ``read_meta(meta_path, fmt)``.
 
     With ``plan.is_meta`` tensors come back on meta and no tensor record is read (plain values,
     such as an optimizer's hyper-parameters, still are).
@@ -57,7 +57,7 @@ def read(path: str, plan: Any, trust: bool) -> RawRead:
     raw = RawRead(obj=unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes,
                   refs=refs)
 
-    return with_meta(raw, path, plan, trust)  # Lightning's meta.pt beside the DCP files, if there is one
+    return with_meta(raw, path, read_meta)  # Lightning's meta.pt beside the DCP files, if there is one
 
 
 def _consolidate(meta: Any, source: Chunks, plan: Any, trust: bool,

@@ -81,7 +81,7 @@ class CastRef:
     """A storage no file holds yet: a view of a source storage cast to another dtype, computed
     tensor by tensor while writing, so memory stays bounded by the largest tensor."""
 
-    source: StorageRef
+    source: StorageRef | PiecedRef | CastRef  # a computed one (a cast of a cast, DCP chunks) materialised
     key: str  # the state-dict key, for messages
     before: Any  # the source view (a meta tensor: dtype, offset, shape, stride)
     after: Any  # the cast result (a meta tensor with the layout to produce)
@@ -151,7 +151,7 @@ def storage_bytes(t: Any) -> memoryview:
     import torch
 
     whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-    return memoryview(whole.numpy())
+    return memoryview(cast(Any, whole.numpy()))
 
 
 @dataclass
@@ -165,7 +165,7 @@ class RawRead:
     format: str
     tags: dict[int, str] = field(default_factory=dict)  # storage id -> saved location tag
     notes: list[str] = field(default_factory=list)
-    refs: dict[int, StorageRef] = field(default_factory=dict)
+    refs: dict[int, Any] = field(default_factory=dict)  # StorageRef, PiecedRef or CastRef
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -34,7 +34,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
     ckptfix_meta(path, meta)  # a malformed entry is refused before anything is mapped
     dev = plan.target("cpu") if plan.user_fn is None else "cpu"
     size = os.path.getsize(path)
-    whole = None
+    whole: Any = None
     if dev != "meta" and size > start:
         whole = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
 
@@ -43,6 +43,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
     for key, e in header.items():
         dtype = getattr(torch, DTYPES[e["dtype"]])
         b, end = e["data_offsets"]
+        t: Any  # (set_ with no stride makes it contiguous: torch's stubs lack that form)
         if dev == "meta":
             t = torch.empty(e["shape"], dtype=dtype, device="meta")
             refs[storage_id(t)] = StorageRef(path, start + b, end - b, "cpu")
@@ -184,7 +185,8 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
             n = t.numel() * t.element_size()
             ref = refs.get(storage_id(t))
             segments = ref.segments() if isinstance(ref, PiecedRef) else None
-            if segments is not None and t.is_contiguous() and t.storage_offset() == 0 and n == ref.nbytes:
+            if segments is not None and ref is not None and t.is_contiguous() and t.storage_offset() == 0 \
+                    and n == ref.nbytes:
                 # a tensor in chunks: copied chunk after chunk
                 rawcopy.copy_segments([(source_fd(src), offset, k) for src, offset, k in segments], out, pos)
                 pos += n

@@ -155,11 +155,11 @@ def locate(path: str) -> Layout:
         raise DeepSpeedZeroError(f"{path}: no DeepSpeed *_model_states.pt files in {tag_dir}; give the checkpoint "
                                  "directory (the one holding `latest`) or one of its tag directories")
     optims = names_matching(tag_dir, DEEPSPEED_OPTIM)
-    if any(m.group(2) != "00" for m in map(DEEPSPEED_MODEL.fullmatch, models)) or \
-            any(m.group(3) != "00" for m in map(DEEPSPEED_OPTIM.fullmatch, optims)):
+    if any(_part(DEEPSPEED_MODEL, n, 2) != "00" for n in models) or \
+            any(_part(DEEPSPEED_OPTIM, n, 3) != "00" for n in optims):
         raise DeepSpeedZeroError(f"{tag_dir}: holds model-parallel ranks other than mp_rank_00: ckptfix (like "
                                  "zero_to_fp32.py) consolidates data-parallel ZeRO checkpoints only")
-    if len({DEEPSPEED_OPTIM.fullmatch(n).group(1) for n in optims}) > 1:
+    if len({_part(DEEPSPEED_OPTIM, n, 1) for n in optims}) > 1:
         raise DeepSpeedZeroError(f"{tag_dir}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optim_states files "
                                  "(two runs saved into one tag?); keep one set")
     return Layout(tag_dir, os.path.basename(os.path.normpath(tag_dir)),
@@ -184,9 +184,15 @@ def _read_tag(path: str) -> str:
     return tag
 
 
+def _part(pattern: re.Pattern, name: str, group: int) -> str | None:
+    """Group ``group`` of ``name``, one :func:`names_matching` found (``pattern`` matches it whole)."""
+    match = pattern.fullmatch(name)
+    return match.group(group) if match else None
+
+
 def _by_rank(names: list[str], pattern: re.Pattern, group: int, where: str) -> list[str]:
     """The names in rank order, refusing gaps (zero_pp_rank_0, _2 without _1)."""
-    ranked = sorted((int(pattern.fullmatch(n).group(group) or 0), n) for n in names)
+    ranked = sorted((int(_part(pattern, n, group) or 0), n) for n in names)
     if [r for r, _ in ranked] != list(range(len(ranked))):
         raise DeepSpeedZeroError(f"{where}: rank files {', '.join(n for _, n in ranked)} are not ranks 0..{len(ranked) - 1}: "
                                  "a rank's file is missing (the save did not finish?)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from ...core import limits
 from ...core.tensorinfo import StorageInfo, TensorInfo
@@ -100,7 +100,7 @@ def _dcp_value(path: str, fqn: str, info: Any, files: dict[Any, str], tags: dict
     return value
 
 
-def _ints(value: Any) -> bool:
+def _ints(value: Any) -> TypeGuard[tuple[int, ...]]:
     return type(value) is tuple and len(value) <= 64 and all(type(n) is int and n >= 0 for n in value)
 
 

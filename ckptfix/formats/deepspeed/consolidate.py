@@ -126,7 +126,7 @@ def build(spec: Any, source: _Source) -> Any:
         return torch.empty(spec.shape, dtype=spec.dtype)
     if len(parts) == 1 and parts[0].dtype == spec.dtype and parts[0].is_contiguous():
         p, size = parts[0], parts[0].element_size()
-        out = torch.empty(0, dtype=p.dtype)
+        out: Any = torch.empty(0, dtype=p.dtype)  # set_ with no stride: contiguous (torch's stubs lack it)
         return out.set_(p.untyped_storage()[p.storage_offset() * size : (p.storage_offset() + p.numel()) * size], 0, spec.shape)
     whole = torch.cat(parts) if len(parts) > 1 else parts[0]
     return whole.to(spec.dtype, copy=len(parts) == 1).reshape(spec.shape)

@@ -82,7 +82,10 @@ def _describe_zip(archive: _Archive, where: str) -> tuple[Any, dict[int, str]]:
         raise NeedsTorch("a malformed .storage_alignment record")
     if archive.entry("constants.pkl", must_exist=False) is not None:
         raise NeedsTorch("a TorchScript archive")
-    return _unpickle(where, archive.read("data.pkl"), archive)
+    data = archive.read("data.pkl")
+    if data is None:  # (read raises for a missing record it must find)
+        raise NeedsTorch("no data.pkl")
+    return _unpickle(where, data, archive)
 
 
 class _Archive:

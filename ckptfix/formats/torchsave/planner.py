@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
@@ -105,12 +105,12 @@ class _Pickler(_Saves, pickle.Pickler):
         self.records = records
 
 
-class _PyPickler(_Saves, pickle._Pickler):  # type: ignore[name-defined,misc]
+class _PyPickler(_Saves, pickle._Pickler):
     """The same in Python's pure pickler, which can also write a dtype value (``"dtype": torch.float16``)
     as torch's global: the C pickler can't be told to write a value as another object."""
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
-    dispatch[DtypeToken] = lambda pickler, obj: pickler.save(DTYPES[obj.name])
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[DtypeToken] = lambda pickler, obj: cast(Any, pickler).save(DTYPES[obj.name])
 
     def __init__(self, file: Any, records: _Records):
         super().__init__(file, protocol=2)
@@ -122,11 +122,12 @@ def _reduce_tensor(t: TensorInfo) -> tuple:
         inner = TensorInfo(t.dtype, t.shape, t.stride, t.storage_offset, t.storage)
         return REBUILD_PARAMETER, (inner, t.requires_grad, OrderedDict())
     if t.dtype not in STORAGE_CLASS:  # no legacy storage class (uint16, float8 …): torch writes v3
-        args = (_StorageArg(t.storage, None), t.storage_offset, t.shape, t.stride, t.requires_grad, OrderedDict(),
-                DTYPES[t.dtype])
+        args: tuple[Any, ...] = (_StorageArg(t.storage, None), t.storage_offset, t.shape, t.stride, t.requires_grad,
+                                 OrderedDict(), DTYPES[t.dtype])
         return REBUILD_TENSOR_V3, args
-    args = (_StorageArg(t.storage, t.dtype), t.storage_offset, t.shape, t.stride, t.requires_grad, OrderedDict())
-    return REBUILD_TENSOR, args
+    rebuild: tuple[Any, ...] = (_StorageArg(t.storage, t.dtype), t.storage_offset, t.shape, t.stride, t.requires_grad,
+                                OrderedDict())
+    return REBUILD_TENSOR, rebuild
 
 
 _PLAIN = (str, int, float, bool, complex, type(None), bytes)

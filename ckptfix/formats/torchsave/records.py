@@ -37,7 +37,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
     import torch
 
     try:
-        reader = torch._C.PyTorchFileReader(path)
+        reader: Any = torch._C.PyTorchFileReader(path)  # (its stubs lack has_record, get_record_offset)
         if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
             raise NeedsTorch("big-endian data")
         data = reader.get_record("data.pkl")
@@ -131,7 +131,7 @@ def _meta_tensor_reducer(storage_of: Callable[[Any], Any]) -> Callable[[Any], An
         if not isinstance(obj, torch.Tensor) or obj.device.type != "meta":
             return NotImplemented
         storage = storage_of(obj)
-        args = (storage, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad, OrderedDict())
+        args: tuple[Any, ...] = (storage, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad, OrderedDict())
         if isinstance(obj, torch.nn.Parameter):
             inner = torch.Tensor._make_subclass(torch.Tensor, obj.detach(), False)
             return (torch._utils._rebuild_parameter, (inner, obj.requires_grad, OrderedDict()))

@@ -2,7 +2,7 @@
 byte range; no overlaps), and ckptfix's own metadata (tied-weight aliases, key order, ``_metadata``).
 
 Below both the scanner (:mod:`ckptfix.safety` checks a file with :func:`check_file`) and the reader
-(:mod:`ckptfix.formats.safetensors_file`, which maps the tensors this header describes).
+(:mod:`ckptfix.formats.safetensors`, which maps the tensors this header describes).
 """
 
 from __future__ import annotations

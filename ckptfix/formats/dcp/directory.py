@@ -1,14 +1,14 @@
 """torch.distributed.checkpoint (DCP) directories: ``.metadata`` plus ``__R_S.distcp`` files.
 
 Reading consolidates every sharded tensor into one whole tensor (``.metadata`` is unpickled under
-an allow-list: see ``dcp_metadata``). A tensor stored as one chunk is mapped from its ``.distcp``
+an allow-list: see :mod:`ckptfix.safety.dcp_policy`). A tensor stored as one chunk is mapped from its ``.distcp``
 file (no copy); a sharded one (FSDP2, …) is assembled chunk by chunk into a file-backed scratch
 mapping under TMPDIR, so anonymous memory stays bounded by one chunk however large the
-checkpoint. A structure read (on meta) gives each tensor a :class:`dcp_chunks.TensorRef`, so a
+checkpoint. A structure read (on meta) gives each tensor a :class:`.chunks.TensorRef`, so a
 conversion copies FSDP2's dim-0 chunks straight into place in its output, without the scratch
-file (``dcp_chunks``). Keys DCP flattened from nested dicts (``model.0.weight`` from
+file (``chunks``). Keys DCP flattened from nested dicts (``model.0.weight`` from
 ``{"model": {"0.weight": …}}``) are nested again from its planner data. A Lightning ``meta.pt``
-beside the DCP files joins them into one checkpoint (``lightning_dir``). Writing is torch's own
+beside the DCP files joins them into one checkpoint (``lightning``). Writing is torch's own
 ``torch.distributed.checkpoint.save`` in one process.
 """
 

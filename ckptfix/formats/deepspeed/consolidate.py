@@ -4,13 +4,13 @@
 ``DIR/TAG/``, model_states (``mp_rank_00_model_states.pt``; stage 3 one per rank,
 ``zero_pp_rank_R_mp_rank_00_model_states.pt``) and one ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``
 per rank, holding that rank's slice of the fp32 master weights. Every file is read structure-only
-(tensors on meta, each storage's byte range in its file); :mod:`.deepspeed_zero` says which bytes make
+(tensors on meta, each storage's byte range in its file); :mod:`.partitions` says which bytes make
 each weight. A weight that lies in one file is then copied in the kernel as any other tensor; one
 split across ranks (or a buffer upcast to fp32) is gathered while it is written, so memory stays
 bounded by the largest tensor. Loading maps single-file weights from their file and builds the rest.
 
 The optim_states files pickle three DeepSpeed classes; they load as inert stand-ins
-(:mod:`.deepspeed_pickle`) and deepspeed is never imported.
+(:mod:`ckptfix.safety.deepspeed_policy`) and deepspeed is never imported.
 """
 
 from __future__ import annotations

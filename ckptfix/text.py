@@ -12,11 +12,13 @@ import os
 from typing import Any
 
 from .core.units import human_size
+from .parse.format_registry import FORMATS
 from .statedict.repair import group_keys
 
-#: What the serving code loads each single-file format with (``--exact``).
-EXACT_LOADERS = {"torch-zip": "torch.load(weights_only=True)", "torch-legacy": "torch.load(weights_only=True)",
-                 "safetensors": "safetensors.torch.load_file"}
+
+def _format_layout(fmt: str) -> str | None:
+    spec = FORMATS.get(fmt)
+    return spec.inspect_layout if spec is not None else None
 
 
 def counts(d: dict[str, int]) -> str:
@@ -39,8 +41,7 @@ def inspect_text(info: dict[str, Any]) -> str:
         ("format", info["format"]),
         ("state dict", where + (f" (EMA weights also at: {', '.join(info['ema_keys'])})" if info["ema_keys"] else "")),
         ("layout", (f"{info['framework']} checkpoint" if info["framework"] else
-                    "TorchScript archive (tensors listed without running its code)" if info["format"] == "torchscript"
-                    else "plain")
+                    _format_layout(info["format"]) or "plain")
          + (f"; every key starts with {info['common_prefix']!r} (--strip-prefix {info['common_prefix']})"
             if info["common_prefix"] else "")),
         ("wrappers", stack(info["wrappers"])
@@ -100,7 +101,8 @@ def scan_text(report: Any) -> str:
 
 def verify_text(report: Any) -> str:
     """The readable summary: verdict, repair, then each problem with its keys, counts first."""
-    loader = EXACT_LOADERS.get(report.format, "torch.load(weights_only=True)")
+    spec = FORMATS.get(report.format)
+    loader = spec.exact_loader if spec is not None and spec.exact_loader else "torch.load(weights_only=True)"
     mode = f"--exact: as {loader} + strict load_state_dict would load it" if report.exact else "repairs allowed"
     mode += f"; model in {report.model_dtype}" if report.model_dtype else ""
     lines = [f"{'VERIFIED' if report.ok else 'FAILED'}: {report.checkpoint} against {report.model} ({mode})",

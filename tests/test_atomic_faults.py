@@ -66,7 +66,7 @@ def _fail_writes(monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
     """Route every write ckptfix's writers make (file objects, pwrite, copy_file_range) through ``disk``."""
     import builtins
 
-    from ckptfix.formats import safetensors_file
+    from ckptfix.formats import safetensors as safetensors_file
     from ckptfix.formats.torchsave import torch_io as torchfile, records as torchzip
 
     real_open, real_pwrite, real_cfr = builtins.open, os.pwrite, os.copy_file_range
@@ -246,6 +246,7 @@ def slow(real):
     return first_write_then_wait
 
 formats.write = slow(formats.write)
+formats.WritePlan.write = slow(formats.WritePlan.write)
 torch.save = slow(torch.save)
 from ckptfix.cli import main
 sys.argv[0] = "ckptfix"
@@ -300,14 +301,15 @@ def test_library_callers_get_a_keyboard_interrupt_and_their_handlers_back(tmp_pa
     import ckptfix.formats as formats
     from ckptfix.errors import Interrupted
 
-    real = formats.write
+    def then_sigterm(real: Any) -> Any:
+        def write_then_sigterm(*args: Any, **kwargs: Any) -> Any:
+            notes = real(*args, **kwargs)
+            signal.raise_signal(signal.SIGTERM)
+            return notes
+        return write_then_sigterm
 
-    def write_then_sigterm(*args: Any, **kwargs: Any) -> Any:
-        notes = real(*args, **kwargs)
-        signal.raise_signal(signal.SIGTERM)
-        return notes
-
-    monkeypatch.setattr(formats, "write", write_then_sigterm)
+    monkeypatch.setattr(formats, "write", then_sigterm(formats.write))
+    monkeypatch.setattr(formats.WritePlan, "write", then_sigterm(formats.WritePlan.write))  # torch-free writes
     with pytest.raises(KeyboardInterrupt) as info:
         ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.safetensors")
     assert isinstance(info.value, Interrupted) and info.value.exit_code == 143 and list(tmp_path.iterdir()) == []

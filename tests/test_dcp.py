@@ -24,6 +24,7 @@ from ckptfix.statedict import locate as layout
 from ckptfix.core.devices import DevicePlan
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.dcp import directory as dcp
+from ckptfix.formats import DCP, read as formats_read
 from ckptfix.parse.checkpoint_dirs import is_dcp_dir
 
 
@@ -47,7 +48,7 @@ def fsdp2_copy(fixtures_dir: Path, tmp_path: Path) -> Path:
 
 
 def test_fsdp2_consolidates_to_the_gathered_full_state_dict(fixtures_dir: Path, manifest: dict, train: Any) -> None:
-    raw = dcp.read(str(fixtures_dir / "mlp_fsdp2"), DevicePlan("cpu"), trust=False)
+    raw = formats_read(str(fixtures_dir / "mlp_fsdp2"), DCP, DevicePlan("cpu"), trust=False)
     assert raw.format == "dcp"
     sel = layout.find_state_dict(raw.obj)
     assert sel.key == "model" and list(sel.extra) == ["optim"]
@@ -66,11 +67,11 @@ def test_fsdp2_consolidates_to_the_gathered_full_state_dict(fixtures_dir: Path, 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_consolidation_keeps_tensor_data_out_of_anonymous_memory(fixtures_dir: Path, tmp_path: Path) -> None:
     """Sharded tensors land in a deleted scratch file's shared mapping; whole ones stay in their .distcp."""
-    raw = dcp.read(str(fixtures_dir / "mlp_fsdp2"), DevicePlan("cpu"), trust=False)
+    raw = formats_read(str(fixtures_dir / "mlp_fsdp2"), DCP, DevicePlan("cpu"), trust=False)
     for t in raw.obj["model"].values():
         assert mapped_from(t).endswith(".scratch (deleted)")
     dcp.write(raw.obj["model"], str(tmp_path / "whole"))
-    back = dcp.read(str(tmp_path / "whole"), DevicePlan("cpu"), trust=False)
+    back = formats_read(str(tmp_path / "whole"), DCP, DevicePlan("cpu"), trust=False)
     for t in back.obj.values():
         assert mapped_from(t) == str(tmp_path / "whole" / "__0_0.distcp")
 
@@ -84,11 +85,11 @@ def test_structure_read_touches_no_tensor_data(fsdp2_copy: Path) -> None:
             with open(fsdp2_copy / info.relative_path, "r+b") as f:
                 f.seek(info.offset)
                 f.write(bytes(info.length))
-    raw = dcp.read(str(fsdp2_copy), DevicePlan("meta"), trust=False)
+    raw = formats_read(str(fsdp2_copy), DCP, DevicePlan("meta"), trust=False)
     assert all(t.device.type == "meta" for t in raw.obj["model"].values())
     assert raw.obj["model"]["2.weight"].shape == (32, 16) and raw.obj["optim"]["param_groups"][0]["lr"] == 1e-2
     with pytest.raises(FormatError, match=r"__\d_0\.distcp: '[\w.]+' is not a torch.save record"):
-        dcp.read(str(fsdp2_copy), DevicePlan("cpu"), trust=False)
+        formats_read(str(fsdp2_copy), DCP, DevicePlan("cpu"), trust=False)
 
 
 @pytest.mark.parametrize("key", [None, "model"])
@@ -99,15 +100,15 @@ def test_write_round_trips_through_torch_dcp_load(fixtures_dir: Path, tmp_path: 
     fresh = OrderedDict((k, torch.zeros_like(v)) for k, v in sd.items())
     torch_load_dcp({key: fresh} if key else fresh, tmp_path / "out")
     assert_same(fresh, sd)
-    back = dcp.read(str(tmp_path / "out"), DevicePlan("cpu"), trust=False).obj
+    back = formats_read(str(tmp_path / "out"), DCP, DevicePlan("cpu"), trust=False).obj
     assert_same(back[key] if key else back, sd)
 
 
 def test_write_round_trips_a_nested_training_checkpoint(fixtures_dir: Path, tmp_path: Path) -> None:
     """The consolidated fsdp2 checkpoint (model + optimizer, tensors and plain values) written back."""
-    obj = dcp.read(str(fixtures_dir / "mlp_fsdp2"), DevicePlan("cpu"), trust=False).obj
+    obj = formats_read(str(fixtures_dir / "mlp_fsdp2"), DCP, DevicePlan("cpu"), trust=False).obj
     dcp.write(obj, str(tmp_path / "out"))
-    back = dcp.read(str(tmp_path / "out"), DevicePlan("cpu"), trust=False).obj
+    back = formats_read(str(tmp_path / "out"), DCP, DevicePlan("cpu"), trust=False).obj
     assert_same(back["model"], obj["model"])
     for p, state in obj["optim"]["state"].items():
         assert_same(back["optim"]["state"][p], state)
@@ -122,7 +123,7 @@ def test_key_order_follows_the_saved_state_dict_not_the_rank_order(fsdp2_copy: P
         meta.state_dict_metadata = dict(items[1:] + items[:1])  # model.0.weight listed last
 
     _rewrite_metadata(fsdp2_copy, rank_order)
-    model = dcp.read(str(fsdp2_copy), DevicePlan("meta"), trust=False).obj["model"]
+    model = formats_read(str(fsdp2_copy), DCP, DevicePlan("meta"), trust=False).obj["model"]
     assert list(model) == list(torch.load(fixtures_dir / "mlp_fsdp2_full.pth", weights_only=True))
 
 
@@ -139,7 +140,7 @@ def test_malicious_metadata_is_refused_and_nothing_runs(fsdp2_copy: Path, tmp_pa
     (fsdp2_copy / ".metadata").write_bytes(pickle.dumps(_Evil(canary), protocol=4))
     for plan in ("cpu", "meta"):
         with pytest.raises(UnsafeCheckpointError, match=r"system.*--trust") as e:
-            dcp.read(str(fsdp2_copy), DevicePlan(plan), trust=False)
+            formats_read(str(fsdp2_copy), DCP, DevicePlan(plan), trust=False)
         assert e.value.globals == [f"{os.system.__module__}.system"]
     assert not canary.exists()
 
@@ -150,7 +151,7 @@ def test_malicious_non_tensor_entry_is_refused(tmp_path: Path) -> None:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         tdcp.save({"w": torch.ones(3), "hook": _Evil(canary)}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     with pytest.raises(UnsafeCheckpointError, match="'hook'"):
-        dcp.read(str(tmp_path / "ckpt"), DevicePlan("cpu"), trust=False)
+        formats_read(str(tmp_path / "ckpt"), DCP, DevicePlan("cpu"), trust=False)
     assert not canary.exists()
 
 
@@ -188,7 +189,7 @@ def test_broken_checkpoints_are_format_errors(fsdp2_copy: Path, breaker: Any, me
     shutil.copy(fsdp2_copy / "__0_0.distcp", fsdp2_copy.parent / "__0_0.distcp")
     breaker(fsdp2_copy)
     with pytest.raises(FormatError, match=message):
-        dcp.read(str(fsdp2_copy), DevicePlan("cpu"), trust=False)
+        formats_read(str(fsdp2_copy), DCP, DevicePlan("cpu"), trust=False)
 
 
 def test_is_dcp_dir(fixtures_dir: Path, tmp_path: Path) -> None:
@@ -202,7 +203,7 @@ def test_fresh_fsdp2_run_consolidates_bit_exactly(train: Any, tmp_path: Path) ->
     """fixtures/train.py's fsdp2 mode end to end: 2 gloo processes, fully_shard, dcp.save, gather."""
     manifest = train.generate(tmp_path, model="mlp", modes=["fsdp2"])
     assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
-    raw = dcp.read(str(tmp_path / "mlp_fsdp2"), DevicePlan("cpu"), trust=False)
+    raw = formats_read(str(tmp_path / "mlp_fsdp2"), DCP, DevicePlan("cpu"), trust=False)
     assert_same(raw.obj["model"], torch.load(tmp_path / "mlp_fsdp2_full.pth", weights_only=True))
     entry = manifest["fixtures"]["mlp_fsdp2"]
     assert entry["format"] == "dcp" and entry["state_dict_key"] == "model" and entry["num_tensors"] == 6

@@ -1,4 +1,4 @@
-"""The torch-free convert path (``ckptfix.formats.torchfree``) against the torch path (``CKPTFIX_TORCH_FREE=0``).
+"""The torch-free convert path (``ckptfix.formats.plan_write``) against the torch path (``CKPTFIX_TORCH_FREE=0``).
 
 - for every committed fixture the torch-free reader describes, and hypothesis-generated checkpoints
   (views, shared storages, offsets, non-contiguous tensors, every dtype, Parameters, ``_metadata``,
@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 import ckptfix
 from ckptfix.ops import convert as conversion
 from ckptfix.errors import UnsafeCheckpointError
-from ckptfix.formats import sniff, describe as structure
+from ckptfix.core.torch_free import ENV_SWITCH
+from ckptfix.formats import describe, sniff
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fast_path import DESCRIBED, _PROBE, _safetensors_copy, checkpoints, save_both  # noqa: E402
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 
 def _convert(src: Path, dst: Path, torch_free: bool, mp: pytest.MonkeyPatch, **options: Any) -> Any:
     """``convert`` through one path: (whether the torch-free writer wrote it, the report), or the error class."""
-    mp.setenv(structure.ENV_SWITCH, "1" if torch_free else "0")
+    mp.setenv(ENV_SWITCH, "1" if torch_free else "0")
     took: list[bool] = []
     real = conversion.write_torch_free
 
@@ -209,7 +210,7 @@ def test_convert_imports_no_torch(src: str, suffix: str, tmp_path: Path) -> None
     dst = tmp_path / f"out{suffix}"
     run = subprocess.run([sys.executable, "-c", _PROBE, "convert", str(FIXTURES / src), str(dst)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**os.environ, structure.ENV_SWITCH: "1"})
+                         env={**os.environ, ENV_SWITCH: "1"})
     assert run.returncode == 0, run.stderr
     assert "TORCH=False" in run.stderr, f"ckptfix convert {src} {dst.name} imported torch"
     assert list(torch.load(dst, weights_only=True)) if suffix == ".pth" else dst.stat().st_size > 0
@@ -223,7 +224,7 @@ def test_sharded_convert_imports_no_torch(src: str, fmt: str, index: str, tmp_pa
     run = subprocess.run([sys.executable, "-c", _PROBE, "convert", str(FIXTURES / src), str(dst),
                           "--max-shard-size", "1000", "--format", fmt],
                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**os.environ, structure.ENV_SWITCH: "1"})
+                         env={**os.environ, ENV_SWITCH: "1"})
     assert run.returncode == 0, run.stderr
     assert "TORCH=False" in run.stderr, f"ckptfix convert {src} --max-shard-size into a directory imported torch"
     assert (dst / index).is_file() and len(list(dst.iterdir())) > 2
@@ -277,17 +278,17 @@ def test_c_and_python_picklers_write_the_same_bytes(obj: Any) -> None:
     import io
     import tempfile
 
-    from ckptfix.formats import torchfree
+    from ckptfix.formats.torchsave import planner
 
     with tempfile.TemporaryDirectory() as d:
         torch.save(obj, f"{d}/ckpt.pth")
-        infos = structure.read(f"{d}/ckpt.pth", "torch-zip").obj
+        infos = describe(f"{d}/ckpt.pth", "torch-zip").obj
         outs = []
-        for pickler in (torchfree._Pickler, torchfree._PyPickler):
+        for pickler in (planner._Pickler, planner._PyPickler):
             buf = io.BytesIO()
-            pickler(buf, torchfree._Records(keep_keys=True)).dump(infos)
+            pickler(buf, planner._Records(keep_keys=True)).dump(infos)
             outs.append(buf.getvalue())
-    if not torchfree._check_plain(infos):  # with a dtype value the C pickler can't write it as torch does
+    if not planner._check_plain(infos):  # with a dtype value the C pickler can't write it as torch does
         assert outs[0] == outs[1]
 
 

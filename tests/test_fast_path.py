@@ -1,4 +1,4 @@
-"""The torch-free describe path (``ckptfix.formats.describe``) against the torch path (``inspect``).
+"""The torch-free describe path (``ckptfix.formats.describe``, each family's describer) against the torch path (``inspect``).
 
 - ``ckptfix inspect --json`` (and the text) is the same through both, for every committed fixture,
   generated layouts, sharded directories and hypothesis-generated checkpoints of every dtype;
@@ -31,7 +31,9 @@ from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.formats import sniff, describe as structure
+from ckptfix.core.torch_free import ENV_SWITCH
+from ckptfix.core.torch_free import NeedsTorch
+from ckptfix.formats import DCP, describe, sniff
 from ckptfix.core.tensorinfo import TensorInfo
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,7 +53,7 @@ DESCRIBED = {"torch-zip", "safetensors", "sharded-safetensors", "sharded-pth", "
 
 def _outcome(path: Path, torch_free: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
     """``inspect --json`` and the text output, or the error class, through one path."""
-    monkeypatch.setenv(structure.ENV_SWITCH, "1" if torch_free else "0")
+    monkeypatch.setenv(ENV_SWITCH, "1" if torch_free else "0")
     try:
         ckpt = ckptfix.describe(path)
     except ckptfix.CkptfixError as e:
@@ -66,7 +68,7 @@ def assert_same(path: Path, monkeypatch: pytest.MonkeyPatch, described: bool | N
     fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
     assert fast == slow, path
     if described is not None:
-        monkeypatch.setenv(structure.ENV_SWITCH, "1")
+        monkeypatch.setenv(ENV_SWITCH, "1")
         took = not isinstance(fast, str) and all(isinstance(v, TensorInfo) or not _is_tensor(v)
                                                 for v in ckptfix.describe(path).state_dict.values())
         assert took == described, f"{path}: torch-free path {'not ' if described else ''}taken"
@@ -145,11 +147,11 @@ def save_both(obj: Any, d: Path) -> Any:
 
 
 def _safetensors_copy(sd: Any) -> dict[str, torch.Tensor]:
-    from ckptfix.formats.safetensors_file import _DTYPES
+    from ckptfix.parse.safetensors_header import DTYPES
 
     out, seen = {}, {}
     for k, t in sd.items():
-        if isinstance(t, torch.Tensor) and str(t.dtype).removeprefix("torch.") in _DTYPES.values():
+        if isinstance(t, torch.Tensor) and str(t.dtype).removeprefix("torch.") in DTYPES.values():
             sid = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), t.shape)
             out[k] = seen.setdefault(sid, t.detach().contiguous().clone()) if t.numel() else t.detach().clone()
     unique: dict[str, torch.Tensor] = {}
@@ -170,7 +172,7 @@ def test_random_checkpoints_described_the_same(obj: Any, tmp_path_factory: pytes
     with pytest.MonkeyPatch.context() as mp:
         for path in (d / "ckpt.pth", d / "ckpt.safetensors"):
             assert_same(path, mp, described=True)
-        mp.setenv(structure.ENV_SWITCH, "1")
+        mp.setenv(ENV_SWITCH, "1")
         fast = ckptfix.describe(d / "ckpt.pth").state_dict
     for key, t in sd.items():  # each TensorInfo is the tensor's exact view
         info = fast[key]
@@ -217,7 +219,7 @@ _PROBE = ("import atexit, sys\n"
 @pytest.mark.parametrize("name", ["mlp_ddp.pth", "mlp_lightning.ckpt", "mlp_safetensors.safetensors"])
 def test_short_commands_import_no_torch(command: str, name: str) -> None:
     run = subprocess.run([sys.executable, "-c", _PROBE, command, str(FIXTURES / name)], capture_output=True,
-                         text=True, timeout=120, cwd=ROOT, env={**os.environ, structure.ENV_SWITCH: "1"})
+                         text=True, timeout=120, cwd=ROOT, env={**os.environ, ENV_SWITCH: "1"})
     assert run.returncode == 0, run.stderr
     assert "TORCH=False" in run.stderr, f"ckptfix {command} {name} imported torch"
 
@@ -256,7 +258,7 @@ def test_function_names_survive_any_import_order() -> None:
 def test_tensor_info_byte_range_is_the_tensors_bytes(tmp_path: Path) -> None:
     w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     torch.save({"w": w, "row": w[2], "col": w[:, 1]}, tmp_path / "v.pth")
-    sd = structure.read(str(tmp_path / "v.pth"), "torch-zip").obj
+    sd = describe(str(tmp_path / "v.pth"), "torch-zip").obj
     data = (tmp_path / "v.pth").read_bytes()
     start, end = sd["row"].byte_range
     assert torch.equal(torch.frombuffer(bytearray(data[start:end]), dtype=torch.float32), w[2])
@@ -328,8 +330,8 @@ def test_dcp_described_the_same(fsdp2_model_only: dict[str, Path], fsdp2_with_op
         assert_same(path, monkeypatch, described=True)
     for path in [*fsdp2_with_optim.values(), FIXTURES / "mlp_fsdp2"]:
         assert _bytes_entries(path), path  # optimizer hyper-parameters: bytes entries
-        monkeypatch.setenv(structure.ENV_SWITCH, "1")
-        group = structure.read_dcp(str(path)).obj["optim"]["param_groups"][0]
+        monkeypatch.setenv(ENV_SWITCH, "1")
+        group = describe(str(path), DCP).obj["optim"]["param_groups"][0]
         first = "0.weight" if path.name == "mlp_fsdp2" else "body.0.weight"
         assert group["betas"] == (0.9, 0.999) and group["params"][0] == first, group
 
@@ -345,7 +347,7 @@ def test_dcp_tensor_in_a_bytes_entry_has_its_file_range(tmp_path: Path, monkeypa
              checkpoint_id=str(tmp_path / "d"), no_dist=True)
     assert set(_bytes_entries(tmp_path / "d")) == {"extra.lr", "extra.pair"}
     assert_same(tmp_path / "d", monkeypatch, described=True)
-    whole, row = structure.read_dcp(str(tmp_path / "d")).obj["extra"]["pair"]
+    whole, row = describe(str(tmp_path / "d"), DCP).obj["extra"]["pair"]
     assert whole.storage.path == str(tmp_path / "d" / "__0_0.distcp") and whole.storage is not row.storage
     data = (tmp_path / "d" / "__0_0.distcp").read_bytes()
     for info, t in ((whole, w), (row, w[1])):
@@ -360,7 +362,7 @@ def test_dcp_inspect_imports_no_torch(which: str, fsdp2_model_only: dict[str, Pa
             "with-optim": fsdp2_with_optim["rows"]}[which]
     run = subprocess.run([sys.executable, "-c", _PROBE, "inspect", str(path)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ,
-                                                                                   structure.ENV_SWITCH: "1"})
+                                                                                   ENV_SWITCH: "1"})
     assert run.returncode == 0 and "TORCH=False" in run.stderr, run.stderr
 
 
@@ -540,9 +542,9 @@ def test_dcp_malformed_bytes_entries_refused_the_same_way(tmp_path: Path, monkey
         assert not events and not canary.exists(), name
         outcomes[name] = fast if isinstance(fast, str) else "described"
         try:
-            structure.read_dcp(str(path))
+            describe(str(path), DCP)
             torch_free.append(name)
-        except structure.NotDescribable:
+        except NeedsTorch:
             pass
     # described without torch where the record is a plain torch.save zip; the rest through torch's read
     assert torch_free == ["tensor-value", "shared-record", "weight-bytes"]

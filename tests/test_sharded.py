@@ -32,8 +32,18 @@ from ckptfix.core.devices import DevicePlan
 from ckptfix.errors import ConversionError, DestinationError, FormatError
 from ckptfix.formats import sharded
 from ckptfix.parse.checkpoint_dirs import find_index
+from ckptfix.parse.format_registry import sharded_as
 
 FMTS = {"safetensors": formats.SAFETENSORS, "pth": formats.TORCH_ZIP}
+
+
+def index_of(fmt: str) -> str:
+    """The index file a sharded output of ``fmt`` files has."""
+    return str(sharded_as(fmt).index_name)
+
+
+def read_sharded(index: str, plan: DevicePlan, trust: bool = False) -> formats.RawRead:
+    return formats.read(index, formats.sniff(index), plan, trust)
 
 
 @pytest.fixture
@@ -50,7 +60,7 @@ def hf_load(folder: Path, fmt: str) -> dict[str, torch.Tensor]:
     """What from_pretrained does with a sharded folder: every file the weight_map names, merged."""
     from safetensors.torch import load_file
 
-    index = json.loads((folder / sharded.INDEX_NAMES[fmt]).read_text())
+    index = json.loads((folder / index_of(fmt)).read_text())
     out: dict[str, torch.Tensor] = {}
     for name in sorted(set(index["weight_map"].values())):
         part = load_file(folder / name) if fmt == formats.SAFETENSORS else torch.load(folder / name, weights_only=True)
@@ -81,9 +91,9 @@ def test_parse_size_refuses(size: str) -> None:
 @pytest.mark.parametrize(("max_size", "count"), [(10**6, 1), (3000, 2), (1, 6)])
 def test_write_splits_like_huggingface(sd: OrderedDict, tmp_path: Path, fmt: str, max_size: int, count: int) -> None:
     out = tmp_path / "out"
-    sharded.write(sd, str(out), FMTS[fmt], max_size)
-    names = sharded.shard_names(FMTS[fmt], count)
-    index_name = sharded.INDEX_NAMES[FMTS[fmt]]
+    formats.write_sharded(sd, str(out), FMTS[fmt], max_size)
+    names = sharded.shard_names(sharded_as(FMTS[fmt]).name, count)
+    index_name = index_of(FMTS[fmt])
     if count == 1:  # save_pretrained: one shard → model.safetensors / pytorch_model.bin, no index
         assert sorted(p.name for p in out.iterdir()) == names == [("model.safetensors", "pytorch_model.bin")[fmt == "pth"]]
         return
@@ -114,23 +124,23 @@ def test_write_splits_like_huggingface(sd: OrderedDict, tmp_path: Path, fmt: str
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("max_size", [3000, 1])
 def test_read_back_bit_exact(sd: OrderedDict, tmp_path: Path, fmt: str, max_size: int) -> None:
-    sharded.write(sd, str(tmp_path / "out"), FMTS[fmt], max_size)
+    formats.write_sharded(sd, str(tmp_path / "out"), FMTS[fmt], max_size)
     index = find_index(str(tmp_path / "out"))
     assert index is not None
-    raw = sharded.read(index, DevicePlan("cpu"), trust=False)
+    raw = read_sharded(index, DevicePlan("cpu"), trust=False)
     assert raw.format == ("sharded-safetensors" if fmt == "safetensors" else "sharded-pth")
     assert_same(raw.obj, sd)
     assert raw.obj._metadata == sd._metadata  # rides in the first shard
-    meta = sharded.read(index, DevicePlan("meta"), trust=False).obj
+    meta = read_sharded(index, DevicePlan("meta"), trust=False).obj
     assert list(meta) == list(sd) and all(t.device.type == "meta" and t.shape == sd[k].shape for k, t in meta.items())
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 @pytest.mark.parametrize("fmt", FMTS)
 def test_read_is_lazy_tensors_stay_in_the_shard_files(sd: OrderedDict, tmp_path: Path, fmt: str) -> None:
-    sharded.write(sd, str(tmp_path / "out"), FMTS[fmt], 1)
-    raw = sharded.read(str(tmp_path / "out" / sharded.INDEX_NAMES[FMTS[fmt]]), DevicePlan("cpu"), trust=False)
-    index = json.loads((tmp_path / "out" / sharded.INDEX_NAMES[FMTS[fmt]]).read_text())
+    formats.write_sharded(sd, str(tmp_path / "out"), FMTS[fmt], 1)
+    raw = read_sharded(str(tmp_path / "out" / index_of(FMTS[fmt])), DevicePlan("cpu"), trust=False)
+    index = json.loads((tmp_path / "out" / index_of(FMTS[fmt])).read_text())
     for key, t in raw.obj.items():
         assert mapped_from(t) == str(tmp_path / "out" / index["weight_map"][key]), key
 
@@ -138,13 +148,13 @@ def test_read_is_lazy_tensors_stay_in_the_shard_files(sd: OrderedDict, tmp_path:
 @pytest.mark.parametrize("fmt", FMTS)
 def test_structure_read_streams_into_any_output(sd: OrderedDict, tmp_path: Path, fmt: str) -> None:
     """A meta read gives refs for every storage: shards → one file, and re-sharding, copy bytes without loading."""
-    sharded.write(sd, str(tmp_path / "src"), FMTS[fmt], 3000)
-    raw = sharded.read(find_index(str(tmp_path / "src")), DevicePlan("meta"), trust=False)
+    formats.write_sharded(sd, str(tmp_path / "src"), FMTS[fmt], 3000)
+    raw = read_sharded(find_index(str(tmp_path / "src")), DevicePlan("meta"), trust=False)
     assert {formats.StorageRef} == {type(r) for r in raw.refs.values()} and len(raw.refs) == len(sd)
     formats.write(raw.obj, str(tmp_path / "one.safetensors"), formats.SAFETENSORS, refs=raw.refs)
     assert_same(formats.read(str(tmp_path / "one.safetensors"), formats.SAFETENSORS, DevicePlan("cpu"), False).obj, sd)
-    sharded.write(raw.obj, str(tmp_path / "resharded"), FMTS[fmt], 1, refs=raw.refs)
-    back = sharded.read(find_index(str(tmp_path / "resharded")), DevicePlan("cpu"), trust=False)
+    formats.write_sharded(raw.obj, str(tmp_path / "resharded"), FMTS[fmt], 1, refs=raw.refs)
+    back = read_sharded(find_index(str(tmp_path / "resharded")), DevicePlan("cpu"), trust=False)
     assert_same(back.obj, sd)
 
 
@@ -152,15 +162,15 @@ def test_structure_read_streams_into_any_output(sd: OrderedDict, tmp_path: Path,
 def test_tied_weights_share_a_shard_and_are_written_once(tmp_path: Path, fmt: str) -> None:
     emb = torch.randn(8, 4)
     tied = OrderedDict([("emb.weight", emb), ("mid.weight", torch.randn(4, 4)), ("head.weight", emb)])
-    sharded.write(tied, str(tmp_path / "out"), FMTS[fmt], 1)
-    index = json.loads((tmp_path / "out" / sharded.INDEX_NAMES[FMTS[fmt]]).read_text())
+    formats.write_sharded(tied, str(tmp_path / "out"), FMTS[fmt], 1)
+    index = json.loads((tmp_path / "out" / index_of(FMTS[fmt])).read_text())
     assert index["metadata"]["total_size"] == nbytes(emb) + 64  # the shared storage counted once
     first = index["weight_map"]["emb.weight"]
     if fmt == "safetensors":  # safetensors can't hold a shared tensor twice: ckptfix records the alias
         assert "head.weight" not in index["weight_map"]
     else:
         assert index["weight_map"]["head.weight"] == first
-    raw = sharded.read(str(tmp_path / "out" / sharded.INDEX_NAMES[FMTS[fmt]]), DevicePlan("cpu"), trust=False)
+    raw = read_sharded(str(tmp_path / "out" / index_of(FMTS[fmt])), DevicePlan("cpu"), trust=False)
     # a safetensors alias isn't in the weight_map: it comes back right after the key it aliases
     order = ["emb.weight", "head.weight", "mid.weight"] if fmt == "safetensors" else list(tied)
     assert_same(raw.obj, OrderedDict((k, tied[k]) for k in order))
@@ -222,14 +232,14 @@ BREAKS: dict[str, tuple[Callable[[Path, str, str], None], str]] = {
 @pytest.mark.parametrize("case", BREAKS)
 def test_index_validation(sd: OrderedDict, tmp_path: Path, fmt: str, case: str) -> None:
     out = tmp_path / "out"
-    sharded.write(sd, str(out), FMTS[fmt], 3000)
-    index_name = sharded.INDEX_NAMES[FMTS[fmt]]
-    shard = sharded.shard_names(FMTS[fmt], 2)[1]
+    formats.write_sharded(sd, str(out), FMTS[fmt], 3000)
+    index_name = index_of(FMTS[fmt])
+    shard = sharded.shard_names(sharded_as(FMTS[fmt]).name, 2)[1]
     breaker, message = BREAKS[case]
     breaker(out, index_name, shard)
     for plan in ("cpu", "meta"):
         with pytest.raises(FormatError, match=message) as e:
-            sharded.read(str(out / index_name), DevicePlan(plan), trust=False)
+            read_sharded(str(out / index_name), DevicePlan(plan), trust=False)
         assert index_name in str(e.value)
 
 
@@ -238,41 +248,41 @@ def test_index_validation(sd: OrderedDict, tmp_path: Path, fmt: str, case: str) 
 def test_malformed_index(tmp_path: Path, text: str, message: str) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(text)
     with pytest.raises(FormatError, match=message):
-        sharded.read(str(tmp_path / "model.safetensors.index.json"), DevicePlan("cpu"), trust=False)
+        read_sharded(str(tmp_path / "model.safetensors.index.json"), DevicePlan("cpu"), trust=False)
 
 
 def test_find_index(sd: OrderedDict, tmp_path: Path) -> None:
-    sharded.write(sd, str(tmp_path / "st"), formats.SAFETENSORS, 3000)
+    formats.write_sharded(sd, str(tmp_path / "st"), formats.SAFETENSORS, 3000)
     index = str(tmp_path / "st" / "model.safetensors.index.json")
     assert find_index(str(tmp_path / "st")) == index
     assert find_index(index) == index
     assert find_index(str(tmp_path / "st" / "model-00001-of-00002.safetensors")) is None
     assert find_index(str(tmp_path / "nowhere")) is None
-    sharded.write(sd, str(tmp_path / "one"), formats.SAFETENSORS, 10**6)
+    formats.write_sharded(sd, str(tmp_path / "one"), formats.SAFETENSORS, 10**6)
     assert find_index(str(tmp_path / "one")) is None  # a single model.safetensors: no index
-    sharded.write(sd, str(tmp_path / "pt"), formats.TORCH_ZIP, 3000)
+    formats.write_sharded(sd, str(tmp_path / "pt"), formats.TORCH_ZIP, 3000)
     (tmp_path / "st" / "pytorch_model.bin.index.json").write_text((tmp_path / "pt" / "pytorch_model.bin.index.json").read_text())
     assert find_index(str(tmp_path / "st")) == index  # both: safetensors, and read says so
-    notes = sharded.read(index, DevicePlan("meta"), trust=False).notes
+    notes = read_sharded(index, DevicePlan("meta"), trust=False).notes
     assert any("pytorch_model.bin.index.json" in n for n in notes)
 
 
 def test_refuses_what_a_shard_cant_hold(tmp_path: Path) -> None:
     with pytest.raises(ConversionError, match="not a tensor"):
-        sharded.write({"w": torch.ones(2), "step": 3}, str(tmp_path / "o"), formats.TORCH_ZIP, 10)
+        formats.write_sharded({"w": torch.ones(2), "step": 3}, str(tmp_path / "o"), formats.TORCH_ZIP, 10)
     with pytest.raises(ConversionError, match="meta"):
-        sharded.write({"w": torch.ones(2, device="meta")}, str(tmp_path / "o"), formats.SAFETENSORS, 10)
+        formats.write_sharded({"w": torch.ones(2, device="meta")}, str(tmp_path / "o"), formats.SAFETENSORS, 10)
     assert not (tmp_path / "o").exists()
 
 
 # --- directory outputs are atomic (sharded and DCP share atomic.atomic_dir) ---
 
 def _write_sharded_st(sd: Any, dst: Path, force: bool = False) -> None:
-    sharded.write(sd, str(dst), formats.SAFETENSORS, 3000, force=force)
+    formats.write_sharded(sd, str(dst), formats.SAFETENSORS, 3000, force=force)
 
 
 def _write_sharded_pth(sd: Any, dst: Path, force: bool = False) -> None:
-    sharded.write(sd, str(dst), formats.TORCH_ZIP, 3000, force=force)
+    formats.write_sharded(sd, str(dst), formats.TORCH_ZIP, 3000, force=force)
 
 
 def _write_dcp(sd: Any, dst: Path, force: bool = False) -> None:

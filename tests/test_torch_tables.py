@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import metadata as md
 
 from ckptfix.safety import dcp_policy as dcp_metadata
 from ckptfix.safety.dcp_policy import DCP_DEFAULTS, DCP_METADATA_CLASSES, DCP_METADATA_ENUMS, DCP_SETSTATE_CLASSES
-from ckptfix.parse.safetensors_header import _DTYPES
+from ckptfix.parse.safetensors_header import DTYPES
 from ckptfix.core.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES, TORCH_SAFE_GLOBALS, torch_series
 
 
@@ -72,7 +72,7 @@ def test_frozen_dtype_tables_are_torchs() -> None:
     live = {cls: str(dt).removeprefix("torch.") for dt, cls in torch.storage._dtype_to_storage_type_map().items()}
     assert STORAGE_DTYPES == live, _delta("STORAGE_DTYPES", set(STORAGE_DTYPES.items()), set(live.items()),
                                           "ckptfix/core/torch_tables.py")
-    assert set(_DTYPES.values()) <= set(DTYPE_ITEMSIZE)
+    assert set(DTYPES.values()) <= set(DTYPE_ITEMSIZE)
 
 
 # -- ckptfix/safety/dcp_policy.py ------------------------------------------------------------------------------

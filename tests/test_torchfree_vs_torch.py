@@ -7,7 +7,7 @@ mutation corpora:
 
 - whatever ``torch.load(path, weights_only=True)`` refuses (for safetensors files: whatever the
   ``safetensors`` library's ``safe_open`` refuses), the torch-free reader refuses or hands back
-  (NotDescribable), and ``ckptfix.describe`` then refuses too;
+  (NeedsTorch), and ``ckptfix.describe`` then refuses too;
 - whatever the torch-free reader describes, torch (or the ``safetensors`` library) loads, and the two agree
   on the nesting (container types, keys and their order, plain values bit for bit), each tensor's dtype,
   shape, stride, storage offset, ``requires_grad``, Parameter-ness and saved device, which keys share a
@@ -38,7 +38,10 @@ from safetensors import safe_open
 
 import ckptfix
 from ckptfix.errors import CkptfixError
-from ckptfix.formats import SAFETENSORS, sniff, describe as structure
+from ckptfix.core.torch_free import ENV_SWITCH
+from ckptfix.core.torch_free import NeedsTorch
+from ckptfix.formats import SAFETENSORS, describe, sniff
+from ckptfix.formats.torchsave import describer
 from ckptfix.core.tensorinfo import TensorInfo
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -63,12 +66,12 @@ LOOSER = "ckptfix describes (through its torch path) what the reference refuses"
 def torch_free(path: Path) -> tuple[str | None, Any]:
     """(sniffed format, the torch-free reader's object) or (format or None, the exception it raised).
 
-    Only NotDescribable and ckptfix errors may come out of it; anything else fails the test."""
+    Only NeedsTorch and ckptfix errors may come out of it; anything else fails the test."""
     fmt = None
     try:
         fmt = sniff(str(path))
-        return fmt, structure.read(str(path), fmt).obj
-    except (structure.NotDescribable, CkptfixError) as e:
+        return fmt, describe(str(path), fmt).obj
+    except (NeedsTorch, CkptfixError) as e:
         return fmt, e
 
 
@@ -180,7 +183,7 @@ def assert_agree(ours: Any, theirs: Any, where: str, data: bytes, locations: dic
     if isinstance(ours, TensorInfo):
         assert_tensor(ours, theirs, where, data, locations)
         ties.see(ours, theirs, where)
-    elif isinstance(ours, structure.dtype):
+    elif isinstance(ours, describer.dtype):
         assert theirs is getattr(torch, ours.name), (where, ours, theirs)
     elif type(ours) in (dict, OrderedDict):
         assert type(theirs) is type(ours), (where, type(ours), type(theirs))
@@ -239,8 +242,8 @@ def verdict(path: Path, monkeypatch: pytest.MonkeyPatch, crashes_torch: bool = F
 
 
 def _after_refusal(path: Path, ours: BaseException, monkeypatch: pytest.MonkeyPatch, ref_refused: bool) -> str:
-    if isinstance(ours, structure.NotDescribable):  # handed back to torch: what does ckptfix then do?
-        monkeypatch.setenv(structure.ENV_SWITCH, "1")
+    if isinstance(ours, NeedsTorch):  # handed back to torch: what does ckptfix then do?
+        monkeypatch.setenv(ENV_SWITCH, "1")
         try:
             ckptfix.describe(path)
         except CkptfixError:
@@ -253,7 +256,7 @@ def _after_refusal(path: Path, ours: BaseException, monkeypatch: pytest.MonkeyPa
 
 FIXTURE_VERDICTS = {  # every file fixture whose verdict is not DESCRIBED; the others are described and agree
     "mlp_legacy.pth": FALLBACK,  # the legacy (non-zip) format is torch's path by design
-    # weights_only refuses these; the torch-free reader hands them back (NotDescribable) and ckptfix's own
+    # weights_only refuses these; the torch-free reader hands them back (NeedsTorch) and ckptfix's own
     # torch path describes them: its allow-list rebuilds mmengine's HistoryBuffer and timm's argparse.Namespace
     # as inert data, and it reads a TorchScript archive's tensors without running its code
     "mlp_mmengine.pth": LOOSER,
@@ -290,7 +293,7 @@ def test_empty_tensors_are_contiguous_as_torch_says(shape: tuple[int, ...], stri
     after a 0-size dimension); TensorInfo once expected stride 0 there and gave no byte_range."""
     e = torch.empty(shape) if stride is None else torch.empty(0).as_strided(shape, stride)
     torch.save({"e": e}, tmp_path / "e.pth")
-    info, t = structure.read(str(tmp_path / "e.pth"), "torch-zip").obj["e"], torch.load(tmp_path / "e.pth")["e"]
+    info, t = describe(str(tmp_path / "e.pth"), "torch-zip").obj["e"], torch.load(tmp_path / "e.pth")["e"]
     assert (info.shape, info.stride) == (tuple(t.shape), t.stride())
     assert info.is_contiguous() == t.is_contiguous() is True
     assert info.byte_range is not None and info.byte_range[0] == info.byte_range[1]

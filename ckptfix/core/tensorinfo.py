@@ -1,6 +1,6 @@
 """What a tensor in a file is, as plain data: dtype, shape, strides, offset, storage, saved device.
 
-The torch-free structure readers (:mod:`ckptfix.formats.describe`) describe a checkpoint with these
+The torch-free structure readers (:func:`ckptfix.formats.describe`) describe a checkpoint with these
 instead of tensors on ``meta``, so ``ckptfix inspect`` answers without importing torch (2–3 s, 280 MiB).
 :func:`is_tensor` accepts either kind without importing torch: a ``torch.Tensor`` can only exist once
 torch is imported.

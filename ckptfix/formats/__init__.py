@@ -1,10 +1,16 @@
-"""On-disk formats: sniff by content (never by extension), then read or write.
+"""On-disk formats: sniff by content (never by extension), then read, describe or write through one registry.
 
-One package or module per format family: ``torchsave/`` (torch zip and legacy files), ``safetensors_file``,
-``sharded`` (Hugging Face index + shards), ``dcp/`` (torch.distributed.checkpoint, Lightning sharded dirs),
-``deepspeed/`` (ZeRO), ``torchscript``; ``describe`` reads any of them without torch and ``torchfree`` writes
-without torch. Each format module knows bytes, not wrappers: it returns the unpickled object with the saved
-device tag of every storage, or writes a state dict it is handed.
+Each format is declared once in :mod:`ckptfix.parse.format_registry` (its name, abilities and family);
+this module dispatches to the family that implements it, imported by name only when a verb needs it:
+``torchsave/`` (torch zip and legacy files), ``safetensors``, ``sharded`` (Hugging Face index + shards),
+``dcp/`` (torch.distributed.checkpoint, Lightning sharded dirs), ``deepspeed/`` (ZeRO), ``torchscript``.
+Every family exposes the same verbs: ``read(path, fmt, plan, trust, select, read_part)``, and where the
+registry says so ``describe(path, fmt, select, describe_part)`` (torch-free), ``write(obj, path, fmt, refs,
+archive, force)``, ``plan_write(obj, fmt, archive, keep_keys)`` (torch-free) and ``dir_output(fmt)``;
+``read_part``/``describe_part`` read a member file (a shard, Lightning's ``meta.pt``) through this registry,
+so no family calls back up into it. A family knows bytes, not wrappers: it returns the unpickled object
+with the saved device tag of every storage, or writes a state dict it is handed. The shared types of
+every family (:class:`RawRead`, :class:`StorageRef` …) live here.
 
 May import: :mod:`ckptfix.core`, :mod:`ckptfix.parse`, :mod:`ckptfix.safety`, :mod:`ckptfix.statedict`,
 :mod:`ckptfix.errors`; a format module may import this package and its sibling families.
@@ -12,27 +18,27 @@ May import: :mod:`ckptfix.core`, :mod:`ckptfix.parse`, :mod:`ckptfix.safety`, :m
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 from ..core import limits
-from ..safety import scanner as safety
-from ..parse.checkpoint_dirs import find_index, no_duplicate_keys
+from ..core.atomic import DirOutput
 from ..core.devices import storage_id
-from ..errors import FormatError
-from ..parse.sniff import (DCP, DEEPSPEED, LEGACY_MAGIC, SAFETENSORS, SHARDED, SHARDED_PTH, SHARDED_SAFETENSORS,
-                           TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar, sniff, zip_directory)
+from ..core.torch_free import NeedsTorch
+from ..errors import ConversionError, FormatError
+from ..parse import format_registry as registry
+from ..parse.checkpoint_dirs import deepspeed_beside
+from ..parse.format_registry import (DCP, DEEPSPEED, SAFETENSORS, SHARDED, SHARDED_PTH, SHARDED_SAFETENSORS,
+                                     TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT)
+from ..parse.sniff import opens_as_tar, sniff
 
-__all__ = ["DCP", "DEEPSPEED", "LEGACY_MAGIC", "SAFETENSORS", "SHARDED", "SHARDED_PTH", "SHARDED_SAFETENSORS",
-           "TORCH_LEGACY", "TORCH_ZIP", "TORCHSCRIPT", "no_duplicate_keys", "opens_as_tar", "sniff", "zip_directory"]
-
-#: formats whose structure read gives every storage's byte range(s), so conversions can stream
-STREAMABLE = (TORCH_ZIP, SAFETENSORS, *SHARDED, DEEPSPEED, DCP)
-
-WRITABLE = {"pth": TORCH_ZIP, "safetensors": SAFETENSORS, "dcp": DCP}
-_EXT_FORMAT = {".pth": TORCH_ZIP, ".pt": TORCH_ZIP, ".bin": TORCH_ZIP, ".ckpt": TORCH_ZIP,
-               ".tar": TORCH_ZIP, ".safetensors": SAFETENSORS}
+__all__ = ["DCP", "DEEPSPEED", "SAFETENSORS", "SHARDED", "SHARDED_PTH", "SHARDED_SAFETENSORS", "TORCH_LEGACY",
+           "TORCH_ZIP", "TORCHSCRIPT", "CastRef", "PiecedRef", "RawRead", "StorageRef", "WritePlan", "describe",
+           "dir_output", "format_for_destination", "opens_as_tar", "plan_write", "read", "sniff", "write",
+           "write_sharded"]
 
 
 @dataclass
@@ -75,7 +81,7 @@ class CastRef:
     """A storage no file holds yet: a view of a source storage cast to another dtype, computed
     tensor by tensor while writing, so memory stays bounded by the largest tensor."""
 
-    source: StorageRef
+    source: StorageRef | PiecedRef | CastRef  # a computed one (a cast of a cast, DCP chunks) materialised
     key: str  # the state-dict key, for messages
     before: Any  # the source view (a meta tensor: dtype, offset, shape, stride)
     after: Any  # the cast result (a meta tensor with the layout to produce)
@@ -145,7 +151,7 @@ def storage_bytes(t: Any) -> memoryview:
     import torch
 
     whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-    return memoryview(whole.numpy())
+    return memoryview(cast(Any, whole.numpy()))
 
 
 @dataclass
@@ -159,28 +165,59 @@ class RawRead:
     format: str
     tags: dict[int, str] = field(default_factory=dict)  # storage id -> saved location tag
     notes: list[str] = field(default_factory=list)
-    refs: dict[int, StorageRef] = field(default_factory=dict)
+    refs: dict[int, Any] = field(default_factory=dict)  # StorageRef, PiecedRef or CastRef
 
 
-def format_for_destination(dst: str, format: str | None, sharded: bool = False) -> str:
-    """The output format: ``format`` ('pth'/'safetensors'/'dcp') if given, else by dst's extension
-    (a sharded output, a directory, defaults to safetensors)."""
-    if format is not None:
-        key = format.lower().lstrip(".")
-        if key in ("pt", "bin", "torch"):
-            key = "pth"
-        if key not in WRITABLE:
-            raise FormatError(f"unknown output format {format!r}; choose pth, safetensors or dcp")
-        return WRITABLE[key]
-    if sharded:
-        return SAFETENSORS
-    ext = os.path.splitext(dst)[1].lower()
-    if ext not in _EXT_FORMAT:
-        raise FormatError(
-            f"{dst}: can't tell the output format from the extension {ext or '(none)'!r}; "
-            "use .pth/.pt/.bin or .safetensors, or pass --format pth|safetensors|dcp"
-        )
-    return _EXT_FORMAT[ext]
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides (in elements) of a contiguous tensor of ``shape``, as torch computes them."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+#: reads one member file of a checkpoint (a shard, Lightning's ``meta.pt``), sniffed as ``fmt``: ``(path, fmt)``
+Reader = Callable[[str, str], RawRead]
+
+
+class WritePlan:
+    """A write decided before anything is written (a torch-free writer has refused what it can't reproduce
+    by then): ``write(path)`` writes the file and returns notes for the report."""
+
+    def __init__(self, write: Callable[[str], list[str]]):
+        self._write = write
+
+    def write(self, path: str) -> list[str]:
+        return self._write(path)
+
+
+class Family(Protocol):
+    """The verbs a format family's module exposes (those the registry says it has)."""
+
+    def read(self, path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead: ...
+
+    def describe(self, path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead: ...
+
+    def write(self, obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive",
+              force: bool = False) -> list[str]: ...
+
+    def plan_write(self, obj: Any, fmt: str, archive: str = "archive", keep_keys: bool = True) -> WritePlan: ...
+
+    def dir_output(self, fmt: str) -> DirOutput: ...
+
+
+def family(fmt: str) -> Family:
+    """The module implementing ``fmt``, imported now (a conversion imports only the families it touches)."""
+    return cast(Family, importlib.import_module(f"{__name__}.{registry.get(fmt).family}"))
+
+
+def _as_read(path: str, fmt: str, select: str | None) -> str:
+    """The format a read takes: a torch zip named as a DeepSpeed model_states file, optim_states files
+    beside it, is read as DeepSpeed (its fp32 master weights) unless ``select`` names another entry."""
+    if fmt == TORCH_ZIP and select in ("auto", None) and deepspeed_beside(path):
+        return DEEPSPEED
+    return fmt
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None = "auto") -> RawRead:
@@ -191,61 +228,98 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None = "auto
     checkpoints only: ``auto`` consolidates their fp32 master weights (also for a model_states file
     with its optim_states beside it), anything else reads the model_states file as it is.
     """
-    if fmt == SAFETENSORS:
-        from . import safetensors_file
+    fmt = _as_read(path, fmt, select)
 
-        return safetensors_file.read(path, plan)
-    if fmt in SHARDED:
-        from . import sharded
+    def read_part(part: str, part_fmt: str) -> RawRead:
+        return read(part, part_fmt, plan, trust)
 
-        return sharded.read(find_index(path), plan, trust)
-    if fmt == DCP:
-        from .dcp import directory as dcp
-
-        return dcp.read(path, plan, trust)
-    if fmt in (DEEPSPEED, TORCH_ZIP):
-        from .deepspeed import consolidate as deepspeed
-
-        if fmt == DEEPSPEED or select in ("auto", None) and deepspeed.beside(path):
-            return deepspeed.read(path, plan, trust, select)
-    return read_torch(path, fmt, plan, trust)
+    return family(fmt).read(path, fmt, plan, trust, select, read_part)
 
 
-def read_torch(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
-    """A torch zip or legacy file (or TorchScript archive) as it is: structure-only on meta."""
-    from .torchsave import torch_io as torchfile
+def describe(path: str, fmt: str, select: str | None = "auto") -> RawRead:
+    """The torch-free counterpart of ``read(path, fmt, DevicePlan('meta'), trust=False, select)``: tensors as
+    :class:`~ckptfix.core.tensorinfo.TensorInfo`, torch never imported. Raises
+    :class:`~ckptfix.core.torch_free.NeedsTorch` for a format or a file only torch describes exactly (the
+    caller reads it with torch, whose answer, or refusal, is then the one given)."""
+    fmt = _as_read(path, fmt, select)
+    if not registry.get(fmt).describe:
+        raise NeedsTorch(f"format {fmt}")
+    return family(fmt).describe(path, fmt, select, describe)
 
-    if fmt == TORCH_ZIP and plan.is_meta and not trust:
-        from .torchsave import records as torchzip
 
-        safety.ensure_safe(path, fmt, unpickled_by_caller="data.pkl")  # read_structure checks data.pkl itself
-        try:
-            return torchzip.read_structure(path)
-        except torchzip.Unsupported:
-            pass
-    return torchfile.read(path, fmt, plan, trust)
+def format_for_destination(dst: str, format: str | None, sharded: bool = False) -> str:
+    """The output format: ``format`` (a ``--format`` name: pth/safetensors/dcp) if given, else by dst's
+    extension (a sharded output, a directory, defaults to safetensors)."""
+    if format is not None:
+        spec = registry.by_write_name(format.lower().lstrip("."))
+        if spec is None:
+            raise FormatError(f"unknown output format {format!r}; choose {_names(registry.WRITE_NAMES, 'or')}")
+        return spec.name
+    if sharded:
+        return SAFETENSORS
+    ext = os.path.splitext(dst)[1].lower()
+    spec = registry.by_extension(ext)
+    if spec is None:
+        suggested = " or ".join("/".join(f.extensions) for f in registry.FORMATS.values() if f.extensions)
+        raise FormatError(
+            f"{dst}: can't tell the output format from the extension {ext or '(none)'!r}; "
+            f"use {suggested}, or pass --format {'|'.join(registry.WRITE_NAMES)}"
+        )
+    return spec.name
+
+
+def _names(names: tuple[str, ...], last: str) -> str:
+    return ", ".join(names[:-1]) + f" {last} {names[-1]}"
 
 
 def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive",
-          plan: Any = None) -> list[str]:
-    """Write ``obj`` to ``path`` in ``fmt``; returns notes for the report.
+          force: bool = False) -> list[str]:
+    """Write ``obj`` to ``path`` in ``fmt`` with torch; returns notes for the report.
 
-    With ``refs`` (from a structure read) tensor bytes are copied from the source file in the
-    kernel instead of being loaded; without, tensors are written from memory. With ``plan``
-    (:func:`ckptfix.formats.torchfree.prepare`'s, for TensorInfo values) the plan writes ``path``
-    and torch is never imported.
+    With ``refs`` (from a structure read) tensor bytes are copied from the source file in the kernel
+    instead of being loaded; without, tensors are written from memory. A file format writes ``path``
+    (the caller's atomic temp file); a directory format (DCP) writes the directory atomically itself,
+    ``force`` replacing an existing one's files.
     """
-    if plan is not None:
-        return plan(path)
-    if fmt == SAFETENSORS:
-        from . import safetensors_file
+    return family(fmt).write(obj, path, fmt, refs, archive, force)
 
-        return safetensors_file.write(obj, path, refs)
-    if refs:
-        from .torchsave import records as torchzip
 
-        torchzip.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
-        return []
-    from .torchsave import torch_io as torchfile
+def plan_write(obj: Any, fmt: str, archive: str = "archive", keep_keys: bool = True) -> WritePlan:
+    """Plan writing TensorInfo values ``obj`` as ``fmt`` without torch; the caller writes the plan. Raises
+    NeedsTorch (nothing written) for a format or a value only torch's writers reproduce. ``keep_keys``: the
+    source's records are named by key (a torch zip), which the output keeps as the torch path does."""
+    if not registry.get(fmt).write_without_torch:
+        raise NeedsTorch(f"output format {fmt}")
+    return family(fmt).plan_write(obj, fmt, archive, keep_keys)
 
-    return torchfile.write(obj, path)
+
+def write_sharded(obj: Any, dst_dir: str, fmt: str, max_shard_size: int, force: bool = False,
+                  refs: dict | None = None, torch_free: bool = False, keep_keys: bool = True) -> list[str]:
+    """``obj`` as a Hugging Face sharded directory of ``fmt`` files (safetensors or torch zip shards): each
+    shard planned by :func:`plan_write` (``torch_free``: TensorInfo values; NeedsTorch before the directory
+    is touched) or written by :func:`write` with ``refs``."""
+    sharded = _sharded_as(fmt)
+
+    def plan_shard(part: Any, archive: str) -> WritePlan:
+        if torch_free:
+            return plan_write(part, fmt, archive, keep_keys)
+        return WritePlan(lambda path: write(part, path, fmt, refs or None, archive))
+
+    shards: Any = family(sharded)  # the sharded family writes a directory of files, not one: its own verb
+    notes: list[str] = shards.write_shards(obj, dst_dir, sharded, max_shard_size, plan_shard, force, refs)
+    return notes
+
+
+def dir_output(fmt: str, sharded: bool = False) -> DirOutput:
+    """The files a directory output of ``fmt`` consists of (``sharded``: shards of ``fmt`` files and their
+    index), all that ``force`` replaces; ConversionError for a format that is written as a file."""
+    if sharded:
+        fmt = _sharded_as(fmt)
+    return family(fmt).dir_output(fmt)
+
+
+def _sharded_as(fmt: str) -> str:
+    try:
+        return registry.sharded_as(fmt).name
+    except KeyError:
+        raise ConversionError(f"sharded output is safetensors or pth, not {fmt}") from None

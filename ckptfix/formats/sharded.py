@@ -21,18 +21,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .. import formats  # the package's read and write, looked up when called (tests replace them)
 from ..core.atomic import DirOutput, atomic_dir
-from ..parse.checkpoint_dirs import INDEX_NAMES, load_index, member_path
 from ..core.devices import storage_id
-from ..errors import ConversionError, FormatError
 from ..core.tensorinfo import TensorInfo
-from . import SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, RawRead, sniff
-from .safetensors_file import read_header
-
-SHARDED_SAFETENSORS = "sharded-safetensors"
-SHARDED_PTH = "sharded-pth"
-SHARD_PATTERNS = {SAFETENSORS: "model{suffix}.safetensors", TORCH_ZIP: "pytorch_model{suffix}.bin"}
+from ..errors import ConversionError, FormatError
+from ..parse import format_registry as registry
+from ..parse.checkpoint_dirs import find_index, load_index, member_path
+from ..parse.safetensors_header import read_header
+from ..parse.sniff import sniff
+from . import RawRead, Reader, WritePlan
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -57,13 +54,22 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-def read(index_path: str, plan: Any, trust: bool, read_file: Any = None) -> RawRead:
-    """Validate the index, read every shard lazily (mapped, or structure only on meta), merge.
+def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
+    """Validate the index, read every shard with ``read_part(shard_path, shard_format)`` (the registry's
+    reader: mapped, or structure only on meta), merge.
 
     The state dict follows the weight_map's order; ``refs`` (structure reads) are kept only when
     every shard gave them, so a writer either copies everything from the shards or nothing.
     """
-    read_file = read_file or formats.read  # the torch-free describer passes its own
+    return _merge(str(find_index(path)), read_part)
+
+
+def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead:
+    """:func:`read` without torch: every shard described by ``describe_part`` (NeedsTorch from any: all)."""
+    return _merge(str(find_index(path)), describe_part)
+
+
+def _merge(index_path: str, read_part: Reader) -> RawRead:
     root = os.path.dirname(os.path.abspath(index_path))
     weight_map = load_index(index_path)
     by_shard: dict[str, list[str]] = {}
@@ -71,17 +77,17 @@ def read(index_path: str, plan: Any, trust: bool, read_file: Any = None) -> RawR
         by_shard.setdefault(shard, []).append(key)
     paths = {shard: member_path(root, shard, index_path) for shard in by_shard}
     kinds = {shard: sniff(path) for shard, path in paths.items()}
-    families = {SAFETENSORS if k == SAFETENSORS else TORCH_ZIP for k in kinds.values()}
-    if len(families) > 1 or not set(kinds.values()) <= {SAFETENSORS, TORCH_ZIP, TORCH_LEGACY}:
+    sharded_as = {registry.get(k).shards_as for k in kinds.values()}
+    if len(sharded_as) > 1 or None in sharded_as:
         found = ", ".join(f"{s}: {k}" for s, k in kinds.items())
         raise FormatError(f"{index_path}: shards must all be safetensors or all torch files ({found})")
     merged: dict[str, Any] = {}
     aliases_after: dict[str | None, list[str]] = {}
-    raw = RawRead(obj=None, format=SHARDED_SAFETENSORS if families == {SAFETENSORS} else SHARDED_PTH)
+    raw = RawRead(obj=None, format=str(sharded_as.pop()))
     module_metadata: OrderedDict = OrderedDict()
     refs_complete = True
     for shard, keys in by_shard.items():
-        part = read_file(paths[shard], kinds[shard], plan, trust)
+        part = read_part(paths[shard], kinds[shard])
         sd = part.obj
         if not isinstance(sd, dict):
             raise FormatError(f"{index_path}: shard {shard} holds a {type(sd).__name__}, not a state dict")
@@ -103,9 +109,10 @@ def read(index_path: str, plan: Any, trust: bool, read_file: Any = None) -> RawR
     if not refs_complete:
         raw.refs = {}
     raw.notes.insert(0, f"{len(by_shard)} shard(s) listed by {os.path.basename(index_path)}")
-    other = INDEX_NAMES[TORCH_ZIP]
-    if os.path.basename(index_path) == INDEX_NAMES[SAFETENSORS] and os.path.isfile(os.path.join(root, other)):
-        raw.notes.append(f"the directory also holds {other}; read the safetensors index (pass {other} to read that)")
+    first, *others = (str(registry.get(fmt).index_name) for fmt in registry.SHARDED)
+    for other in others:
+        if os.path.basename(index_path) == first and os.path.isfile(os.path.join(root, other)):
+            raw.notes.append(f"the directory also holds {other}; read the safetensors index (pass {other} to read that)")
     return raw
 
 
@@ -124,10 +131,9 @@ def _check_shard(index_path: str, shard: str, keys: list[str], stored: list[str]
 
 def _stored_keys(path: str, kind: str, sd: dict) -> list[str]:
     """Keys a shard physically stores (safetensors aliases written by ckptfix are not)."""
-    if kind != SAFETENSORS:
-        return list(sd)
-
-    return list(read_header(path)[1])
+    if registry.get(kind).stores_aliases:
+        return list(read_header(path)[1])
+    return list(sd)
 
 
 def _in_order(weight_map: dict[str, str], merged: dict[str, Any],
@@ -200,8 +206,9 @@ def _torch_storage_and_size(key: str, t: Any, refs: dict | None) -> tuple[int, i
 
 
 def shard_names(fmt: str, count: int) -> list[str]:
-    """``model.safetensors`` for one shard, else ``model-00001-of-0000N.safetensors`` … (``pytorch_model…bin``)."""
-    pattern = SHARD_PATTERNS[fmt]
+    """``model.safetensors`` for one shard, else ``model-00001-of-0000N.safetensors`` … (``pytorch_model…bin``);
+    ``fmt``: the sharded format."""
+    pattern = str(registry.get(fmt).shard_pattern)
     if count == 1:
         return [pattern.format(suffix="")]
     return [pattern.format(suffix=f"-{i + 1:05d}-of-{count:05d}") for i in range(count)]
@@ -210,28 +217,25 @@ def shard_names(fmt: str, count: int) -> list[str]:
 def dir_output(fmt: str) -> DirOutput:
     """The files a sharded ``fmt`` output consists of: the single shard, numbered shards and the
     index (all that ``force`` replaces or removes in an existing directory)."""
-    if fmt not in SHARD_PATTERNS:
-        raise ConversionError(f"sharded output is safetensors or pth, not {fmt}")
-    stem, _, ext = SHARD_PATTERNS[fmt].partition("{suffix}")
-    names = re.compile(rf"{re.escape(stem)}(-\d{{5,}}-of-\d{{5,}})?{re.escape(ext)}|{re.escape(INDEX_NAMES[fmt])}")
-    label = "sharded " + ("safetensors" if fmt == SAFETENSORS else "pth")
-    return DirOutput(label, names, INDEX_NAMES[fmt])
+    spec = registry.get(fmt)
+    stem, _, ext = str(spec.shard_pattern).partition("{suffix}")
+    index = str(spec.index_name)
+    names = re.compile(rf"{re.escape(stem)}(-\d{{5,}}-of-\d{{5,}})?{re.escape(ext)}|{re.escape(index)}")
+    return DirOutput(spec.label, names, index)
 
 
-def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: bool = False,
-          refs: dict | None = None, prepare: Callable[[Any, str], Any] | None = None) -> list[str]:
+def write_shards(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, plan_shard: Callable[[Any, str], WritePlan],
+          force: bool = False, refs: dict | None = None) -> list[str]:
     """Write ``state_dict`` as shards of at most ``max_shard_size`` bytes plus the index into the
-    directory ``dst_dir``, atomically; ``fmt`` is ``"safetensors"`` or ``"torch-zip"``. With
-    ``force`` an existing directory keeps every file that is not part of such an output.
+    directory ``dst_dir``, atomically; ``fmt`` is the sharded format. With ``force`` an existing
+    directory keeps every file that is not part of such an output.
 
-    Each shard goes through the single-file writer (tied tensors written once, ``refs`` copied
-    from their source file), one shard at a time. The state dict's ``_metadata`` rides in the
-    first shard. ``prepare(part, archive)`` (TensorInfo values: :func:`ckptfix.formats.torchfree.prepare`
-    bound to ``fmt``) plans every shard before the directory is touched, so one it refuses
-    (NeedsTorch) leaves nothing written.
+    ``plan_shard(part, archive)`` (the registry's: the shard format's writer) plans each shard before the
+    directory is touched, so one the torch-free writer refuses (NeedsTorch) leaves nothing written; the
+    plans then write one shard at a time (tied tensors written once, ``refs``' storages copied from their
+    source file). The state dict's ``_metadata`` rides in the first shard.
     """
-    if fmt not in SHARD_PATTERNS:
-        raise ConversionError(f"sharded output is safetensors or pth, not {fmt}")
+    spec = registry.get(fmt)
     if max_shard_size <= 0:
         raise ConversionError(f"max shard size must be more than 0 bytes, not {max_shard_size}")
     shards, total_size = plan_shards(state_dict, max_shard_size, refs)
@@ -244,23 +248,23 @@ def write(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, force: b
             part._metadata = meta  # type: ignore[attr-defined]
         parts.append(part)
     archives = [os.path.splitext(name)[0] for name in names]
-    plans = [prepare(part, archive) for part, archive in zip(parts, archives)] if prepare else [None] * len(parts)
+    plans = [plan_shard(part, archive) for part, archive in zip(parts, archives)]
     notes: list[str] = []
     shard_of: dict[str, str] = {}
     with atomic_dir(dst_dir, force, dir_output(fmt), notes) as tmp:
-        for name, archive, keys, part, plan in zip(names, archives, shards, parts, plans):
+        for name, keys, plan in zip(names, shards, plans):
             path = os.path.join(tmp, name)
-            notes += formats.write(part, path, fmt, refs=refs or None, archive=archive, plan=plan)
-            stored = set(read_header(path)[1]) if fmt == SAFETENSORS else set(keys)
+            notes += plan.write(path)
+            stored = set(read_header(path)[1]) if registry.get(str(spec.shard_format)).stores_aliases else set(keys)
             shard_of.update((k, name) for k in keys if k in stored)
         if len(shards) > 1:  # weight_map in the state dict's order, which reading restores
             weight_map = {k: shard_of[k] for k in state_dict if k in shard_of}
             index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-            with open(os.path.join(tmp, INDEX_NAMES[fmt]), "w", encoding="utf-8") as f:
+            with open(os.path.join(tmp, str(spec.index_name)), "w", encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2) + "\n")
     if len(shards) == 1:
         notes.append(f"fits in one shard: wrote {names[0]} and no index, as transformers' save_pretrained does")
     else:
         notes.append(f"{len(shards)} shards of at most {max_shard_size} bytes (a larger tensor alone), "
-                     f"index {INDEX_NAMES[fmt]}")
+                     f"index {spec.index_name}")
     return notes

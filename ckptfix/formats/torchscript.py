@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import mmap
 import re
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -19,10 +20,42 @@ from ..parse import pickle_walk as pickle_scan, zipcheck as zip_check
 from ..safety import scanner as safety
 from ..safety.allowlist import REBUILD_PARAMETER, REBUILD_PARAMETER_WITH_STATE, REBUILD_TENSOR, REBUILD_TENSOR_V2
 from ..core.devices import storage_id
-from ..errors import FormatError
+from ..errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
+from ..parse.format_registry import TORCHSCRIPT
 from ..parse.pickle_walk import Call, Persistent, Ref
 from ..parse.zipcheck import read_member
-from . import TORCHSCRIPT, RawRead
+from . import RawRead, Reader
+from .torchsave.torch_io import first_line
+
+def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
+    """On meta, the state dict listed without running anything (:func:`read_meta`); else, trusted only,
+    ``torch.jit.load``'s module's state dict (which runs the archive's code)."""
+    import torch
+
+    if plan.is_meta:
+        try:
+            return read_meta(path)  # runs none of the archive's code
+        except CkptfixError:
+            if not trust:
+                raise
+    if not trust:
+        raise UnsafeCheckpointError(
+            f"{path}: is a TorchScript archive; loading it runs the code inside it. "
+            f"{trust_advice()} to extract "
+            "its state dict; `ckptfix inspect` lists its tensors without running anything."
+        )
+    dev = "cpu" if plan.user_fn is not None or plan.mapping is not None else plan.target("cpu")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.load. is deprecated", category=FutureWarning)
+            module = torch.jit.load(path, map_location="cpu" if dev == "meta" else dev)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise FormatError(f"{path}: can't be read as a TorchScript archive: {first_line(e)}") from None
+    sd = module.state_dict()
+    if dev == "meta":
+        sd = type(sd)((k, v.to("meta")) for k, v in sd.items())
+    return RawRead(obj=sd, format=TORCHSCRIPT, notes=["state dict extracted from a TorchScript module"])
+
 
 _TENSOR = {REBUILD_TENSOR_V2, REBUILD_TENSOR}
 _PARAMETER = {REBUILD_PARAMETER, REBUILD_PARAMETER_WITH_STATE}

@@ -28,8 +28,8 @@ from ..core.atomic import sha256_file
 from ..core.devices import storage_id
 from ..errors import GoldenError, LoadError
 from .inputs import InputRecipe, resolve_input
+from ..parse.format_registry import get as format_of
 from ..parse.safetensors_header import read_header
-from ..text import EXACT_LOADERS
 
 _SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # convert --dtype names
 
@@ -140,8 +140,8 @@ def verify(
         non_tensor=fit.non_tensor, tolerated=fit.tolerated, notes=list(ckpt.notes), model_dtype=source.dtype_name,
     )
     cast = _cast_to(fit, target) if exact else None
-    if chosen.description or cast or (exact and (ckpt.state_dict_key is not None or ckpt.format not in EXACT_LOADERS)):
-        ext = ".safetensors" if "safetensors" in ckpt.format else ".pth"  # a safetensors release stays one
+    if chosen.description or cast or (exact and (ckpt.state_dict_key is not None or not format_of(ckpt.format).exact_loader)):
+        ext = format_of(ckpt.format).fixed_ext  # a safetensors release stays one
         report.convert_command = repair.convert_command(path, list(ckpt.state_dict), chosen, target,
                                                         ckpt.state_dict_key, dtype=cast, ext=ext)
     _check_values(report, fit, target, has_data=forward)
@@ -185,7 +185,7 @@ def crc_failures(path: str, fmt: str) -> list[str]:
     """One line per zip member whose stored CRC-32 doesn't match its bytes, in a torch zip or
     TorchScript file or each torch-zip shard of a sharded checkpoint: the file changed after it
     was written. Reads every byte once (safetensors, legacy and DCP files carry no checksums)."""
-    if fmt not in ("torch-zip", "torchscript", "sharded-pth"):
+    if not format_of(fmt).zip:
         return []
 
     report = safety.scan(path, check_crc=True)
@@ -225,7 +225,7 @@ def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> l
     — followed by ``load_state_dict(…, strict=True)`` would not take the file as is."""
     out = []
     how = f" (the repair: {report.fix})" if report.fix else ""
-    if ckpt.format not in EXACT_LOADERS:
+    if not format_of(ckpt.format).exact_loader:
         what = "directory" if os.path.isdir(ckpt.path) else "file"
         out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
     if ckpt.state_dict_key is not None:
@@ -248,7 +248,7 @@ def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> l
 def _as_plainly_loaded(ckpt: Any) -> Any:
     """The state dict as the plain loader returns it: for safetensors, only the header's tensors and no
     ``_metadata`` (ckptfix's tied-weight aliases and module metadata are ckptfix's reader's, not load_file's)."""
-    if ckpt.format != "safetensors":
+    if not format_of(ckpt.format).stores_aliases:
         return ckpt.state_dict
 
     _, entries, _ = read_header(ckpt.path)

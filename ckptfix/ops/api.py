@@ -14,8 +14,9 @@ from typing import Any
 from . import convert as conversion
 from .. import formats
 from ..statedict import repair, transforms
+from ..core import torch_free
+from ..core.torch_free import NeedsTorch
 from ..errors import LoadError
-from ..formats import describe as structure
 from .convert_options import ConvertOptions, takes
 from .reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
@@ -47,10 +48,10 @@ def describe(path: Any, select: str = "auto") -> Checkpoint:
     either way."""
     path = os.fspath(path)
     fmt = formats.sniff(path)
-    if structure.enabled():
+    if torch_free.enabled():
         try:
-            raw = structure.read(path, fmt, select)
-        except structure.NotDescribable:
+            raw = formats.describe(path, fmt, select)
+        except NeedsTorch:
             pass
         else:
             return summarise(path, fmt, raw, select, refuse=False)

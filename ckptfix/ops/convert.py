@@ -5,8 +5,9 @@ The read is one of three, chosen before any tensor byte is touched:
 - ``torch-free``: the file is describable without torch (torch zip, safetensors, HF sharded) and
   the request needs no tensor computation (no dtype cast, no by-order, no ``trust``, every storage
   bound for the CPU, output .pth or .safetensors, one file or HF shards): the structure is read as
-  :class:`~ckptfix.core.tensorinfo.TensorInfo` and written by :mod:`ckptfix.formats.torchfree`; torch
-  is never imported. Whatever that writer can't reproduce exactly falls back to ``streamed``.
+  :class:`~ckptfix.core.tensorinfo.TensorInfo` and written by the format's torch-free writer
+  (:func:`ckptfix.formats.plan_write`); torch is never imported. Whatever that writer can't reproduce
+  exactly falls back to ``streamed``.
 - ``streamed``: the structure on torch's ``meta`` device; tensor bytes copied in the kernel.
 - ``loaded``: the tensors read for real (another device, ``trust``, legacy files, DCP output …).
 """
@@ -23,20 +24,21 @@ from typing import Any
 
 from .. import formats
 from ..statedict import locate as layout, transforms, wrappers
+from ..core import torch_free
 from ..core.atomic import atomic_path, check_destination, check_destination_dir, hashed_name, sha256_file
 from ..core.devices import DevicePlan, normalise_device, storage_id
+from ..core.torch_free import NeedsTorch
 from ..errors import ConversionError, DeviceError, WrapperError
 from ..core.progress import Progress, peak_rss_bytes
 from .convert_options import ConvertOptions
 from .reading import read_checkpoint, summarise
-from ..formats.dcp import directory as dcp
-from ..formats import sharded, describe as structure, torchfree
+from ..formats import sharded
+from ..parse import format_registry as registry
 from ..reports import Checkpoint, ConvertReport, tensor_stats
 from ..safety.standins import contains_stand_ins
 from ..core.tensorinfo import TensorInfo
 
 TORCH_FREE, STREAMED, LOADED = "torch-free", "streamed", "loaded"
-_DESCRIBABLE = (formats.TORCH_ZIP, formats.SAFETENSORS, *formats.SHARDED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,17 +73,15 @@ def _plan_output(src: str, dst: str, fmt_requested: str | None, max_shard_size: 
     if max_shard_size is not None:
         shard_size = sharded.parse_size(max_shard_size)
     fmt_out = formats.format_for_destination(dst, fmt_requested, sharded=shard_size is not None)
-    if shard_size is not None or fmt_out == formats.DCP:
+    out = registry.get(fmt_out)
+    if shard_size is not None or out.directory_output:
         if hashed:
             raise ConversionError("--hash names one output file; it does not apply to a sharded or DCP directory")
-        if shard_size is not None:
-            output = sharded.dir_output(fmt_out)
-        else:
-            output = dcp.DIR_OUTPUT
+        output = formats.dir_output(fmt_out, sharded=shard_size is not None)
         check_destination_dir(src, dst, force, output)  # before reading: a refusal costs nothing
     else:
         check_destination(src, dst, force or hashed)  # with hash the name is known only once written
-    if keep_extra and (fmt_out not in (formats.TORCH_ZIP, formats.DCP) or shard_size is not None):
+    if keep_extra and (not out.keeps_objects or shard_size is not None):
         raise ConversionError(
             f"{dst}: --keep-extra keeps optimizer state and other Python objects, which only a single .pth "
             "file or a DCP directory can hold; write .pth, or drop --keep-extra to write the weights alone"
@@ -93,7 +93,7 @@ def _plan_output(src: str, dst: str, fmt_requested: str | None, max_shard_size: 
 
 def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
     """The source read the cheapest way the request allows, and which way that was."""
-    if req.trust or req.fmt_in not in formats.STREAMABLE or req.fmt_out == formats.DCP \
+    if req.trust or not registry.get(req.fmt_in).stream or not registry.get(req.fmt_out).writes_from_refs \
             or req.plan.user_fn is not None:
         return _load(req), LOADED
     if torch_free and _needs_no_torch(req):
@@ -113,16 +113,16 @@ def _load(req: Request) -> Checkpoint:
 
 
 def _needs_no_torch(req: Request) -> bool:
-    return (structure.enabled() and req.dtype is None and req.by_order is None
-            and req.fmt_in in _DESCRIBABLE and req.fmt_out in (formats.TORCH_ZIP, formats.SAFETENSORS)
+    return (torch_free.enabled() and req.dtype is None and req.by_order is None
+            and registry.get(req.fmt_in).copy_without_torch and registry.get(req.fmt_out).write_without_torch
             and (req.plan.fixed == "cpu" or req.plan.mapping is not None))
 
 
 def _describe(req: Request) -> Checkpoint | None:
     """The source as TensorInfo when it is describable and all its storages map to the CPU, else None."""
     try:
-        raw = structure.read(req.src, req.fmt_in, req.select)
-    except structure.NotDescribable:
+        raw = formats.describe(req.src, req.fmt_in, req.select)
+    except NeedsTorch:
         return None
     if not raw.tags or not all(_to_cpu(req.plan, tag) for tag in raw.tags.values()):
         return None  # no tensors, or one bound elsewhere (or nowhere): torch's path decides
@@ -226,21 +226,18 @@ class _Finalizer:
 def write_torch_free(req: Request, ckpt: Checkpoint, out: Output, final: _Finalizer) -> list[str]:
     """Write TensorInfo values without torch, one file or a sharded directory; raises NeedsTorch
     before writing what it can't reproduce."""
-    keep_keys = req.fmt_in in (formats.TORCH_ZIP, formats.SHARDED_PTH)
+    keep_keys = registry.get(req.fmt_in).record_keys
     if req.shard_size is not None:
         if not all(type(v) is TensorInfo for v in out.obj.values()):
-            raise torchfree.NeedsTorch("a value that is not a tensor")  # torch's path gives its error
-
-        def prepare(part: Any, archive: str) -> Any:
-            return torchfree.prepare(part, req.fmt_out, archive=archive, keep_keys=keep_keys)
-
+            raise NeedsTorch("a value that is not a tensor")  # torch's path gives its error
         with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
-            return sharded.write(out.obj, req.dst, req.fmt_out, req.shard_size, force=req.force, prepare=prepare)
-    write = torchfree.prepare(out.obj, req.fmt_out, archive=_archive_name(req.dst), keep_keys=keep_keys)
+            return formats.write_sharded(out.obj, req.dst, req.fmt_out, req.shard_size, force=req.force,
+                                         torch_free=True, keep_keys=keep_keys)
+    plan = formats.plan_write(out.obj, req.fmt_out, archive=_archive_name(req.dst), keep_keys=keep_keys)
     notes: list[str] = []
     with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
-        with atomic_path(req.dst, finalize=final, notes=notes) as tmp:  # formats.write: the one writer entry
-            return notes + formats.write(out.obj, tmp, req.fmt_out, archive=_archive_name(req.dst), plan=write)
+        with atomic_path(req.dst, finalize=final, notes=notes) as tmp:
+            return notes + plan.write(tmp)
 
 
 def write_with_torch(req: Request, ckpt: Checkpoint, out: Output, final: _Finalizer, streamed: bool) -> list[str]:
@@ -272,14 +269,15 @@ def _with_casts(refs: dict, cast: Any) -> dict:
 def _write_output(req: Request, obj: Any, refs: dict | None, final: _Finalizer) -> list[str]:
     """Write one file atomically (``final`` may rename it), or a sharded / DCP directory."""
     if req.shard_size is not None:
-        return sharded.write(obj, req.dst, req.fmt_out, req.shard_size, force=req.force, refs=refs)
-    if req.fmt_out == formats.DCP:
-        if contains_stand_ins(obj):
-            raise ConversionError(
-                f"{req.src}: holds mmengine objects (message_hub) that a DCP directory can't store under "
-                "their own names; write .pth with --keep-extra, or drop --keep-extra for DCP"
-            )
-        return dcp.write(obj, req.dst, force=req.force)
+        return formats.write_sharded(obj, req.dst, req.fmt_out, req.shard_size, force=req.force, refs=refs)
+    out = registry.get(req.fmt_out)
+    if out.refuses_stand_ins and contains_stand_ins(obj):
+        raise ConversionError(
+            f"{req.src}: holds mmengine objects (message_hub) that a DCP directory can't store under "
+            "their own names; write .pth with --keep-extra, or drop --keep-extra for DCP"
+        )
+    if out.directory_output:
+        return formats.write(obj, req.dst, req.fmt_out, force=req.force)
     notes: list[str] = []
     with atomic_path(req.dst, finalize=final, notes=notes) as tmp:
         return notes + formats.write(obj, tmp, req.fmt_out, refs=refs, archive=_archive_name(req.dst))
@@ -311,7 +309,7 @@ def run(req: Request, start: float) -> ConvertReport:
             out = transform(req, ckpt)
             try:
                 written = write_torch_free(req, ckpt, out, final)
-            except torchfree.NeedsTorch:
+            except NeedsTorch:
                 ckpt, mode = plan_read(req, torch_free=False)
             else:
                 return report(req, ckpt, out, written, final, True, start)

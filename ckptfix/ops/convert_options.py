@@ -6,7 +6,7 @@ carries its command-line :class:`Flag` (spelling, help, choices): ``ckptfix.cli.
 validates them in one place (``validate``). Options other commands share (``--select``, ``--trust``,
 ``--map-location``, ``--json``) are made from the same declarations.
 
-Plain data: this module imports nothing from ckptfix, so ``ckptfix --help`` reads it without the library.
+Plain data: this module imports only the format registry (plain data too), so ``ckptfix --help`` reads it without the library.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from ..parse.format_registry import WRITE_NAMES
+
 DTYPES = ("fp32", "fp16", "bf16")
 WRAPPER_FORMS = ("single", "ddp", "dp", "compile", "keep")
-OUTPUT_FORMATS = ("pth", "safetensors", "dcp")
+OUTPUT_FORMATS = WRITE_NAMES  # the registry's --format names
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 from .. import formats
 from ..statedict import locate as layout, wrappers
 from ..core.devices import DevicePlan
+from ..parse.format_registry import get
 from ..reports import Checkpoint, tensor_stats
 
 
@@ -26,7 +27,7 @@ def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bo
     sel = layout.find_state_dict(raw.obj, select, source=path)
     sd = sel.state_dict
     keys = list(sd.keys())
-    default_tag = "cpu" if fmt in (formats.SAFETENSORS, formats.SHARDED_SAFETENSORS, formats.DCP) else None
+    default_tag = get(fmt).default_device
     notes = list(raw.notes) + layout.check_deepspeed(raw.obj, select, path, refuse=refuse)
     if sel.ema_keys:
         notes.append(f"EMA weights also present at {', '.join(sel.ema_keys)} (take them with select=KEY)")

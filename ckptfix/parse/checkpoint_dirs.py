@@ -11,10 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DeepSpeedZeroError, FormatError, MissingFileError
+from .format_registry import SHARDED, SHARDED_PTH, get
 
-SAFETENSORS = "safetensors"
-TORCH_ZIP = "torch-zip"
-INDEX_NAMES = {SAFETENSORS: "model.safetensors.index.json", TORCH_ZIP: "pytorch_model.bin.index.json"}
 #: the file torch.distributed.checkpoint writes its metadata to
 METADATA = ".metadata"
 #: DeepSpeed's file naming the latest tag, and its model_states / optim_states files
@@ -47,11 +45,20 @@ def find_index(path: str) -> str | None:
         return path if path.endswith(".index.json") else None
     if not os.path.isdir(path):
         return None
-    for fmt in (SAFETENSORS, TORCH_ZIP):
-        candidate = os.path.join(path, INDEX_NAMES[fmt])
+    for fmt in SHARDED:
+        candidate = os.path.join(path, str(get(fmt).index_name))
         if os.path.isfile(candidate):
             return candidate
     return None
+
+
+def index_format(index_path: str) -> str:
+    """The sharded format of an index json: the one whose index name it ends like (``…safetensors.index.json``),
+    else torch's (any other ``*.index.json``)."""
+    for fmt in SHARDED:
+        if index_path.endswith(str(get(fmt).index_name).partition(".")[2]):
+            return fmt
+    return SHARDED_PTH
 
 
 def member_path(root: str, rel: Any, source: str, what: str = "shard") -> str:
@@ -122,6 +129,12 @@ def names_matching(directory: str, pattern: re.Pattern) -> list[str]:
         return []
 
 
+def deepspeed_beside(path: str) -> bool:
+    """Whether ``path`` is named as a DeepSpeed model_states file with optim_states files beside it."""
+    return bool(DEEPSPEED_MODEL.fullmatch(os.path.basename(path))) and \
+        bool(names_matching(os.path.dirname(os.path.abspath(path)), DEEPSPEED_OPTIM))
+
+
 def is_deepspeed_dir(path: str) -> bool:
     """A directory holding DeepSpeed's ``latest`` file or model_states files."""
     return os.path.isdir(path) and (os.path.isfile(os.path.join(path, LATEST))
@@ -142,11 +155,11 @@ def locate(path: str) -> Layout:
         raise DeepSpeedZeroError(f"{path}: no DeepSpeed *_model_states.pt files in {tag_dir}; give the checkpoint "
                                  "directory (the one holding `latest`) or one of its tag directories")
     optims = names_matching(tag_dir, DEEPSPEED_OPTIM)
-    if any(m.group(2) != "00" for m in map(DEEPSPEED_MODEL.fullmatch, models)) or \
-            any(m.group(3) != "00" for m in map(DEEPSPEED_OPTIM.fullmatch, optims)):
+    if any(_part(DEEPSPEED_MODEL, n, 2) != "00" for n in models) or \
+            any(_part(DEEPSPEED_OPTIM, n, 3) != "00" for n in optims):
         raise DeepSpeedZeroError(f"{tag_dir}: holds model-parallel ranks other than mp_rank_00: ckptfix (like "
                                  "zero_to_fp32.py) consolidates data-parallel ZeRO checkpoints only")
-    if len({DEEPSPEED_OPTIM.fullmatch(n).group(1) for n in optims}) > 1:
+    if len({_part(DEEPSPEED_OPTIM, n, 1) for n in optims}) > 1:
         raise DeepSpeedZeroError(f"{tag_dir}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optim_states files "
                                  "(two runs saved into one tag?); keep one set")
     return Layout(tag_dir, os.path.basename(os.path.normpath(tag_dir)),
@@ -171,9 +184,15 @@ def _read_tag(path: str) -> str:
     return tag
 
 
+def _part(pattern: re.Pattern, name: str, group: int) -> str | None:
+    """Group ``group`` of ``name``, one :func:`names_matching` found (``pattern`` matches it whole)."""
+    match = pattern.fullmatch(name)
+    return match.group(group) if match else None
+
+
 def _by_rank(names: list[str], pattern: re.Pattern, group: int, where: str) -> list[str]:
     """The names in rank order, refusing gaps (zero_pp_rank_0, _2 without _1)."""
-    ranked = sorted((int(pattern.fullmatch(n).group(group) or 0), n) for n in names)
+    ranked = sorted((int(_part(pattern, n, group) or 0), n) for n in names)
     if [r for r, _ in ranked] != list(range(len(ranked))):
         raise DeepSpeedZeroError(f"{where}: rank files {', '.join(n for _, n in ranked)} are not ranks 0..{len(ranked) - 1}: "
                                  "a rank's file is missing (the save did not finish?)")

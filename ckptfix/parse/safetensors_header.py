@@ -2,7 +2,7 @@
 byte range; no overlaps), and ckptfix's own metadata (tied-weight aliases, key order, ``_metadata``).
 
 Below both the scanner (:mod:`ckptfix.safety` checks a file with :func:`check_file`) and the reader
-(:mod:`ckptfix.formats.safetensors_file`, which maps the tensors this header describes).
+(:mod:`ckptfix.formats.safetensors`, which maps the tensors this header describes).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..core.torch_tables import DTYPE_ITEMSIZE
 
 META_KEY = "ckptfix"
 
-_DTYPES = {
+DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
@@ -54,7 +54,7 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
     for key, entry in header.items():
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
             raise FormatError(f"{path}: tensor {key!r}: header entry needs dtype, shape and data_offsets")
-        if entry["dtype"] not in _DTYPES:
+        if entry["dtype"] not in DTYPES:
             raise FormatError(f"{path}: tensor {key!r}: unknown dtype {entry['dtype']!r}")
         shape, offs = entry["shape"], entry["data_offsets"]
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
@@ -65,7 +65,7 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
         numel = 1
         for d in shape:
             numel *= d
-        itemsize = _itemsize(_DTYPES[entry["dtype"]])
+        itemsize = _itemsize(DTYPES[entry["dtype"]])
         if numel * itemsize != offs[1] - offs[0]:
             raise FormatError(
                 f"{path}: tensor {key!r}: shape {shape} × {entry['dtype']} is {numel * itemsize} bytes "
@@ -85,7 +85,7 @@ def check_file(path: str) -> None:
     problem is a FormatError. For ``scan``: a file ckptfix would read differently from other readers
     is not passed as clean."""
     _start, header, meta = read_header(path)
-    _aliases(path, _ckptfix_meta(path, meta), header)
+    _aliases(path, ckptfix_meta(path, meta), header)
 
 
 def _itemsize(dtype_name: str) -> int:
@@ -95,7 +95,7 @@ def _itemsize(dtype_name: str) -> int:
 def assemble(path: str, header: dict[str, dict], meta: dict[str, str], tensors: dict[str, Any]) -> OrderedDict:
     """The state dict from the stored ``tensors`` (tensors, or TensorInfo for the torch-free reader):
     ckptfix's tied-weight aliases, key order and ``_metadata`` restored."""
-    extra = _ckptfix_meta(path, meta)
+    extra = ckptfix_meta(path, meta)
     aliases = _aliases(path, extra, header)
     order = [k for k in extra.get("order", []) if isinstance(k, str) and (k in tensors or k in aliases)]
     order = list(dict.fromkeys(order))
@@ -134,7 +134,8 @@ def _aliases(path: str, extra: dict, header: dict[str, dict]) -> dict[str, str]:
     return out
 
 
-def _ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
+def ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
+    """ckptfix's own metadata entry as a dict ({} when absent); FormatError when it is not valid JSON."""
     raw = meta.get(META_KEY)
     if raw is None:
         return {}

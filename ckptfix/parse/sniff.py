@@ -1,7 +1,8 @@
 """Name a checkpoint's format from its bytes (never its extension), and read a zip's central directory once.
 
 Pure Python below every reader: the safety scan (:mod:`ckptfix.safety`) sniffs before it scans, the format
-readers (:mod:`ckptfix.formats`, which re-exports all of this) before they read.
+readers (:mod:`ckptfix.formats`) before they read. The names it gives are the registered ones
+(:mod:`ckptfix.parse.format_registry`, whose entries say what each is recognised by).
 """
 
 from __future__ import annotations
@@ -14,18 +15,10 @@ import struct
 from typing import Any
 
 from ..core import limits
-from .checkpoint_dirs import SAFETENSORS, TORCH_ZIP, find_index, is_dcp_dir, is_deepspeed_dir
+from .checkpoint_dirs import find_index, index_format, is_dcp_dir, is_deepspeed_dir
 from ..errors import FormatError, MissingFileError
+from .format_registry import DCP, DEEPSPEED, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT
 from .zipdir import read_directory
-
-# the format names (TORCH_ZIP and SAFETENSORS come from checkpoint_dirs, whose index names need them)
-TORCH_LEGACY = "torch-legacy"
-TORCHSCRIPT = "torchscript"
-SHARDED_SAFETENSORS = "sharded-safetensors"
-SHARDED_PTH = "sharded-pth"
-DCP = "dcp"
-DEEPSPEED = "deepspeed"
-SHARDED = (SHARDED_SAFETENSORS, SHARDED_PTH)
 
 # torch.serialization.MAGIC_NUMBER: the first pickle of every legacy (non-zip) torch file.
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -115,7 +108,7 @@ def _sniff_dir(path: str) -> str:
         return DEEPSPEED
     index = find_index(path)
     if index is not None:
-        return SHARDED_SAFETENSORS if index.endswith("safetensors.index.json") else SHARDED_PTH
+        return index_format(index)
     if not os.path.isdir(path):
         raise FormatError(f"{path}: is not a sharded-checkpoint index (expected a JSON file with a weight_map)")
     singles = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, n))]

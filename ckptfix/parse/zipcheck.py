@@ -62,15 +62,17 @@ class ZipLayout:
         return found[0] if len(found) == 1 else None
 
 
-def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_crc: bool = True) -> ZipLayout:
+def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_crc: bool = True,
+              directory: Directory | None = None) -> ZipLayout:
     """Check the structure of the zip in ``buf`` (an mmap of ``path``, ``size`` bytes).
 
     ``check_crc=False`` verifies the CRC of ``.pkl`` members only (tensor data is integrity, not
-    safety, and reading all of it would make every load read the whole file).
+    safety, and reading all of it would make every load read the whole file). ``directory``: ``buf``'s
+    central directory when the caller has it parsed already (:func:`ckptfix.parse.sniff.zip_directory`).
     """
     layout = ZipLayout()
     try:
-        directory = read_directory(buf, size)
+        directory = directory or read_directory(buf, size)
     except (ZipFormatError, struct.error) as e:
         layout.errors.append(f"is a truncated or corrupt zip archive ({e})")
         if _python_view(layout, buf, size):

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import limits
+from ..core.torch_free import NeedsTorch  # what the inert read raises for what it doesn't model
 from ..parse.checkpoint_dirs import METADATA, member_path
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
 from .allowlist import GET_LAYOUT, RULES, TORCH_SIZE
@@ -150,10 +151,6 @@ def _ranges(path: str, meta: Any) -> dict[str, list[tuple[str, int, int]]]:
 
 
 # -- the inert read: plain stand-ins, no torch ---------------------------------------------------------
-
-class NeedsTorch(Exception):
-    """This ``.metadata`` holds something the inert read doesn't model: read it with torch's classes."""
-
 
 class Inert:
     """A DCP metadata object as plain data: the name it was pickled under and its attributes."""

@@ -148,8 +148,8 @@ class Collector:
 
 
 def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bool,
-              unpickled_by_caller: str | None = None, also: frozenset[str] = frozenset()) -> None:
-    layout = zip_check.check_zip(c.path, buf, size, torchscript=torchscript, check_crc=check_crc)
+              unpickled_by_caller: str | None = None, also: frozenset[str] = frozenset(), directory: Any = None) -> None:
+    layout = zip_check.check_zip(c.path, buf, size, torchscript=torchscript, check_crc=check_crc, directory=directory)
     for kind, where, message in layout.findings:
         c.find(kind, where, message)
     for error in layout.errors:

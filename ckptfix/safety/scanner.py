@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from typing import Any
 
 from . import dcp_policy as dcp_metadata
@@ -29,8 +30,8 @@ from ..errors import FormatError, UnsafeCheckpointError, trust_advice
 from ..parse.safetensors_header import check_file
 from .file_scanners import (PICKLE, Collector, Finding, GlobalRef, ScanReport, scan_legacy, scan_tar, scan_zip,
                             starts_with_magic)
-from ..parse.sniff import (DCP, DEEPSPEED, SAFETENSORS, SHARDED, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, opens_as_tar,
-                           sniff)
+from ..parse.format_registry import DCP, DEEPSPEED, FORMATS, TORCH_ZIP
+from ..parse.sniff import opens_as_tar, sniff, zip_directory
 
 __all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe"]
 
@@ -46,34 +47,58 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
     path = os.fspath(path)
     _limits.current()  # a malformed CKPTFIX_MAX_* variable is an error of its own, not a finding
     fmt = fmt or _scan_format(path)
-    if fmt in SHARDED:
-        return _scan_sharded(path, fmt, check_crc)
-    if fmt == DCP:
-        return _scan_dcp(path, check_crc)
-    if fmt == DEEPSPEED:
-        return _scan_deepspeed(path, check_crc)
-    if fmt not in (SAFETENSORS, TORCH_ZIP, TORCHSCRIPT, TORCH_LEGACY, PICKLE):
+    spec = FORMATS.get(fmt)
+    if spec is None and fmt != PICKLE:
         raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors), "
                           f"sharded checkpoints and DCP directories, not {fmt}")
+    return _SCANNERS[spec.scanner if spec is not None else PICKLE](path, fmt, check_crc, unpickled_by_caller)
+
+
+def _scan_safetensors(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
+    """No pickle inside; a malformed header or contradicting aliases raise FormatError."""
+    check_file(path)
+    return Collector(path, fmt).finish()
+
+
+def _scan_zip(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None, code: bool = False) -> ScanReport:
+    """A torch zip (``code``: a TorchScript archive, whose code torch would run): its structure and pickles,
+    the central directory parsed once for the scan and the read (:func:`ckptfix.parse.sniff.zip_directory`)."""
     c = Collector(path, fmt)
-    if fmt == SAFETENSORS:
-        check_file(path)  # no pickle inside; a malformed header or contradicting aliases raise FormatError
-        return c.finish()
+    try:
+        directory = zip_directory(path)
+    except (ValueError, OSError, struct.error):  # the scan parses it again and reports the damage
+        directory = None
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        size = len(buf)
-        if fmt in (TORCH_ZIP, TORCHSCRIPT):
-            scan_zip(c, buf, size, fmt == TORCHSCRIPT, check_crc, unpickled_by_caller)
-        elif fmt == TORCH_LEGACY and opens_as_tar(path):  # torch.load tries tar first, as tarfile reads it
-            scan_tar(c, legacy_too=starts_with_magic(buf))
-        elif fmt == TORCH_LEGACY:
-            scan_legacy(c, buf, size)
-        else:
-            for w in pickle_scan.walk_stack(buf, 0, min(size, _limits.current().max_pickle_bytes), "pickle"):
-                c.add_walk(w)
+        scan_zip(c, buf, len(buf), code, check_crc, unpickled_by_caller, directory=directory)
     return c.finish()
 
 
-def _scan_sharded(path: str, fmt: str, check_crc: bool) -> ScanReport:
+def _scan_torchscript(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
+    return _scan_zip(path, fmt, check_crc, unpickled_by_caller, code=True)
+
+
+def _scan_legacy(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
+    """A legacy torch file: a tar when tarfile takes it (torch.load tries tar first), else its pickle stream."""
+    c = Collector(path, fmt)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if opens_as_tar(path):
+            scan_tar(c, legacy_too=starts_with_magic(buf))
+        else:
+            scan_legacy(c, buf, len(buf))
+    return c.finish()
+
+
+def _scan_pickle(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
+    """A plain pickle (not a checkpoint, but scannable): every pickle in it walked."""
+    c = Collector(path, fmt)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        size = len(buf)
+        for w in pickle_scan.walk_stack(buf, 0, min(size, _limits.current().max_pickle_bytes), "pickle"):
+            c.add_walk(w)
+    return c.finish()
+
+
+def _scan_sharded(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
     """Every shard an index lists, scanned as a file of its own; ``where`` names the shard."""
     index = find_index(path) or path
     root = os.path.dirname(os.path.abspath(index))
@@ -83,7 +108,7 @@ def _scan_sharded(path: str, fmt: str, check_crc: bool) -> ScanReport:
     return c.finish()
 
 
-def _scan_deepspeed(path: str, check_crc: bool) -> ScanReport:
+def _scan_deepspeed(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
     """A DeepSpeed checkpoint's tag directory: every model_states and optim_states file as a torch zip of
     its own, DeepSpeed's loss scaler, ZeRO stage and fragment address allowed in the optim_states files
     (ckptfix loads them as inert stand-ins; DeepSpeed's zero_to_fp32.py unpickles them fully)."""
@@ -98,7 +123,7 @@ def _scan_deepspeed(path: str, check_crc: bool) -> ScanReport:
     return c.finish()
 
 
-def _scan_dcp(path: str, check_crc: bool) -> ScanReport:
+def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
     """A DCP directory: ``.metadata`` (which torch's own DCP loader unpickles with plain pickle) walked
     with DCP's metadata classes allowed, then every record it lists (torch.save zips inside the
     ``.distcp`` files) checked and walked like a torch zip of its own."""
@@ -123,6 +148,12 @@ def _scan_dcp(path: str, check_crc: bool) -> ScanReport:
                 scan_zip(record, memoryview(buf)[start : start + length], length, False, check_crc)
                 c.merge(record)
     return c.finish()
+
+
+#: the registry's ``scanner`` names (and the plain pickle) → the scan each runs
+_SCANNERS = {"safetensors": _scan_safetensors, "torch-zip": _scan_zip, "torchscript": _scan_torchscript,
+             "torch-legacy": _scan_legacy, PICKLE: _scan_pickle, "sharded": _scan_sharded, "dcp": _scan_dcp,
+             "deepspeed": _scan_deepspeed}
 
 
 def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_caller: str | None = None) -> None:

@@ -17,13 +17,12 @@ import tempfile
 from typing import Any
 
 from ...core import limits
-from ...parse.checkpoint_dirs import METADATA, member_path
 from ...errors import CkptfixError, ConversionError, FormatError
+from ...parse.checkpoint_dirs import METADATA, member_path
+from ...parse.format_registry import DCP
 from ...parse.zipdir import RangeFile
 from .. import PiecedRef
 from ..torchsave.torch_io import torch_load, translate_load_error
-
-DCP = "dcp"
 
 
 def whole(md: Any) -> bool:
@@ -78,7 +77,7 @@ class Scratch:
 
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        t = torch.empty(0, dtype=dtype)
+        t: Any = torch.empty(0, dtype=dtype)  # set_ with no stride: contiguous (torch's stubs lack it)
         t.set_(self.storage[self.pos : self.pos + nbytes], 0, shape)
         self.pos += aligned(nbytes)
         return t
@@ -96,7 +95,7 @@ class Chunks:
         self.records: dict[tuple, Any] = {}
         for index, info in meta.storage_data.items():
             offset = getattr(index, "offset", None)
-            rel = getattr(info, "relative_path", None)
+            rel: Any = getattr(info, "relative_path", None)
             if rel not in self.files:
                 self.files[rel] = member_path(path, rel, self.meta_path, what="chunk file")
             self.records[(getattr(index, "fqn", None), None if offset is None else tuple(offset))] = info

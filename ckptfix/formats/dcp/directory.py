@@ -1,14 +1,14 @@
 """torch.distributed.checkpoint (DCP) directories: ``.metadata`` plus ``__R_S.distcp`` files.
 
 Reading consolidates every sharded tensor into one whole tensor (``.metadata`` is unpickled under
-an allow-list: see ``dcp_metadata``). A tensor stored as one chunk is mapped from its ``.distcp``
+an allow-list: see :mod:`ckptfix.safety.dcp_policy`). A tensor stored as one chunk is mapped from its ``.distcp``
 file (no copy); a sharded one (FSDP2, …) is assembled chunk by chunk into a file-backed scratch
 mapping under TMPDIR, so anonymous memory stays bounded by one chunk however large the
-checkpoint. A structure read (on meta) gives each tensor a :class:`dcp_chunks.TensorRef`, so a
+checkpoint. A structure read (on meta) gives each tensor a :class:`.chunks.TensorRef`, so a
 conversion copies FSDP2's dim-0 chunks straight into place in its output, without the scratch
-file (``dcp_chunks``). Keys DCP flattened from nested dicts (``model.0.weight`` from
+file (``chunks``). Keys DCP flattened from nested dicts (``model.0.weight`` from
 ``{"model": {"0.weight": …}}``) are nested again from its planner data. A Lightning ``meta.pt``
-beside the DCP files joins them into one checkpoint (``lightning_dir``). Writing is torch's own
+beside the DCP files joins them into one checkpoint (``lightning``). Writing is torch's own
 ``torch.distributed.checkpoint.save`` in one process.
 """
 
@@ -21,20 +21,20 @@ from typing import Any
 
 from ...core import interrupts
 from ...core.atomic import DirOutput, atomic_dir
-from ...safety.dcp_policy import METADATA, load_metadata
 from ...core.devices import storage_id
 from ...errors import CkptfixError, ConversionError, FormatError
-from .. import PiecedRef, RawRead
+from ...parse.format_registry import DCP
+from ...safety.dcp_policy import METADATA, load_metadata
+from .. import PiecedRef, RawRead, Reader
 from .chunks import Chunks, Scratch, TensorRef, aligned, tensor_nbytes, whole
 from .lightning import with_meta
-
-DCP = "dcp"
 # what a DCP output consists of (FileSystemWriter, single_file_per_rank): all that --force replaces
 DIR_OUTPUT = DirOutput("DCP", re.compile(r"\.metadata|__\d+_\d+\.distcp"), METADATA)
 
 
-def read(path: str, plan: Any, trust: bool) -> RawRead:
-    """Consolidate the DCP checkpoint in directory ``path``: one whole tensor per entry, nested again.
+def read(path: str, plan: Any, trust: bool, read_meta: Reader) -> RawRead:
+    """Consolidate the DCP checkpoint in directory ``path``: one whole tensor per entry, nested again;
+    a Lightning ``meta.pt`` beside it read by ``read_meta(meta_path, fmt)``.
 
     With ``plan.is_meta`` tensors come back on meta and no tensor record is read (plain values,
     such as an optimizer's hyper-parameters, still are).
@@ -57,7 +57,7 @@ def read(path: str, plan: Any, trust: bool) -> RawRead:
     raw = RawRead(obj=unflatten(flat, meta.planner_data, source.meta_path), format=DCP, tags=tags, notes=notes,
                   refs=refs)
 
-    return with_meta(raw, path, plan, trust)  # Lightning's meta.pt beside the DCP files, if there is one
+    return with_meta(raw, path, read_meta)  # Lightning's meta.pt beside the DCP files, if there is one
 
 
 def _consolidate(meta: Any, source: Chunks, plan: Any, trust: bool,

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ...errors import FormatError
-from .. import TORCH_LEGACY, TORCH_ZIP, RawRead, read_torch, sniff
+from ...parse.format_registry import get
+from ...parse.sniff import sniff
+from .. import RawRead, Reader
 
 META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 WEIGHTS_KEYS = {"model": "FSDPStrategy", "state_dict": "ModelParallelStrategy"}  # the DCP entry each saves under
@@ -29,17 +31,17 @@ _OPTIMIZER = re.compile(r"optimizer_(\d+)")
 _AFTER = {"state_dict": ("epoch", "global_step", *VERSION_KEYS), "optimizer_states": ("loops", "callbacks")}
 
 
-def with_meta(raw: RawRead, path: str, plan: Any, trust: bool, read_file: Callable[..., RawRead] = read_torch) -> RawRead:
+def with_meta(raw: RawRead, path: str, read_meta: Reader) -> RawRead:
     """``raw`` (a consolidated DCP directory) joined with the directory's ``meta.pt``, if it has one, read by
-    ``read_file(meta_path, fmt, plan, trust)`` (the torch-free describe passes its own reader)."""
+    ``read_meta(meta_path, fmt)`` (the registry's reader, or its describer for the torch-free read)."""
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
         return raw
 
     fmt = sniff(meta_path)
-    if fmt not in (TORCH_ZIP, TORCH_LEGACY):
+    if get(fmt).family != "torchsave":
         raise FormatError(f"{meta_path}: is {fmt}, not the torch.save file Lightning writes beside its DCP files")
-    meta = read_file(meta_path, fmt, plan, trust)  # the same safety checks and unpickler as any torch file
+    meta = read_meta(meta_path, fmt)  # the same safety checks and unpickler as any torch file
     if not isinstance(meta.obj, Mapping):
         raise FormatError(f"{meta_path}: holds a {type(meta.obj).__name__}, not the dict Lightning saves there")
     both = [k for k in meta.obj if k in raw.obj]

@@ -4,13 +4,13 @@
 ``DIR/TAG/``, model_states (``mp_rank_00_model_states.pt``; stage 3 one per rank,
 ``zero_pp_rank_R_mp_rank_00_model_states.pt``) and one ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``
 per rank, holding that rank's slice of the fp32 master weights. Every file is read structure-only
-(tensors on meta, each storage's byte range in its file); :mod:`.deepspeed_zero` says which bytes make
+(tensors on meta, each storage's byte range in its file); :mod:`.partitions` says which bytes make
 each weight. A weight that lies in one file is then copied in the kernel as any other tensor; one
 split across ranks (or a buffer upcast to fp32) is gathered while it is written, so memory stays
 bounded by the largest tensor. Loading maps single-file weights from their file and builds the rest.
 
 The optim_states files pickle three DeepSpeed classes; they load as inert stand-ins
-(:mod:`.deepspeed_pickle`) and deepspeed is never imported.
+(:mod:`ckptfix.safety.deepspeed_policy`) and deepspeed is never imported.
 """
 
 from __future__ import annotations
@@ -19,26 +19,20 @@ import os
 from collections import OrderedDict
 from typing import Any
 
-from ...safety import scanner as safety
-from ...parse.checkpoint_dirs import DEEPSPEED_MODEL, DEEPSPEED_OPTIM, Layout, locate, names_matching
-from ...safety.deepspeed_policy import optim_names, optim_policy
 from ...core.devices import DevicePlan, storage_id
-from ...errors import CkptfixError, DeepSpeedZeroError, FormatError, UnsafeCheckpointError, trust_advice
-from ...statedict.locate import ZeroWeights, deepspeed_info
+from ...core.torch_free import NeedsTorch
 from ...core.units import dtype_name
-from .. import TORCH_ZIP, CastRef, RawRead, StorageRef, read_torch
+from ...errors import CkptfixError, DeepSpeedZeroError, FormatError, UnsafeCheckpointError, trust_advice
+from ...parse.checkpoint_dirs import Layout, locate
+from ...parse.format_registry import DEEPSPEED, TORCH_ZIP
+from ...safety import scanner as safety
+from ...safety.deepspeed_policy import optim_names, optim_policy
+from ...statedict.locate import ZeroWeights, deepspeed_info
+from .. import CastRef, RawRead, StorageRef
+from ..torchsave import read_file as read_torch, records as torchzip
+from ..torchsave.torch_io import torch_load, translate_load_error, unpickling_error
 from . import partitions as deepspeed_zero
-from ..torchsave import records as torchzip
 from .partitions import Spec
-from ..torchsave.torch_io import _unpickling_error, torch_load, translate_load_error
-
-DEEPSPEED = "deepspeed"
-
-
-def beside(path: str) -> bool:
-    """Whether ``path`` is named as a DeepSpeed model_states file with optim_states files beside it."""
-    return bool(DEEPSPEED_MODEL.fullmatch(os.path.basename(path))) and \
-        bool(names_matching(os.path.dirname(os.path.abspath(path)), DEEPSPEED_OPTIM))
 
 
 class _Source:
@@ -61,7 +55,7 @@ class _Source:
         safety.ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl")  # data.pkl: the restricted unpickler
         try:
             raw = torchzip.read_structure(path, policy)
-        except torchzip.Unsupported as e:
+        except NeedsTorch as e:
             raise FormatError(f"{path}: can't be read structure-only ({e}); pass --trust to load it whole") from None
         except CkptfixError as e:
             if policy is not None:
@@ -102,7 +96,7 @@ def _explain_refusal(path: str, e: CkptfixError, allowed: frozenset[str]) -> Non
             f"{', '.join(names)}. {trust_advice()}", names
         ) from None
     if isinstance(e.__context__, pickle.UnpicklingError):  # what the restricted unpickler refused
-        raise _unpickling_error(path, e.__context__) from None
+        raise unpickling_error(path, e.__context__) from None
 
 
 class GatherRef(CastRef):
@@ -132,7 +126,7 @@ def build(spec: Any, source: _Source) -> Any:
         return torch.empty(spec.shape, dtype=spec.dtype)
     if len(parts) == 1 and parts[0].dtype == spec.dtype and parts[0].is_contiguous():
         p, size = parts[0], parts[0].element_size()
-        out = torch.empty(0, dtype=p.dtype)
+        out: Any = torch.empty(0, dtype=p.dtype)  # set_ with no stride: contiguous (torch's stubs lack it)
         return out.set_(p.untyped_storage()[p.storage_offset() * size : (p.storage_offset() + p.numel()) * size], 0, spec.shape)
     whole = torch.cat(parts) if len(parts) > 1 else parts[0]
     return whole.to(spec.dtype, copy=len(parts) == 1).reshape(spec.shape)

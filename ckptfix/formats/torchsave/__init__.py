@@ -1,7 +1,55 @@
 """The files ``torch.save`` writes: the zip format (torch >= 1.6) and the legacy pickle stream. Read through
 torch's own loader with ckptfix's restricted unpickler (``torch_io``), or record by record without loading
-tensor data (``records``); written by ``torch.save`` or by copying records (``records``, ``zipwriter``), with
-torch's globals stood in by ``torch_globals`` where torch isn't imported.
+tensor data (``records``), or described without torch (``describer``); written by ``torch.save``, by copying
+records (``records``, ``zipwriter``), or without torch (``planner``, torch's globals stood in by
+``torch_globals``). This module is the family's interface: the verbs :mod:`ckptfix.formats` dispatches to.
 
 May import: the layers below :mod:`ckptfix.formats` and the ``formats`` package itself.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.torch_free import NeedsTorch
+from ...parse.format_registry import get
+from ...safety.scanner import ensure_safe
+from .. import RawRead, Reader, WritePlan
+from . import describer, planner, records, torch_io
+
+
+def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
+    """The file as it is (:func:`read_file`)."""
+    return read_file(path, fmt, plan, trust)
+
+
+def read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
+    """A torch zip or legacy file as it is: on meta, a zip's structure record by record (tensors on meta,
+    ``refs`` saying where each storage's bytes are), else through ``torch.load``."""
+    if get(fmt).zip and plan.is_meta and not trust:
+        ensure_safe(path, fmt, unpickled_by_caller="data.pkl")  # read_structure checks data.pkl itself
+        try:
+            return records.read_structure(path)
+        except NeedsTorch:
+            pass
+    return torch_io.read(path, fmt, plan, trust)
+
+
+def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead:
+    """A torch zip as TensorInfo, without torch (:func:`.describer.read_torch_zip`)."""
+    return describer.read_torch_zip(path)
+
+
+def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive",
+          force: bool = False) -> list[str]:
+    """A torch zip: records copied from their source file when ``refs`` (a structure read) says where,
+    else ``torch.save``."""
+    if refs:
+        records.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
+        return []
+    return torch_io.write(obj, path)
+
+
+def plan_write(obj: Any, fmt: str, archive: str = "archive", keep_keys: bool = True) -> WritePlan:
+    """A torch zip of TensorInfo values, planned without torch (:func:`.planner.plan_write`)."""
+    return planner.plan_write(obj, archive, keep_keys)

@@ -16,30 +16,30 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ...safety import guards, scanner as safety
-from ...core.devices import storage_id
-from ...errors import CkptfixError, FormatError, UnsafeCheckpointError
 from ...core.bytecopy import CrcWorker, SegmentsCrcWorker
-from ...safety.standins import pickler_base_for
+from ...core.devices import storage_id
+from ...core.torch_free import NeedsTorch
+from ...errors import CkptfixError, FormatError, UnsafeCheckpointError
+from ...parse.format_registry import TORCH_ZIP
+from ...parse.sniff import zip_directory
 from ...parse.unpickler import SafePickle
-from .. import TORCH_ZIP, CastRef, PiecedRef, RawRead, StorageRef, storage_bytes, zip_directory
-from .torch_io import _unpickling_error, translate_load_error
+from ...safety import guards, scanner as safety
+from ...safety.standins import pickler_base_for
+from .. import CastRef, PiecedRef, RawRead, StorageRef, storage_bytes
+from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
-
-
-class Unsupported(Exception):
-    """This file needs torch.load's general path (big-endian data, odd records)."""
 
 
 def read_structure(path: str, policy: Any = None) -> RawRead:
     """Tensors on meta plus ``refs`` (storage id → StorageRef); reads only the pickle and zip directory.
-    ``policy``: the unpickler's (default :func:`ckptfix.safety.guards.torch_policy`)."""
+    ``policy``: the unpickler's (default :func:`ckptfix.safety.guards.torch_policy`). NeedsTorch where
+    torch.load's general path is needed (big-endian data)."""
     import torch
 
     try:
-        reader = torch._C.PyTorchFileReader(path)
+        reader: Any = torch._C.PyTorchFileReader(path)  # (its stubs lack has_record, get_record_offset)
         if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
-            raise Unsupported("big-endian data")
+            raise NeedsTorch("big-endian data")
         data = reader.get_record("data.pkl")
         crcs = {e.name.split("/", 1)[-1]: e.crc for e in zip_directory(path).entries}
     except (RuntimeError, ValueError, OSError) as e:
@@ -86,7 +86,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         raise
     except pickle.UnpicklingError as e:  # the restricted unpickler refused something
         safety.ensure_safe(path, TORCH_ZIP)  # the full static scan names every offending global
-        raise _unpickling_error(path, e) from None
+        raise unpickling_error(path, e) from None
     except Exception as e:  # every failure of a hostile or broken pickle becomes a FormatError
         safety.ensure_safe(path, TORCH_ZIP)
         raise translate_load_error(path, TORCH_ZIP, e) from None
@@ -131,7 +131,7 @@ def _meta_tensor_reducer(storage_of: Callable[[Any], Any]) -> Callable[[Any], An
         if not isinstance(obj, torch.Tensor) or obj.device.type != "meta":
             return NotImplemented
         storage = storage_of(obj)
-        args = (storage, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad, OrderedDict())
+        args: tuple[Any, ...] = (storage, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad, OrderedDict())
         if isinstance(obj, torch.nn.Parameter):
             inner = torch.Tensor._make_subclass(torch.Tensor, obj.detach(), False)
             return (torch._utils._rebuild_parameter, (inner, obj.requires_grad, OrderedDict()))

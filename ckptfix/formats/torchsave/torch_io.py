@@ -1,4 +1,4 @@
-"""torch.save files: the zip format (torch >= 1.6) and the legacy pickle stream, plus TorchScript.
+"""torch.save files: the zip format (torch >= 1.6) and the legacy pickle stream, through torch.load and torch.save.
 
 Reading goes through ``torch.load`` with ckptfix's restricted unpickler (unless the caller trusts
 the file), ``mmap=True`` for zip files, and a map_location callable that records the saved device
@@ -18,12 +18,14 @@ from ...safety import guards, scanner as safety
 from ...errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
 from ...safety.standins import pickle_module_for
 from ...parse.unpickler import Refused, SafePickle
-from .. import TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT, RawRead, torchscript
+from ...parse.format_registry import get
+from .. import RawRead
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
-    if fmt == TORCHSCRIPT:
-        return _read_torchscript(path, plan, trust)
+    """``torch.load`` of ``path`` with the device plan, restricted unless ``trust`` (a zip mapped, not read;
+    a legacy file on meta without its tensor bytes)."""
+    zipped = get(fmt).zip
     if not trust:
         safety.ensure_safe(path, fmt)
     tags: dict[int, str] = {}
@@ -32,7 +34,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     try:
         with open(path, "rb") as f:
             obj = torch_load(path if by_name else f, plan.torch_map_location(tags), trust=trust,
-                             mmap=fmt == TORCH_ZIP and by_name, skip_data=fmt == TORCH_LEGACY and plan.is_meta)
+                             mmap=zipped and by_name, skip_data=not zipped and plan.is_meta)
     except CkptfixError:
         raise
     except Exception as e:  # torch raises many types for bad files; all become FormatError
@@ -121,52 +123,25 @@ def translate_load_error(path: str, fmt: str, e: BaseException) -> CkptfixError:
     if isinstance(e, MemoryError):
         return FormatError(f"{path}: ran out of memory reading it (a corrupt size field?)")
     if isinstance(e, pickle.UnpicklingError):
-        return _unpickling_error(path, e)
-    return FormatError(f"{path}: can't be read as a {fmt} checkpoint: {_first_line(e)}")
+        return unpickling_error(path, e)
+    return FormatError(f"{path}: can't be read as a {fmt} checkpoint: {first_line(e)}")
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The exception's first line of text (its type's name when it has none)."""
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
 
 
-def _unpickling_error(path: str, e: Exception) -> CkptfixError:
+def unpickling_error(path: str, e: Exception) -> CkptfixError:
     """A pickle the restricted unpickler refused (UnsafeCheckpointError), or a broken one (FormatError)."""
     if isinstance(e, Refused):
         names = [e.name] if e.name else []
         return UnsafeCheckpointError(
-            f"{path}: refused: {_first_line(e)}. {trust_advice()}; `ckptfix scan` lists everything it references.",
+            f"{path}: refused: {first_line(e)}. {trust_advice()}; `ckptfix scan` lists everything it references.",
             names,
         )
-    return FormatError(f"{path}: is corrupt or truncated (the pickle can't be read: {_first_line(e)})")
-
-
-def _read_torchscript(path: str, plan: Any, trust: bool) -> RawRead:
-    import torch
-
-    if plan.is_meta:
-        try:
-            return torchscript.read_meta(path)  # runs none of the archive's code
-        except CkptfixError:
-            if not trust:
-                raise
-    if not trust:
-        raise UnsafeCheckpointError(
-            f"{path}: is a TorchScript archive; loading it runs the code inside it. "
-            f"{trust_advice()} to extract "
-            "its state dict; `ckptfix inspect` lists its tensors without running anything."
-        )
-    dev = "cpu" if plan.user_fn is not None or plan.mapping is not None else plan.target("cpu")
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.jit.load. is deprecated", category=FutureWarning)
-            module = torch.jit.load(path, map_location="cpu" if dev == "meta" else dev)
-    except (RuntimeError, ValueError, OSError) as e:
-        raise FormatError(f"{path}: can't be read as a TorchScript archive: {_first_line(e)}") from None
-    sd = module.state_dict()
-    if dev == "meta":
-        sd = type(sd)((k, v.to("meta")) for k, v in sd.items())
-    return RawRead(obj=sd, format=TORCHSCRIPT, notes=["state dict extracted from a TorchScript module"])
+    return FormatError(f"{path}: is corrupt or truncated (the pickle can't be read: {first_line(e)})")
 
 
 def write(obj: Any, path: str) -> list[str]:

@@ -1,18 +1,15 @@
-"""Writers for checkpoints described without torch (:class:`~ckptfix.core.tensorinfo.TensorInfo` values):
-a torch zip or a safetensors file whose tensor bytes are copied from the source in the kernel.
+"""A torch zip written from :class:`~ckptfix.core.tensorinfo.TensorInfo` values without torch: ``data.pkl``
+pickled here, each tensor's record copied from its source in the kernel (:func:`.records.write_archive`).
 
 ``data.pkl`` is written by Python's C pickler (protocol 2, as torch.save runs it) with the opcodes
 torch's pickler produces: ``GLOBAL torch._utils _rebuild_tensor_v2`` / ``_rebuild_parameter`` + REDUCE
 for each tensor, a persistent id ``('storage', GLOBAL torch.FloatStorage, key, 'cpu', numel)`` for each
 storage, OrderedDicts with their ``_metadata`` set by BUILD. torch's globals are written as stand-ins
-(:mod:`~ckptfix.formats.torchsave.torch_globals`) whose GLOBAL opcodes are then rewritten to torch's names, so
-torch is never imported; a value holding the stand-ins' marker bytes (a key, a bytes value, a huge
-int) raises :class:`NeedsTorch` instead.
-
-Dtypes without a legacy storage class (uint16, float8 …) are written as torch writes them:
-``_rebuild_tensor_v3`` with an ``UntypedStorage`` id and the dtype. Anything these writers can't
-reproduce exactly (a non-contiguous view bound for safetensors, a value that isn't plain data) raises :class:`NeedsTorch`
-from :func:`prepare`, before a byte is written, and the caller converts through torch instead.
+(:mod:`.torch_globals`) whose GLOBAL opcodes are then rewritten to torch's names, so torch is never
+imported. Dtypes without a legacy storage class (uint16, float8 …) are written as torch writes them:
+``_rebuild_tensor_v3`` with an ``UntypedStorage`` id and the dtype. Anything this can't reproduce exactly
+(a value that isn't plain data, one holding the stand-ins' marker bytes: a key, a bytes value, a huge int)
+raises :class:`~ckptfix.core.torch_free.NeedsTorch` before a byte is written.
 """
 
 from __future__ import annotations
@@ -20,22 +17,30 @@ from __future__ import annotations
 import io
 import pickle
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from ..core import bytecopy as rawcopy
-from ..core.tensorinfo import StorageInfo, TensorInfo
-from ..core.torch_tables import DTYPE_ITEMSIZE
-from . import SAFETENSORS, TORCH_ZIP, StorageRef, zip_directory
-from .safetensors_file import _ST_NAMES, encode_header, write_file
-from .describe import dtype as DtypeToken
-from .torchsave.torch_globals import (DTYPES, REBUILD_PARAMETER, REBUILD_TENSOR, REBUILD_TENSOR_V3, STORAGE_CLASS,
-                                      UNTYPED_STORAGE, marker, to_torch)
-from .torchsave.records import write_archive
+from ...core.tensorinfo import StorageInfo, TensorInfo
+from ...core.torch_free import NeedsTorch
+from ...core.torch_tables import DTYPE_ITEMSIZE
+from ...parse.sniff import zip_directory
+from .. import StorageRef, WritePlan
+from .describer import dtype as DtypeToken
+from .records import write_archive
+from .torch_globals import (DTYPES, REBUILD_PARAMETER, REBUILD_TENSOR, REBUILD_TENSOR_V3, STORAGE_CLASS,
+                            UNTYPED_STORAGE, marker, to_torch)
 
 
-class NeedsTorch(Exception):
-    """This output needs torch's writers (the caller falls back to the torch path)."""
+def plan_write(obj: Any, archive: str = "archive", keep_keys: bool = True) -> WritePlan:
+    """Plan writing ``obj`` as a torch zip (NeedsTorch, nothing written, for what only torch's writer
+    reproduces). ``keep_keys``: the source's records are named by key (a torch zip), which the output keeps
+    as the torch path does."""
+    data, order = pickle_structure(obj, keep_keys)
+
+    def write_zip(path: str) -> list[str]:
+        write_archive(data, order, path, archive)
+        return []
+
+    return WritePlan(write_zip)
 
 
 class _StorageArg:
@@ -100,12 +105,12 @@ class _Pickler(_Saves, pickle.Pickler):
         self.records = records
 
 
-class _PyPickler(_Saves, pickle._Pickler):  # type: ignore[name-defined,misc]
+class _PyPickler(_Saves, pickle._Pickler):
     """The same in Python's pure pickler, which can also write a dtype value (``"dtype": torch.float16``)
     as torch's global: the C pickler can't be told to write a value as another object."""
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
-    dispatch[DtypeToken] = lambda pickler, obj: pickler.save(DTYPES[obj.name])
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[DtypeToken] = lambda pickler, obj: cast(Any, pickler).save(DTYPES[obj.name])
 
     def __init__(self, file: Any, records: _Records):
         super().__init__(file, protocol=2)
@@ -117,11 +122,12 @@ def _reduce_tensor(t: TensorInfo) -> tuple:
         inner = TensorInfo(t.dtype, t.shape, t.stride, t.storage_offset, t.storage)
         return REBUILD_PARAMETER, (inner, t.requires_grad, OrderedDict())
     if t.dtype not in STORAGE_CLASS:  # no legacy storage class (uint16, float8 …): torch writes v3
-        args = (_StorageArg(t.storage, None), t.storage_offset, t.shape, t.stride, t.requires_grad, OrderedDict(),
-                DTYPES[t.dtype])
+        args: tuple[Any, ...] = (_StorageArg(t.storage, None), t.storage_offset, t.shape, t.stride, t.requires_grad,
+                                 OrderedDict(), DTYPES[t.dtype])
         return REBUILD_TENSOR_V3, args
-    args = (_StorageArg(t.storage, t.dtype), t.storage_offset, t.shape, t.stride, t.requires_grad, OrderedDict())
-    return REBUILD_TENSOR, args
+    rebuild: tuple[Any, ...] = (_StorageArg(t.storage, t.dtype), t.storage_offset, t.shape, t.stride, t.requires_grad,
+                                OrderedDict())
+    return REBUILD_TENSOR, rebuild
 
 
 _PLAIN = (str, int, float, bool, complex, type(None), bytes)
@@ -184,62 +190,3 @@ def pickle_structure(obj: Any, keep_keys: bool) -> tuple[bytes, list[tuple[str, 
         return to_torch(buf.getvalue()), records.order
     except ValueError as e:  # the marker where _unmarked can't see it: torch's writer, not a broken file
         raise NeedsTorch(str(e)) from None
-
-
-# -- safetensors ------------------------------------------------------------------------------------
-
-def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorInfo]], list[str]]:
-    """Header, tensors to copy and notes, as :func:`ckptfix.formats.safetensors_file.write` makes them."""
-    notes: list[str] = []
-    canonical: dict[tuple, str] = {}
-    aliases: dict[str, dict] = {}
-    tensors: list[tuple[str, TensorInfo]] = []
-    for key, t in state_dict.items():
-        if type(t) is not TensorInfo or t.dtype not in _ST_NAMES:
-            raise NeedsTorch(f"{key!r}: not a tensor safetensors holds")
-        view = (id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype)
-        if view in canonical and t.numel() > 0:
-            aliases[key] = {"of": canonical[view], "dtype": _ST_NAMES[t.dtype], "shape": list(t.shape)}
-            continue
-        canonical[view] = key
-        if not t.is_contiguous():
-            raise NeedsTorch(f"{key!r} is not contiguous")
-        tensors.append((key, t))
-    raw = encode_header(state_dict, tensors, aliases, notes)
-    return raw, tensors, notes
-
-
-def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
-    def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
-        for _key, t in tensors:
-            st = t.storage
-            rawcopy.copy_range(source_fd(st.path), out, st.offset + t.storage_offset * t.element_size(), pos, t.nbytes)
-            pos += t.nbytes
-        return pos
-
-    write_file(path, header, body)
-
-
-# -- entry point ------------------------------------------------------------------------------------
-
-def prepare(obj: Any, fmt: str, archive: str = "archive", keep_keys: bool = True) -> Callable[[str], list[str]]:
-    """Plan writing ``obj`` as ``fmt``; returns ``write(path) -> notes``. Raises NeedsTorch (nothing
-    written) for what only torch's writers reproduce. ``keep_keys``: the source is a torch zip whose
-    record keys the output keeps (as the torch path does)."""
-    if fmt == SAFETENSORS:
-        header, tensors, notes = _safetensors_layout(obj)
-
-        def write_safetensors(path: str) -> list[str]:
-            _write_safetensors(path, header, tensors)
-            return notes
-
-        return write_safetensors
-    if fmt != TORCH_ZIP:
-        raise NeedsTorch(f"output format {fmt}")
-    data, order = pickle_structure(obj, keep_keys)
-
-    def write_zip(path: str) -> list[str]:
-        write_archive(data, order, path, archive)
-        return []
-
-    return write_zip

@@ -1,4 +1,6 @@
-"""safetensors: header validated by ckptfix, tensors mapped from the file without copying.
+"""safetensors files: read (tensors mapped from the file, no copy), described without torch, written with
+torch or, from :class:`~ckptfix.core.tensorinfo.TensorInfo` values, without it (the header written here, the
+tensor bytes copied from their source in the kernel).
 
 Written files carry ``{"format": "pt"}`` and, under the ``ckptfix`` metadata key, what
 safetensors itself can't hold: aliases (tied weights written once), the key order, and the
@@ -15,28 +17,33 @@ from typing import Any
 
 from ..core import bytecopy as rawcopy
 from ..core.devices import storage_id
-from ..errors import ConversionError
+from ..core.tensorinfo import StorageInfo, TensorInfo
+from ..core.torch_free import NeedsTorch
 from ..core.units import dtype_name
-from ..parse.safetensors_header import _DTYPES, META_KEY, _ckptfix_meta, assemble, read_header
-from . import SAFETENSORS, CastRef, PiecedRef, RawRead, StorageRef, check_expansion, mapped
+from ..errors import ConversionError
+from ..parse.format_registry import SAFETENSORS
+from ..parse.safetensors_header import DTYPES, META_KEY, assemble, ckptfix_meta, read_header
+from . import CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides, mapped
 
 
-def read(path: str, plan: Any) -> RawRead:
+def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
+    """The file's tensors mapped from it (no copy), on ``plan``'s device; on meta, structure and ``refs`` only."""
     import torch
 
     start, header, meta = read_header(path)
-    _ckptfix_meta(path, meta)  # a malformed entry is refused before anything is mapped
+    ckptfix_meta(path, meta)  # a malformed entry is refused before anything is mapped
     dev = plan.target("cpu") if plan.user_fn is None else "cpu"
     size = os.path.getsize(path)
-    whole = None
+    whole: Any = None
     if dev != "meta" and size > start:
         whole = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
 
     tensors: dict[str, Any] = {}
     refs: dict[int, StorageRef] = {}
     for key, e in header.items():
-        dtype = getattr(torch, _DTYPES[e["dtype"]])
+        dtype = getattr(torch, DTYPES[e["dtype"]])
         b, end = e["data_offsets"]
+        t: Any  # (set_ with no stride makes it contiguous: torch's stubs lack that form)
         if dev == "meta":
             t = torch.empty(e["shape"], dtype=dtype, device="meta")
             refs[storage_id(t)] = StorageRef(path, start + b, end - b, "cpu")
@@ -54,16 +61,36 @@ def read(path: str, plan: Any) -> RawRead:
     return RawRead(obj=sd, format=SAFETENSORS, tags=tags, refs=refs)
 
 
-_ST_NAMES = {v: k for k, v in _DTYPES.items()}
+def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead:
+    """The header only, without torch: one storage per stored tensor, ckptfix's aliases and key order restored."""
+    start, header, meta = read_header(path)
+    tensors: dict[str, Any] = {}
+    for key, e in header.items():
+        b, end = e["data_offsets"]
+        shape = tuple(e["shape"])
+        storage = StorageInfo(path, key, start + b, end - b, "cpu")
+        tensors[key] = TensorInfo(DTYPES[e["dtype"]], shape, contiguous_strides(shape), 0, storage)
+    sd = assemble(path, header, meta, tensors)
+    tags = {id(t.storage): "cpu" for t in sd.values()}
+    return RawRead(obj=sd, format=SAFETENSORS, tags=tags)
 
 
-def write(state_dict: Any, path: str, refs: dict | None = None) -> list[str]:
-    """Write a flat state dict; returns notes for the report.
+_ST_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive",
+          force: bool = False) -> list[str]:
+    """Write a flat state dict ``obj`` as the file ``path``; returns notes for the report. (``fmt``,
+    ``archive``, ``force``: the family interface's; a safetensors file has no archive name.)
 
     Tied tensors (same storage, same view) are written once and recorded as aliases; other views
     are written as their own contiguous bytes. Tensors whose storage is in ``refs`` (a structure
     read) are copied from the source file's byte range; others are written from memory.
     """
+    return _write_tensors(obj, path, refs)
+
+
+def _write_tensors(state_dict: Any, path: str, refs: dict | None) -> list[str]:
     import torch
 
     refs = refs or {}
@@ -158,7 +185,8 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
             n = t.numel() * t.element_size()
             ref = refs.get(storage_id(t))
             segments = ref.segments() if isinstance(ref, PiecedRef) else None
-            if segments is not None and t.is_contiguous() and t.storage_offset() == 0 and n == ref.nbytes:
+            if segments is not None and ref is not None and t.is_contiguous() and t.storage_offset() == 0 \
+                    and n == ref.nbytes:
                 # a tensor in chunks: copied chunk after chunk
                 rawcopy.copy_segments([(source_fd(src), offset, k) for src, offset, k in segments], out, pos)
                 pos += n
@@ -181,6 +209,52 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
                 data = flat.view(torch.uint8).numpy()
                 rawcopy.write_all(out, memoryview(data), pos)
             pos += n
+        return pos
+
+    write_file(path, header, body)
+
+
+# -- without torch ------------------------------------------------------------------------------------
+
+def plan_write(obj: Any, fmt: str, archive: str = "archive", keep_keys: bool = True) -> WritePlan:
+    """Plan writing TensorInfo values ``obj`` without torch (NeedsTorch, nothing written, for what only the
+    torch writer reproduces: a non-contiguous view, a value that is not a tensor safetensors holds)."""
+    header, tensors, notes = _safetensors_layout(obj)
+
+    def write_safetensors(path: str) -> list[str]:
+        _write_safetensors(path, header, tensors)
+        return notes
+
+    return WritePlan(write_safetensors)
+
+
+def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorInfo]], list[str]]:
+    """Header, tensors to copy and notes, as :func:`write` makes them."""
+    notes: list[str] = []
+    canonical: dict[tuple, str] = {}
+    aliases: dict[str, dict] = {}
+    tensors: list[tuple[str, TensorInfo]] = []
+    for key, t in state_dict.items():
+        if type(t) is not TensorInfo or t.dtype not in _ST_NAMES:
+            raise NeedsTorch(f"{key!r}: not a tensor safetensors holds")
+        view = (id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype)
+        if view in canonical and t.numel() > 0:
+            aliases[key] = {"of": canonical[view], "dtype": _ST_NAMES[t.dtype], "shape": list(t.shape)}
+            continue
+        canonical[view] = key
+        if not t.is_contiguous():
+            raise NeedsTorch(f"{key!r} is not contiguous")
+        tensors.append((key, t))
+    raw = encode_header(state_dict, tensors, aliases, notes)
+    return raw, tensors, notes
+
+
+def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
+    def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
+        for _key, t in tensors:
+            st = t.storage
+            rawcopy.copy_range(source_fd(st.path), out, st.offset + t.storage_offset * t.element_size(), pos, t.nbytes)
+            pos += t.nbytes
         return pos
 
     write_file(path, header, body)

@@ -141,7 +141,8 @@ def checkpoints(draw: Any) -> Any:
 def save_both(obj: Any, d: Path) -> Any:
     """``obj`` as d/ckpt.pth (torch.save) and its state dict as d/ckpt.safetensors; returns the state dict."""
     torch.save(obj, d / "ckpt.pth")
-    sd = obj if "state_dict" not in obj and "model" not in obj else obj.get("state_dict", obj.get("model"))
+    inner = obj.get("state_dict", obj.get("model"))
+    sd = inner if isinstance(inner, dict) else obj  # a state dict may hold a tensor named "model" itself
     save_file(_safetensors_copy(sd), d / "ckpt.safetensors")
     return sd
 

@@ -29,6 +29,7 @@ from conftest import mapped_from
 from ckptfix import formats
 from ckptfix.core.atomic import check_destination_dir
 from ckptfix.core.devices import DevicePlan
+from ckptfix.core.units import parse_size
 from ckptfix.errors import ConversionError, DestinationError, FormatError
 from ckptfix.formats import sharded
 from ckptfix.parse.checkpoint_dirs import find_index
@@ -78,13 +79,13 @@ def assert_same(got: dict, want: dict) -> None:
 def test_parse_size(size: Any) -> None:
     want = {"5GB": 5 * 10**9, "5 GB": 5 * 10**9, "40KB": 40_000, "1KiB": 1024, "2MiB": 2 * 2**20,
             "1.5GB": 1_500_000_000, "1000": 1000, 1000: 1000}[size]
-    assert sharded.parse_size(size) == want
+    assert parse_size(size) == want
 
 
 @pytest.mark.parametrize("size", ["", "5 apples", "GB", "-1KB", "0", "5Gb", "1e9"])
 def test_parse_size_refuses(size: str) -> None:
     with pytest.raises(ConversionError, match="size"):
-        sharded.parse_size(size)
+        parse_size(size)
 
 
 @pytest.mark.parametrize("fmt", FMTS)

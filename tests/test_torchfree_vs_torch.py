@@ -41,7 +41,7 @@ from ckptfix.errors import CkptfixError
 from ckptfix.core.torch_free import ENV_SWITCH
 from ckptfix.core.torch_free import NeedsTorch
 from ckptfix.formats import SAFETENSORS, describe, sniff
-from ckptfix.formats.torchsave import describer
+from ckptfix.formats.torchsave import zip_describer
 from ckptfix.core.tensorinfo import TensorInfo
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -183,7 +183,7 @@ def assert_agree(ours: Any, theirs: Any, where: str, data: bytes, locations: dic
     if isinstance(ours, TensorInfo):
         assert_tensor(ours, theirs, where, data, locations)
         ties.see(ours, theirs, where)
-    elif isinstance(ours, describer.dtype):
+    elif isinstance(ours, zip_describer.dtype):
         assert theirs is getattr(torch, ours.name), (where, ours, theirs)
     elif type(ours) in (dict, OrderedDict):
         assert type(theirs) is type(ours), (where, type(ours), type(theirs))

@@ -1,6 +1,7 @@
-"""How ckptfix writes byte sizes and dtypes in messages, reports and progress lines.
+"""How ckptfix writes byte sizes and dtypes in messages, reports and progress lines, and reads the sizes users
+give (``--max-shard-size 5GB``).
 
-Imports nothing (no torch), so every layer can use it.
+Imports only :mod:`ckptfix.errors` (no torch), so every layer can use it.
 
 >>> human_size(1536), human_size(3 * 2**30), dtype_name("torch.bfloat16")
 ('1.5 KiB', '3.0 GiB', 'bfloat16')
@@ -8,7 +9,10 @@ Imports nothing (no torch), so every layer can use it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from ..errors import ConversionError
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -25,3 +29,26 @@ def human_size(n: float, largest: str = "TiB") -> str:
 def dtype_name(dtype: Any) -> str:
     """``torch.float32`` → ``'float32'``: the name reports, JSON and safetensors headers use."""
     return str(dtype).removeprefix("torch.")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` → 5·10⁹ bytes, ``"40KiB"`` → 40·2¹⁰, ``"1000"`` → 1000 (transformers' units)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        n = text
+    else:
+        m = _SIZE_RE.match(str(text))
+        unit = (m.group(2) or "") if m else ""
+        if not m or unit[-1:] == "b":  # transformers reads a lowercase b as bits: refuse the ambiguity
+            raise ConversionError(
+                f"shard size {text!r} is not a size: use bytes or a number with KB/MB/GB (10^3…) "
+                "or KiB/MiB/GiB (2^10…), e.g. 5GB or 500MiB"
+            )
+        n = int(float(m.group(1)) * _SIZE_UNITS.get(unit.lower(), 1))
+    if n <= 0:
+        raise ConversionError(f"shard size {text!r} must be more than 0 bytes")
+    return n

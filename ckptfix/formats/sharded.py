@@ -31,27 +31,8 @@ from ..parse.safetensors_header import read_header
 from ..parse.sniff import sniff
 from . import RawRead, Reader, WritePlan
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b)?\s*$", re.IGNORECASE)
-_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_size(text: str | int) -> int:
-    """``"5GB"`` → 5·10⁹ bytes, ``"40KiB"`` → 40·2¹⁰, ``"1000"`` → 1000 (transformers' units)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        n = text
-    else:
-        m = _SIZE_RE.match(str(text))
-        unit = (m.group(2) or "") if m else ""
-        if not m or unit[-1:] == "b":  # transformers reads a lowercase b as bits: refuse the ambiguity
-            raise ConversionError(
-                f"shard size {text!r} is not a size: use bytes or a number with KB/MB/GB (10^3…) "
-                "or KiB/MiB/GiB (2^10…), e.g. 5GB or 500MiB"
-            )
-        n = int(float(m.group(1)) * _UNITS.get(unit.lower(), 1))
-    if n <= 0:
-        raise ConversionError(f"shard size {text!r} must be more than 0 bytes")
-    return n
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:

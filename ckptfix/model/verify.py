@@ -23,6 +23,7 @@ from . import forward as fwd
 from . import golden as gold
 from . import spec as models
 from ..statedict import repair, wrappers
+from ..statedict.transforms import CAST_DTYPES
 from .. import text
 from ..core.atomic import sha256_file
 from ..core.devices import storage_id
@@ -31,7 +32,7 @@ from .inputs import InputRecipe, resolve_input
 from ..parse.format_registry import get as format_of
 from ..parse.safetensors_header import read_header
 
-_SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # convert --dtype names
+_SHORT_DTYPES = {long: short for short, long in CAST_DTYPES.items()}  # convert --dtype names
 
 
 @dataclass

@@ -30,9 +30,9 @@ from ..core.devices import DevicePlan, normalise_device, storage_id
 from ..core.torch_free import NeedsTorch
 from ..errors import ConversionError, DeviceError, WrapperError
 from ..core.progress import Progress, peak_rss_bytes
+from ..core.units import parse_size
 from .convert_options import ConvertOptions
 from .reading import read_checkpoint, summarise
-from ..formats import sharded
 from ..parse import format_registry as registry
 from ..reports import Checkpoint, ConvertReport, tensor_stats
 from ..safety.standins import contains_stand_ins
@@ -71,7 +71,7 @@ def _plan_output(src: str, dst: str, fmt_requested: str | None, max_shard_size: 
     """Check the destination before anything is read; returns (shard size or None, output format)."""
     shard_size = None
     if max_shard_size is not None:
-        shard_size = sharded.parse_size(max_shard_size)
+        shard_size = parse_size(max_shard_size)
     fmt_out = formats.format_for_destination(dst, fmt_requested, sharded=shard_size is not None)
     out = registry.get(fmt_out)
     if shard_size is not None or out.directory_output:

@@ -6,7 +6,8 @@ carries its command-line :class:`Flag` (spelling, help, choices): ``ckptfix.cli.
 validates them in one place (``validate``). Options other commands share (``--select``, ``--trust``,
 ``--map-location``, ``--json``) are made from the same declarations.
 
-Plain data: this module imports only the format registry (plain data too), so ``ckptfix --help`` reads it without the library.
+Plain data: it imports only the tables it names (the format registry, the wrapper targets, the cast dtypes),
+so ``ckptfix --help`` reads it without the library.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..parse.format_registry import WRITE_NAMES
+from ..statedict.transforms import CAST_DTYPES
+from ..statedict.wrappers import TARGETS
 
-DTYPES = ("fp32", "fp16", "bf16")
-WRAPPER_FORMS = ("single", "ddp", "dp", "compile", "keep")
+DTYPES = tuple(CAST_DTYPES)
+WRAPPER_FORMS = tuple(TARGETS)
 OUTPUT_FORMATS = WRITE_NAMES  # the registry's --format names
 
 

@@ -16,8 +16,10 @@ from ..errors import ConversionError, KeyCollisionError, pass_flag
 from ..core.units import dtype_name
 from .wrappers import rename_state_dict
 
-DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
-          "bf16": "bfloat16", "bfloat16": "bfloat16"}
+#: ``--dtype`` names → torch dtype names (the CLI's choices are these keys)
+CAST_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+#: other spellings ``parse_dtype`` accepts from Python callers
+_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 
 
 @dataclass
@@ -66,9 +68,10 @@ def parse_dtype(name: str) -> Any:
     import torch
 
     key = name.strip().lower()
-    if key not in DTYPES:
-        raise ConversionError(f"unknown dtype {name!r}; choose fp32, fp16 or bf16")
-    return getattr(torch, DTYPES[key])
+    key = _ALIASES.get(key, key)
+    if key not in CAST_DTYPES:
+        raise ConversionError(f"unknown dtype {name!r}; choose {', '.join(CAST_DTYPES)}")
+    return getattr(torch, CAST_DTYPES[key])
 
 
 def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: bool = False) -> tuple[OrderedDict, CastReport]:

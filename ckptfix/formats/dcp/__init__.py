@@ -1,6 +1,6 @@
 """torch.distributed.checkpoint directories (``.metadata`` plus ``__R_S.distcp`` files): the directory
 (``directory``), its chunks located, checked and copied (``chunks``), Lightning's sharded directories,
-DCP files plus ``meta.pt`` (``lightning``), and the torch-free description (``describer``). This module is
+DCP files plus ``meta.pt`` (``lightning``), and the torch-free description (``dir_describer``). This module is
 the family's interface: the verbs :mod:`ckptfix.formats` dispatches to.
 
 May import: the layers below :mod:`ckptfix.formats` and the ``formats`` package itself.
@@ -12,7 +12,7 @@ from typing import Any
 
 from ...core.atomic import DirOutput
 from .. import RawRead, Reader
-from . import describer, directory
+from . import dir_describer, directory
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
@@ -21,8 +21,8 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
 
 
 def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead:
-    """The directory described without torch (:func:`.describer.describe`)."""
-    return describer.describe(path, describe_part)
+    """The directory described without torch (:func:`.dir_describer.describe`)."""
+    return dir_describer.describe(path, describe_part)
 
 
 def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive",

@@ -1,6 +1,6 @@
 """The files ``torch.save`` writes: the zip format (torch >= 1.6) and the legacy pickle stream. Read through
 torch's own loader with ckptfix's restricted unpickler (``torch_io``), or record by record without loading
-tensor data (``records``), or described without torch (``describer``); written by ``torch.save``, by copying
+tensor data (``records``), or described without torch (``zip_describer``); written by ``torch.save``, by copying
 records (``records``, ``zipwriter``), or without torch (``planner``, torch's globals stood in by
 ``torch_globals``). This module is the family's interface: the verbs :mod:`ckptfix.formats` dispatches to.
 
@@ -15,7 +15,7 @@ from ...core.torch_free import NeedsTorch
 from ...parse.format_registry import get
 from ...safety.scanner import ensure_safe
 from .. import RawRead, Reader, WritePlan
-from . import describer, planner, records, torch_io
+from . import planner, records, torch_io, zip_describer
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
@@ -36,8 +36,8 @@ def read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
 
 
 def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead:
-    """A torch zip as TensorInfo, without torch (:func:`.describer.read_torch_zip`)."""
-    return describer.read_torch_zip(path)
+    """A torch zip as TensorInfo, without torch (:func:`.zip_describer.read_torch_zip`)."""
+    return zip_describer.read_torch_zip(path)
 
 
 def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive",

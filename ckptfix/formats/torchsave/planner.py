@@ -24,7 +24,7 @@ from ...core.torch_free import NeedsTorch
 from ...core.torch_tables import DTYPE_ITEMSIZE
 from ...parse.sniff import zip_directory
 from .. import StorageRef, WritePlan
-from .describer import dtype as DtypeToken
+from .zip_describer import dtype as DtypeToken
 from .records import write_archive
 from .torch_globals import (DTYPES, REBUILD_PARAMETER, REBUILD_TENSOR, REBUILD_TENSOR_V3, STORAGE_CLASS,
                             UNTYPED_STORAGE, marker, to_torch)

@@ -19,7 +19,7 @@ from ...parse.checkpoint_dirs import member_path
 from ...parse.format_registry import DCP
 from ...safety.dcp_policy import METADATA, Token, is_inert, load_inert
 from .. import RawRead, Reader, contiguous_strides
-from ..torchsave.describer import read_torch_record
+from ..torchsave.zip_describer import read_torch_record
 from .chunks import whole
 from .directory import unflatten
 from .lightning import with_meta
@@ -39,7 +39,7 @@ def describe(path: str, describe_meta: Reader) -> RawRead:
     """A DCP directory as :func:`.directory.read` reads it on meta: each tensor whole (shape and dtype from
     the metadata, its chunks checked to tile it), each bytes entry (a ``torch.save`` zip in a byte range of
     a ``.distcp`` file: optimizer hyper-parameters, any other value) described as that zip
-    (:func:`~ckptfix.formats.torchsave.describer.read_torch_record`), keys nested again from the planner data,
+    (:func:`~ckptfix.formats.torchsave.zip_describer.read_torch_record`), keys nested again from the planner data,
     joined with a Lightning ``meta.pt`` beside them (described by ``describe_meta``) as the torch read joins it.
     Any metadata or record the torch read would refuse or doesn't model raises NeedsTorch."""
     meta = load_inert(path)

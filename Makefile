@@ -6,9 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch/torchvision builds this project is tested with; override e.g. TORCH_SPEC="torch torchvision".
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-# deepspeed for tests/test_deepspeed.py's real ZeRO runs (they skip without it); DEEPSPEED_SPEC= skips it.
+# deepspeed for tests/formats/test_deepspeed.py's real ZeRO runs (they skip without it); DEEPSPEED_SPEC= skips it.
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
-# A second torch release the frozen tables are checked against (tests/test_torch_tables.py, in its own
+# A second torch release the frozen tables are checked against (tests/core/test_torch_tables.py, in its own
 # venv: torch and pytest only); OTHER_TORCH= skips it.
 OTHER_TORCH ?= torch==2.13.0
 OTHER_VENV ?= .venv-other-torch
@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 # its JIT ops build on first use where needed). A failure is reported and skipped, never fatal.
 	@test -z "$(DEEPSPEED_SPEC)" || DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check \
 	  --no-build-isolation $(DEEPSPEED_SPEC) || echo "note: $(DEEPSPEED_SPEC) did not install (see above);" \
-	  "tests/test_deepspeed.py will skip its real-DeepSpeed tests"
+	  "tests/formats/test_deepspeed.py will skip its real-DeepSpeed tests"
 	touch $@
 
 install: $(VENV)/.installed
@@ -49,7 +49,7 @@ $(OTHER_VENV)/.installed: pyproject.toml
 define OTHER_TABLES
 if [ -f $(OTHER_VENV)/.skipped ]; then \
   echo "note: $$(cat $(OTHER_VENV)/.skipped); the tables were checked against $(TORCH_SPEC) only"; \
-else $(OTHER_VENV)/bin/python -m pytest -q -p no:cacheprovider --noconftest tests/test_torch_tables.py; fi
+else $(OTHER_VENV)/bin/python -m pytest -q -p no:cacheprovider --noconftest tests/core/test_torch_tables.py; fi
 endef
 
 test-other-torch: $(OTHER_VENV)/.installed

@@ -18,6 +18,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 
+# The tests mirror the package (tests/safety/, tests/formats/ …) and share corpora and strategies by importing
+# each other's modules (``import test_hostile`` for its CASES): every folder of tests is importable by name.
+for _folder in sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.is_dir() and p.name != "__pycache__"):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 
 def _load_train_module() -> Any:
     spec = importlib.util.spec_from_file_location("ckptfix_fixtures_train", FIXTURES / "train.py")

@@ -120,7 +120,7 @@ def _hf_dir(dst: Path, request: Any) -> None:
 
 def _deepspeed(dst: Path, request: pytest.FixtureRequest) -> None:
     """A 2-rank ZeRO-2 bf16 run's checkpoint directory (``latest``, ``global_step5/``), as fixtures/deepspeed_layouts.py
-    writes it with torch alone (tests/test_deepspeed.py holds it to deepspeed's own files)."""
+    writes it with torch alone (tests/formats/test_deepspeed.py holds it to deepspeed's own files)."""
     train = request.getfixturevalue("train")
     train._layouts()._deepspeed_layouts().save_deepspeed(train, "mlp", dst, stage=2, precision="bf16")
 

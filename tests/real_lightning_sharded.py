@@ -1,4 +1,4 @@
-"""Lightning's own sharded checkpoint directories, written by a real 2-process run for tests/test_lightning_dirs.py.
+"""Lightning's own sharded checkpoint directories, written by a real 2-process run for tests/formats/test_lightning_dirs.py.
 
     python tests/real_lightning_sharded.py OUT_DIR
 

@@ -67,3 +67,25 @@ def test_the_tree_keeps_its_shape() -> None:
     assert not long, long
     twins = {name: n for name, n in Counter(p.name for p in files if p.name != "__init__.py").items() if n > 1}
     assert not twins, twins
+
+
+def test_architecture_names_what_exists() -> None:
+    """ARCHITECTURE.md stays short and true: every module, folder and attribute it names in backticks exists."""
+    import importlib
+    import re
+
+    text = (PACKAGE.parent / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150
+    layers = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    checked = 0
+    for ref in re.findall(r"`([a-z_]+/[A-Za-z_./]*)`", text):
+        parts = ref.removesuffix("/").replace(".py", "").split("/")
+        if parts[0] not in layers:
+            continue
+        where = PACKAGE.joinpath(*parts[:2])
+        assert where.is_dir() or where.with_suffix(".py").exists(), f"ARCHITECTURE.md names {ref}, which doesn't exist"
+        if len(parts) == 2 and "." in ref.split("/")[-1] and not ref.endswith(".py"):
+            module, _, attr = ref.replace("/", ".").rpartition(".")
+            assert hasattr(importlib.import_module(f"ckptfix.{module}"), attr), f"ARCHITECTURE.md names {ref}"
+        checked += 1
+    assert checked > 30, checked  # the pattern still finds the references

@@ -3,7 +3,7 @@
 ``TORCH_SAFE_GLOBALS`` is torch's ``weights_only`` allow-list (``_get_allowed_globals()``) per torch
 release series, so ``ckptfix scan`` and ``ckptfix inspect`` can class a pickle's globals without torch.
 For a torch series not listed (before 2.13), :func:`torch_safe_names` returns None and callers ask torch
-itself (correct, but it imports torch). ``tests/test_torch_tables.py`` compares every table here with the
+itself (correct, but it imports torch). ``tests/core/test_torch_tables.py`` compares every table here with the
 installed torch and says what to add or remove when an upgrade changes one; ``make test`` runs it with
 torch 2.14.1 and, in a second venv, with 2.13.0.
 """

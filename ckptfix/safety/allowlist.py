@@ -14,7 +14,7 @@ arguments (``torch.ByteTensor(n)`` has none: uninitialised memory), and BUILD re
 rule's ``build`` allows. Nothing here imports torch or numpy at import time.
 
 Names other modules must refer to are constants below, so each name is spelled once in the package
-(``tests/test_safety.py`` checks that no other module spells one).
+(``tests/safety/test_safety.py`` checks that no other module spells one).
 """
 
 from __future__ import annotations

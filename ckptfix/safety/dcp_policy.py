@@ -5,7 +5,7 @@ by ckptfix's restricted unpickler (:mod:`ckptfix.parse.unpickler`) with the torc
 metadata dataclasses: they may be created (NEWOBJ) and given state (BUILD) — instances only, never
 the classes themselves — and anything else (``os.system``…) is refused by name before it is built.
 
-The names are a frozen table (:data:`DCP_METADATA_CLASSES`; ``tests/test_dcp_tables.py`` compares it
+The names are a frozen table (:data:`DCP_METADATA_CLASSES`; ``tests/safety/test_dcp_tables.py`` compares it
 with the installed torch), so the scanner needs no torch: :func:`load_inert` reads ``.metadata`` into
 plain stand-ins (:class:`Inert`) and falls back to torch's classes for anything it doesn't know.
 

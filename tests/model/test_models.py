@@ -12,7 +12,7 @@ from torch import nn
 from ckptfix.errors import CkptfixError, ModelSpecError
 from ckptfix.model.spec import build_model, infer_input_shape, parse_model_args, parse_shape, split_spec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_parse_model_args_literals_else_strings() -> None:

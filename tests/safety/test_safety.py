@@ -32,7 +32,7 @@ from ckptfix.safety.guards import ckptfix_objects
 from ckptfix.cli import cli
 from ckptfix.errors import UnsafeCheckpointError
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import adversarial  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script/save deprecation

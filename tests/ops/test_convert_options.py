@@ -22,7 +22,7 @@ from ckptfix.cli import cli
 from ckptfix.core.devices import parse_cli_map_location
 from ckptfix.ops.convert_options import ConvertOptions, flag_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEYWORDS = list(inspect.signature(ckptfix.convert).parameters)[2:]  # after src, dst
 #: flags of ``ckptfix convert`` that are no keyword themselves: they build the model ``by_order`` takes
 MODEL_FLAGS = {"--model", "--arg"}

@@ -31,11 +31,11 @@ from ckptfix.errors import UnsafeCheckpointError
 from ckptfix.core.torch_free import ENV_SWITCH
 from ckptfix.formats import describe, sniff
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_fast_path import DESCRIBED, _PROBE, _safetensors_copy, checkpoints, save_both  # noqa: E402
 from test_properties import _bits  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 ROOT = FIXTURES.parent
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 

@@ -15,7 +15,7 @@ import torch
 
 from ckptfix.cli import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_convert_text_and_json(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 from ckptfix.safety import guards, numpy_policy, static_checks
 from ckptfix.safety.allowlist import NUMPY_DTYPE_CLASS, RULES, Rule
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ckptfix"
+PACKAGE = Path(__file__).resolve().parents[2] / "ckptfix"
 TABLE = PACKAGE / "safety" / "allowlist.py"
 #: files that may spell an allowed name: the table, and torch's own weights_only list (frozen per torch
-#: release, compared with torch by tests/test_torch_tables.py), which is torch's fact, not ckptfix's policy
+#: release, compared with torch by tests/core/test_torch_tables.py), which is torch's fact, not ckptfix's policy
 SPELLERS = {TABLE, PACKAGE / "core" / "torch_tables.py"}
 
 

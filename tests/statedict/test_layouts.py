@@ -29,7 +29,7 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import ConversionError, UnsafeCheckpointError
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import adversarial  # noqa: E402
 from test_transforms import _train_steps  # noqa: E402
 

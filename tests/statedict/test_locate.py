@@ -15,7 +15,7 @@ from ckptfix.cli import cli
 from ckptfix.errors import DeepSpeedZeroError, SelectError
 from ckptfix.statedict.locate import find_state_dict, put_back
 
-MLP_SPEC = str(Path(__file__).resolve().parent.parent / "fixtures" / "train.py") + ":mlp"
+MLP_SPEC = str(Path(__file__).resolve().parents[2] / "fixtures" / "train.py") + ":mlp"
 
 SD = {"fc.weight": torch.ones(2, 2), "fc.bias": torch.zeros(2)}
 
@@ -61,7 +61,7 @@ def test_put_back_keeps_layout_and_order() -> None:
 
 
 # --- DeepSpeed ZeRO model_states files without their optim_states: 'module' is not always the weights
-# (fixtures/deepspeed_layouts.py, deepspeed 0.19.8; consolidating with them: tests/test_deepspeed.py) ---
+# (fixtures/deepspeed_layouts.py, deepspeed 0.19.8; consolidating with them: tests/formats/test_deepspeed.py) ---
 
 @pytest.fixture
 def deepspeed(tmp_path: Path, train: Any) -> Callable[..., list[Path]]:

@@ -20,7 +20,7 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import UnsafeCheckpointError
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import adversarial  # noqa: E402
 
 NAMES = adversarial.case_names()

@@ -36,11 +36,11 @@ from ckptfix.core.torch_free import NeedsTorch
 from ckptfix.formats import DCP, describe, sniff
 from ckptfix.core.tensorinfo import TensorInfo
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import adversarial  # noqa: E402
 from test_properties import state_dicts, tensors  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 ROOT = FIXTURES.parent
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 

@@ -22,7 +22,7 @@ import ckptfix.ops.api
 from ckptfix.cli import cli
 from ckptfix.model.spec import build_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
 RESNET = ["--model", "torchvision:resnet18", "--arg", "num_classes=10"]
 

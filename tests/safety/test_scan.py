@@ -19,7 +19,7 @@ from ckptfix.parse import pickle_walk as pickle_scan
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import adversarial  # noqa: E402
 
 

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 import ckptfix
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("src_name, dst_name, streamed", [

@@ -1,7 +1,7 @@
 """The torch-free reader (``ckptfix.formats.describe``) against torch's own readers, directly.
 
-tests/test_fast_path.py compares the torch-free reader with ckptfix's torch path, and
-tests/test_readers_agree.py compares that path with torch; this file leaves ckptfix's torch path out. For
+tests/formats/test_fast_path.py compares the torch-free reader with ckptfix's torch path, and
+tests/parse/test_readers_agree.py compares that path with torch; this file leaves ckptfix's torch path out. For
 every committed fixture, hypothesis-generated checkpoints, and the adversarial, hostile, malformed and
 mutation corpora:
 
@@ -44,7 +44,7 @@ from ckptfix.formats import SAFETENSORS, describe, sniff
 from ckptfix.formats.torchsave import zip_describer
 from ckptfix.core.tensorinfo import TensorInfo
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import adversarial  # noqa: E402
 import test_hostile  # noqa: E402
 import test_malformed  # noqa: E402
@@ -272,7 +272,7 @@ def test_fixture_read_as_torch_reads_it(path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_directory_fixtures_have_no_torch_load_reference() -> None:
     """Directories are not torch.load inputs (DCP directories are compared with ckptfix's torch path in
-    tests/test_fast_path.py); this only pins which they are, so a new kind of fixture can't go unnoticed."""
+    tests/formats/test_fast_path.py); this only pins which they are, so a new kind of fixture can't go unnoticed."""
     dirs = [p for p in _fixtures() if p.is_dir()]
     assert [(p.name, sniff(str(p))) for p in dirs] == [("mlp_fsdp2", "dcp")]
     assert all(torch_load(p) is None for p in dirs)

@@ -321,7 +321,7 @@ def real_runs(tmp_path_factory: pytest.TempPathFactory, train: Any) -> Path:
         lines = probe.stderr.strip().splitlines()
         pytest.skip(f"deepspeed can't be imported: {lines[-1] if lines else probe.returncode}")
     out = tmp_path_factory.mktemp("deepspeed")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fixtures"))
     try:
         import deepspeed_train
     finally:

@@ -28,10 +28,10 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, LimitError, UnsafeCheckpointError
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adversarial import LEGACY_MAGIC, call, glob, proto, tup, u, write_zip  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script/save deprecation
 
 

@@ -31,11 +31,11 @@ import ckptfix
 from ckptfix.errors import CkptfixError
 from ckptfix.parse.zipdir import ZipFormatError, data_start, read_directory
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import adversarial  # noqa: E402
 from test_properties import state_dicts  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 
 

@@ -25,7 +25,7 @@ from ckptfix.core.devices import DevicePlan
 from ckptfix.core.torch_free import ENV_SWITCH, NeedsTorch
 from ckptfix.parse import format_registry as registry, zipdir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

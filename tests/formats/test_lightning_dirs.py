@@ -39,7 +39,7 @@ pytestmark = [  # Lightning's own noise: resuming into another directory, and it
     pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated"),
 ]
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 STRATEGIES = {"ModelParallelStrategy": "state_dict", "FSDPStrategy": "model"}  # the DCP entry holding the weights
 
 

@@ -1,6 +1,6 @@
 """DCP's ``.metadata`` without torch: the inert read against the torch read (record ranges and refusals),
 and ``ckptfix scan`` of a DCP directory without torch. (The frozen name tables against the installed torch:
-tests/test_torch_tables.py.)
+tests/core/test_torch_tables.py.)
 """
 
 from __future__ import annotations

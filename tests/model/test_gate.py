@@ -18,7 +18,7 @@ from ckptfix.cli import cli
 from ckptfix.model.golden import META_KEY
 from ckptfix.model.spec import build_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
 
 NLP = '''

@@ -200,3 +200,14 @@ def test_cli_imports_no_library_at_module_level() -> None:
     for data, may in tables.items():
         imported = {b for a, b, top_level, _line in EDGES if a == data and top_level} - may
         assert not imported, f"ckptfix.{data} should stay plain data, but imports {sorted(imported)}"
+
+
+def test_no_private_names_imported_across_modules() -> None:
+    """A name with a leading underscore stays in its module: what another module needs is public, with a good name."""
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.ImportFrom) and _targets(module, node):
+                found += [f"{_name(module)}:{node.lineno} imports {alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not found, "private names imported across modules:\n  " + "\n  ".join(found)

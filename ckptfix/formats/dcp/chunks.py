@@ -43,6 +43,40 @@ def aligned(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
+def tiling_problem(fqn: str, size: Any, chunks: list[tuple[Any, Any]]) -> str | None:
+    """Why the chunks ``[(offsets, sizes), …]`` don't tile a tensor of ``size`` exactly (each inside it,
+    no two overlapping, every element covered), with what to do; None where they do. Counting elements
+    alone would pass two chunks that overlap and leave a gap of the same size (that torch's loader
+    fills with whatever the target held)."""
+    size = list(size)
+    boxes: list[tuple[list[int], list[int]]] = []
+    for offsets, sizes in chunks:
+        offsets, sizes = list(offsets), list(sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, size)):
+            return f"{fqn!r} chunk {offsets}+{sizes} falls outside its size {size}{_DAMAGED}"
+        if math.prod(sizes):
+            boxes.append((offsets, sizes))
+    # sweep along the dimension where the chunks start at the most places: FSDP's dim 0, TP's dim 1
+    dim = max(range(len(size)), key=lambda d: len({o[d] for o, _ in boxes}), default=None)
+    boxes.sort(key=lambda box: 0 if dim is None else box[0][dim])
+    open_: list[tuple[list[int], list[int]]] = []
+    for offsets, sizes in boxes:
+        if dim is not None:
+            open_ = [(o, n) for o, n in open_ if o[dim] + n[dim] > offsets[dim]]
+        for o, n in open_:
+            if all(a < b + m and b < a + k for a, k, b, m in zip(offsets, sizes, o, n)):
+                return f"{fqn!r} chunks {o}+{n} and {offsets}+{sizes} overlap{_DAMAGED}"
+        open_.append((offsets, sizes))
+    covered, total = sum(math.prod(n) for _, n in boxes), math.prod(size)
+    if covered != total:
+        return f"the chunks of {fqn!r} leave {total - covered} of its {size} elements uncovered{_DAMAGED}"
+    return None
+
+
+_DAMAGED = ": the chunks must tile the tensor exactly; the checkpoint is damaged (save it again)"
+
+
 class Scratch:
     """One file-backed shared mapping (its file unlinked at once) that sharded tensors are
     assembled in: its pages are the page cache's to write back, not anonymous memory."""
@@ -93,6 +127,8 @@ class Chunks:
         self.maps: dict[str, Any] = {}
         self.handles: dict[str, Any] = {}
         self.records: dict[tuple, Any] = {}
+        self.shells: dict[tuple, tuple[Any, str, Any, int | None]] = {}
+        self.expanded = 0  # bytes of chunks whose records hold less (stride 0): max_expand_bytes
         for index, info in meta.storage_data.items():
             offset = getattr(index, "offset", None)
             rel: Any = getattr(info, "relative_path", None)
@@ -115,17 +151,11 @@ class Chunks:
 
     def check_geometry(self, fqn: str, md: Any) -> None:
         """Every chunk inside the tensor and stored somewhere, together covering it exactly."""
-        size = list(md.size)
+        problem = tiling_problem(fqn, md.size, [(c.offsets, c.sizes) for c in md.chunks])
+        if problem is not None:
+            raise FormatError(f"{self.meta_path}: {problem}")
         for c in md.chunks:
-            if len(c.offsets) != len(size) or len(c.sizes) != len(size) or any(
-                o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, size)
-            ):
-                raise FormatError(
-                    f"{self.meta_path}: {fqn!r} chunk {list(c.offsets)}+{list(c.sizes)} falls outside its size {size}"
-                )
             self.record(fqn, c)
-        if sum(math.prod(c.sizes) for c in md.chunks) != math.prod(size):
-            raise FormatError(f"{self.meta_path}: the chunks of {fqn!r} don't cover its {size} elements exactly")
 
     def tensor(self, fqn: str, md: Any, scratch: Scratch | None) -> Any:
         """The whole tensor: on meta, mapped from its one chunk, or assembled in ``scratch``."""
@@ -185,10 +215,32 @@ class Chunks:
             return None
         return [(file, info.offset + offset, n)]
 
+    def check_records(self, fqn: str, md: Any) -> None:
+        """Load each chunk's record on meta (checked against the metadata and max_expand_bytes) before
+        anything is sized by the metadata's word alone (a scratch mapping, an output)."""
+        for c in md.chunks:
+            self._shell(fqn, c, md.properties.dtype)
+
     def _shell(self, fqn: str, chunk: Any, dtype: Any) -> tuple[Any, str, Any, int | None]:
         """``(info, file, shell, offset)``: the chunk's record loaded on meta (its shape, dtype and
-        layout checked against the metadata) and where its storage's bytes start in the record
-        (None where torch doesn't say or it doesn't fit)."""
+        layout checked against the metadata, and what it expands to beyond its storage against
+        max_expand_bytes) and where its storage's bytes start in the record (None where torch
+        doesn't say or it doesn't fit). Loaded once per chunk."""
+        key = (fqn, tuple(chunk.offsets))
+        if key not in self.shells:
+            self.shells[key] = self._load_shell(fqn, chunk, dtype)
+            shell = self.shells[key][2]
+            nbytes = shell.numel() * shell.element_size()
+            if nbytes > shell.untyped_storage().nbytes():  # a stride-0 record: 4 bytes standing for gigabytes
+                self.expanded += nbytes
+                if self.expanded > limits.current().max_expand_bytes:
+                    raise limits.exceeded(
+                        "max_expand_bytes", f"chunk records holding fewer bytes than they stand for (e.g. the chunk "
+                        f"of {fqn!r} at {list(chunk.offsets)}, a stride-0 expansion) would be written out as",
+                        self.expanded, self.path)
+        return self.shells[key]
+
+    def _load_shell(self, fqn: str, chunk: Any, dtype: Any) -> tuple[Any, str, Any, int | None]:
         import torch
 
         info = self.record(fqn, chunk)
@@ -279,6 +331,7 @@ class TensorRef(PiecedRef):
     def materialize(self) -> Any:
         md, n = self.md, self.nbytes
         try:
+            self.source.check_records(self.fqn, md)  # before the scratch mapping the metadata sizes
             t = self.source.tensor(self.fqn, md, Scratch(0 if whole(md) else n))
             if not (t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == n):
                 t = Scratch(n).take(list(md.size), md.properties.dtype, n).copy_(t)  # one strided chunk

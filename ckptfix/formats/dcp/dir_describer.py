@@ -14,13 +14,14 @@ from typing import Any, TypeGuard
 from ...core import limits
 from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
+from ...errors import FormatError
 from ...core.torch_tables import DTYPE_ITEMSIZE
 from ...parse.checkpoint_dirs import member_path
 from ...parse.format_registry import DCP
 from ...safety.dcp_policy import METADATA, Token, is_inert, load_inert
 from .. import RawRead, Reader, contiguous_strides
 from ..torchsave.zip_describer import read_torch_record
-from .chunks import whole
+from .chunks import tiling_problem, whole
 from .directory import unflatten
 from .lightning import with_meta
 
@@ -116,20 +117,16 @@ def _dcp_tensor(path: str, fqn: str, md: Any, records: dict[tuple[Any, Any], Any
     size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
     if not _ints(size) or type(chunks) is not list:
         raise NeedsTorch(f"entry {fqn!r}: size or chunks")
-    covered = 0
+    if not all(is_inert(c, "ChunkStorageMetadata") and _ints(getattr(c, "offsets", None))
+               and _ints(getattr(c, "sizes", None)) for c in chunks):
+        raise NeedsTorch(f"entry {fqn!r}: a chunk")
+    problem = tiling_problem(fqn, size, [(c.offsets, c.sizes) for c in chunks])
+    if problem is not None:
+        raise FormatError(f"{os.path.join(path, METADATA)}: {problem}")
     for c in chunks:
-        if not (is_inert(c, "ChunkStorageMetadata") and _ints(getattr(c, "offsets", None))
-                and _ints(getattr(c, "sizes", None))):
-            raise NeedsTorch(f"entry {fqn!r}: a chunk")
-        if len(c.offsets) != len(size) or len(c.sizes) != len(size) or any(
-                o + n > s for o, n, s in zip(c.offsets, c.sizes, size)):
-            raise NeedsTorch(f"entry {fqn!r}: a chunk outside the tensor")
         info = records.get((fqn, c.offsets))
         if info is None or info.transform_descriptors:
             raise NeedsTorch(f"entry {fqn!r}: a chunk without a plain record")
-        covered += math.prod(c.sizes)
-    if covered != math.prod(size):
-        raise NeedsTorch(f"entry {fqn!r}: chunks don't cover it")
     dtype_name = dtype_token.name
     storage = StorageInfo(path, fqn, -1, math.prod(size) * DTYPE_ITEMSIZE[dtype_name], "cpu")
     return ConsolidatedInfo(dtype_name, size, contiguous_strides(size), 0, storage)

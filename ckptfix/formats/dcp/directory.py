@@ -70,6 +70,8 @@ def _consolidate(meta: Any, source: Chunks, plan: Any, trust: bool,
     tensors = {fqn: md for fqn, md in entries.items() if isinstance(md, TensorStorageMetadata)}
     for fqn, md in tensors.items():
         source.check_geometry(fqn, md)
+        if dev != "meta":
+            source.check_records(fqn, md)  # before the scratch mapping the metadata sizes
     sharded = [md for md in tensors.values() if not whole(md)]
     scratch = None if dev == "meta" else Scratch(sum(aligned(tensor_nbytes(md)) for md in sharded))
     flat: dict[str, Any] = {}

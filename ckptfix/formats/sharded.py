@@ -64,6 +64,7 @@ def _merge(index_path: str, read_part: Reader) -> RawRead:
         raise FormatError(f"{index_path}: shards must all be safetensors or all torch files ({found})")
     merged: dict[str, Any] = {}
     aliases_after: dict[str | None, list[str]] = {}
+    alias_shard: dict[str, str] = {}  # an alias the index doesn't list -> the shard that restores it
     raw = RawRead(obj=None, format=str(sharded_as.pop()))
     module_metadata: OrderedDict = OrderedDict()
     refs_complete = True
@@ -73,9 +74,10 @@ def _merge(index_path: str, read_part: Reader) -> RawRead:
         if not isinstance(sd, dict):
             raise FormatError(f"{index_path}: shard {shard} holds a {type(sd).__name__}, not a state dict")
         _check_shard(index_path, shard, keys, _stored_keys(paths[shard], kinds[shard], sd), sd, weight_map)
+        _check_aliases(index_path, shard, sd, weight_map, alias_shard)
         previous: str | None = None
         for key in sd:  # keys the shard restores beyond its stored tensors: ckptfix's tied aliases
-            if key not in weight_map and key not in merged:
+            if key not in weight_map:
                 aliases_after.setdefault(previous, []).append(key)
             previous = key
         merged.update(sd)
@@ -108,6 +110,20 @@ def _check_shard(index_path: str, shard: str, keys: list[str], stored: list[str]
         if key not in listed:
             elsewhere = f" (the index puts it in {weight_map[key]})" if key in weight_map else ""
             raise FormatError(f"{index_path}: {shard} holds {key!r}, which the index does not list there{elsewhere}")
+
+
+def _check_aliases(index_path: str, shard: str, sd: dict, weight_map: dict[str, str], alias_shard: dict[str, str]) -> None:
+    """Each key comes from one shard: a key ``shard`` restores beyond what it stores (ckptfix's tied
+    alias) is one the index lists for ``shard`` or for none, and that no other shard restores too."""
+    for key in sd:
+        origin = weight_map.get(key, alias_shard.get(key, shard))
+        if origin != shard:
+            raise FormatError(
+                f"{index_path}: {shard} records {key!r} as an alias of a tensor it stores, but {key!r} comes from "
+                f"{origin}: each key must come from one shard (drop the alias from {shard} or fix the index)"
+            )
+        if key not in weight_map:
+            alias_shard[key] = shard
 
 
 def _stored_keys(path: str, kind: str, sd: dict) -> list[str]:

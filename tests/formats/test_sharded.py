@@ -178,6 +178,50 @@ def test_tied_weights_share_a_shard_and_are_written_once(tmp_path: Path, fmt: st
     assert raw.obj["head.weight"].data_ptr() == raw.obj["emb.weight"].data_ptr()
 
 
+def _aliasing_shards(out: Path, alias_in_both: bool) -> Path:
+    """Two safetensors shards and their index: ``a`` in shard 1 (safetensors' own writer), ``b`` in shard 2
+    (ckptfix's writer, a tied ``b``/``a`` pair: ``a`` recorded in its header as an alias of ``b``). With
+    ``alias_in_both`` ``a`` is left out of the index and shard 1 is ckptfix's too, recording ``a`` as
+    an alias of its own tensor ``c``."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    b, c = torch.full((2, 2), 2.0), torch.full((2, 2), 3.0)
+    formats.write_sharded(OrderedDict([("b", b), ("a", b)]), str(out / "two"), formats.SAFETENSORS, 10**6)
+    (out / "two" / "model.safetensors").rename(out / "model-00002-of-00002.safetensors")
+    first = out / "model-00001-of-00002.safetensors"
+    if alias_in_both:
+        formats.write_sharded(OrderedDict([("c", c), ("a", c)]), str(out / "one"), formats.SAFETENSORS, 10**6)
+        (out / "one" / "model.safetensors").rename(first)
+        weight_map = {"c": first.name, "b": "model-00002-of-00002.safetensors"}
+    else:
+        save_file({"a": torch.ones(2, 2)}, str(first), metadata={"format": "pt"})
+        weight_map = {"a": first.name, "b": "model-00002-of-00002.safetensors"}
+    index = out / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 32}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("alias_in_both", [False, True], ids=["alias-of-a-listed-key", "alias-in-two-shards"])
+def test_a_shards_alias_cannot_override_another_shards_key(tmp_path: Path, alias_in_both: bool, cli_runner) -> None:
+    """Each key comes from the one shard the index names for it (an alias: the one shard recording it)."""
+    from ckptfix.cli import cli
+
+    index = _aliasing_shards(tmp_path / "out", alias_in_both)
+    if not alias_in_both:  # what from_pretrained does: every listed file loaded; safetensors ignores the alias
+        assert torch.equal(hf_load(index.parent, formats.SAFETENSORS)["a"], torch.ones(2, 2))
+    message = r"model-00002-of-00002\.safetensors records 'a' as an alias.*, but 'a' comes from model-00001"
+    for plan in ("cpu", "meta"):
+        with pytest.raises(FormatError, match=message) as e:
+            read_sharded(str(index), DevicePlan(plan), trust=False)
+        assert "model.safetensors.index.json" in str(e.value)
+    with pytest.raises(FormatError, match=message):
+        formats.describe(str(index), formats.sniff(str(index)))
+    res = cli_runner.invoke(cli, ["convert", str(index.parent), str(tmp_path / "model.safetensors")])
+    assert res.exit_code == 1 and len(res.stderr.splitlines()) == 1 and "'a'" in res.stderr, res.output
+    assert not (tmp_path / "model.safetensors").exists()
+
+
 # --- index validation: each broken index is a FormatError naming the index and the problem ---
 
 def _outside_copy(out: Path, shard: str) -> Path:

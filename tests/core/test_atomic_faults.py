@@ -384,3 +384,28 @@ def test_sigterm_mid_write_of_a_large_file(tmp_path: Path) -> None:
     _stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, f"the write finished before the signal: {stderr}"
     assert _error_line(stderr) == "Error: terminated (SIGTERM); nothing was written" and list(dst.parent.iterdir()) == []
+
+
+def test_disk_full_mid_dcp_write(tmp_path: Path, fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch, cli_runner) -> None:
+    """torch's DCP writer streams each record through torch.save's zip writer, which meets the OSError mid-record
+    and raises its own RuntimeError ("unexpected pos …") on the way out: the full disk is still what is said."""
+    import contextlib
+
+    from torch.distributed.checkpoint import filesystem
+
+    disk = _Disk(1500, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    real_create_stream = filesystem.FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self: Any, path: Any, mode: str) -> Iterator[Any]:
+        with real_create_stream(self, path, mode) as stream:
+            yield _File(stream, disk) if "w" in mode else stream
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
+    dst = tmp_path / "dcp_out"
+    res = cli_runner.invoke(cli, ["convert", str(fixtures_dir / "mlp_ddp.pth"), str(dst), "--format", "dcp"])
+    assert disk.written > 0  # it failed mid-write, not before
+    assert res.exit_code == 1 and res.stdout == "", res.output
+    assert len(res.stderr.splitlines()) == 1, res.stderr
+    assert res.stderr.startswith("Error: ") and "No space left on device; nothing was written" in res.stderr, res.stderr
+    assert _leftovers(tmp_path) == []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 from ...core import interrupts
@@ -167,21 +168,32 @@ def _unwrap(e: Any) -> BaseException:
 
     DCP catches BaseException, so a Ctrl-C arrives as a CheckpointException (itself a BaseException,
     its message the rank's whole traceback), often with the KeyboardInterrupt only in the context
-    of the RuntimeError torch's zip writer raised on its way out. The interrupt comes back as
-    itself, an OSError (a full disk) as itself for the atomic writer to report, anything else as
-    a one-line ConversionError.
+    of the RuntimeError torch's zip writer raised on its way out ("unexpected pos …"), as is an
+    OSError (a full disk). The interrupt comes back as itself, an OSError as itself for the atomic
+    writer to report, anything else as a one-line ConversionError.
     """
     failures = [exc for exc, _trace in getattr(e, "failures", {}).values()]
     for exc in failures:
         interrupt = interrupts.cause(exc)
         if interrupt is not None:
             return interrupt
-    for exc in failures:
-        if isinstance(exc, OSError):
-            return exc
+    for exc in failures:  # torch.save's zip writer meets the OSError mid-record and raises its own on the way out
+        written = next((e for e in _chain(exc) if isinstance(e, OSError)), None)
+        if written is not None:
+            return written
     first = failures[0] if failures else e
     text = (str(first).strip().splitlines() or [type(first).__name__])[0 if failures else -1]
     return ConversionError(f"torch.distributed.checkpoint.save failed: {type(first).__name__}: {text}")
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 def _leaves(obj: Any) -> Any:

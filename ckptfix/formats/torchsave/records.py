@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ...core.bytecopy import CrcWorker, SegmentsCrcWorker
+from ...core.bytecopy import CrcCheck, CrcWorker, Recorded, SegmentsCrcWorker
 from ...core.devices import storage_id
 from ...core.torch_free import NeedsTorch
 from ...errors import CkptfixError, FormatError, UnsafeCheckpointError
@@ -25,7 +25,7 @@ from ...parse.sniff import zip_directory
 from ...parse.unpickler import SafePickle
 from ...safety import guards, scanner as safety
 from ...safety.standins import pickler_base_for
-from .. import CastRef, PiecedRef, RawRead, StorageRef, storage_bytes
+from .. import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 
@@ -41,7 +41,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
             raise NeedsTorch("big-endian data")
         data = reader.get_record("data.pkl")
-        crcs = {e.name.split("/", 1)[-1]: e.crc for e in zip_directory(path).entries}
+        members = {e.name.split("/", 1)[-1]: e for e in zip_directory(path).entries}
     except (RuntimeError, ValueError, OSError) as e:
         raise FormatError(f"{path}: is a truncated or corrupt torch zip archive ({str(e).splitlines()[0]})") from None
 
@@ -67,7 +67,10 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
             st = torch.UntypedStorage(nbytes, device="meta")
             storages[key] = st
             sid = storage_id(st)
-            refs[sid] = StorageRef(path, reader.get_record_offset(name), nbytes, location, crcs.get(name), str(key))
+            offset, member = reader.get_record_offset(name), members.get(name)
+            record = None if member is None else Recorded(path, name, offset, member.file_size, member.crc)
+            crc = record.crc if record is not None and record.size == nbytes else None  # else computed when written
+            refs[sid] = StorageRef(path, offset, nbytes, location, crc, str(key), record)
             tags[sid] = location
         return torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
 
@@ -210,6 +213,7 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
     copied = 0
     fds: dict[str, int] = {}
     crcs = _LazyCrcs(order, fds)
+    check = CrcCheck(source_record(ref) for _key, ref in order)
     try:
         pieces: dict[int, tuple[tuple[int, int, int], ...]] = {}  # id(PiecedRef) -> its (fd, offset, size)s
         for _key, ref in order:
@@ -237,11 +241,13 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
                 crc = ref.crc if ref.crc is not None else crcs.get(fds[ref.path], ref.offset, ref.nbytes)
                 z.add_copy(f"{archive}/data/{key}", fds[ref.path], ref.offset, ref.nbytes, crc)
                 copied += ref.nbytes
+            check.verify()
             z.add_bytes(f"{archive}/version", b"3\n")
             z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
             z.close()
     finally:
         crcs.close()
+        check.close()
         for fd in fds.values():
             os.close(fd)
     return copied

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ...core import limits
+from ...core.bytecopy import Recorded
 from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
 from ...core.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
@@ -140,7 +141,9 @@ class _Archive:
         entry = self.entry(f"data/{key}")
         if entry.file_size < nbytes or self.loaded and entry.file_size != nbytes:
             raise NeedsTorch(f"record data/{key} holds {entry.file_size} bytes, its tensor {nbytes}")
-        return StorageInfo(self.path, key, self.base + self.start(f"data/{key}", entry), nbytes, location)
+        offset = self.base + self.start(f"data/{key}", entry)
+        record = Recorded(self.path, f"data/{key}", offset, entry.file_size, entry.crc)
+        return StorageInfo(self.path, key, offset, nbytes, location, record)
 
 
 class _Token:

@@ -46,6 +46,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         raise FormatError(f"{path}: is a truncated or corrupt torch zip archive ({str(e).splitlines()[0]})") from None
 
     storages: dict[str, Any] = {}
+    kept: dict[str, Any] = {}  # record -> the typed storage torch.load keeps for it (its first holding bytes)
     refs: dict[int, StorageRef] = {}
     tags: dict[int, str] = {}
 
@@ -56,9 +57,11 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         if type(key) is not str or type(numel) is not int or numel < 0:
             raise pickle.UnpicklingError(f"malformed storage id {saved_id!r:.80}")
         location = location.decode("ascii") if isinstance(location, bytes) else str(location)
+        if key in kept:  # as torch.load: the record's first typed storage, whatever class this id names
+            return kept[key]
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         nbytes = int(numel) * torch._utils._element_size(dtype)
-        if key not in storages:
+        if key not in storages or nbytes > 0:  # (an empty storage isn't kept: torch.load reads the record again)
             name = f"data/{key}"
             if not reader.has_record(name):
                 raise FormatError(f"{path}: the pickle refers to storage {key!r} but the archive has no {name} record")
@@ -72,7 +75,10 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
             crc = record.crc if record is not None and record.size == nbytes else None  # else computed when written
             refs[sid] = StorageRef(path, offset, nbytes, location, crc, str(key), record)
             tags[sid] = location
-        return torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
+        typed = torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
+        if nbytes > 0:
+            kept[key] = typed
+        return typed
 
     policy = policy or guards.torch_policy()
     stream = io.BytesIO(data)

@@ -89,3 +89,14 @@ def test_an_intact_file_still_converts(tmp_path: Path, name: str, torch_free: bo
         from safetensors.torch import load_file
         out = load_file(tmp_path / name)
     assert torch.equal(out["a"], base[:10]) and torch.equal(out["b"], torch.ones(3, 3))
+
+
+@pytest.mark.parametrize("flags", [["--format", "dcp"], ["--trust"]], ids=["dcp", "trust"])
+def test_the_loaded_path_checks_too(tmp_path: Path, flags: list[str], cli_runner: Any) -> None:
+    """Read through torch.load (a DCP output, ``--trust``): the records' CRC-32s are checked meanwhile."""
+    bad = damaged_checkpoint(tmp_path)
+    out = tmp_path / "out" / ("dcp" if "dcp" in flags else "out.pth")
+    out.parent.mkdir()
+    res = cli_runner.invoke(cli, ["convert", str(bad), str(out), "-q", *flags])
+    assert res.exit_code == 1 and res.output.startswith(f"Error: {bad}: record data/0 "), res.output
+    assert list((tmp_path / "out").iterdir()) == []

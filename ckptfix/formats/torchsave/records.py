@@ -10,6 +10,7 @@ multi-GB file costs about what ``cp`` does.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from ...errors import CkptfixError, FormatError, UnsafeCheckpointError
 from ...parse.format_registry import TORCH_ZIP
 from ...parse.sniff import zip_directory
 from ...parse.unpickler import SafePickle
+from ...parse.zipdir import data_start
 from ...safety import guards, scanner as safety
 from ...safety.standins import pickler_base_for
 from .. import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
@@ -100,6 +102,18 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         safety.ensure_safe(path, TORCH_ZIP)
         raise translate_load_error(path, TORCH_ZIP, e) from None
     return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)
+
+
+def data_members(path: str) -> list[Recorded]:
+    """Every ``data/KEY`` record of the torch zip ``path`` with the CRC-32 its zip records (none where the
+    zip can't be read: the read then gives its own error), to check while torch reads them."""
+    try:
+        entries = [e for e in zip_directory(path).entries if e.name.split("/", 1)[-1].startswith("data/")]
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return [Recorded(path, e.name.split("/", 1)[-1], data_start(buf, len(buf), e)[0], e.file_size, e.crc)
+                    for e in entries if e.method == 0]
+    except (OSError, ValueError):
+        return []
 
 
 class _LazyCrcs:

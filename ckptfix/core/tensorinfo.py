@@ -27,6 +27,7 @@ class StorageInfo:
     offset: int
     nbytes: int
     location: str
+    record: Any = None  # the torch zip member holding the bytes (core.bytecopy.Recorded), checked when copied
 
 
 @dataclass(frozen=True, eq=False, slots=True)

@@ -26,6 +26,7 @@ from typing import Any, Protocol, cast
 
 from ..core import limits
 from ..core.atomic import DirOutput
+from ..core.bytecopy import Recorded
 from ..core.devices import storage_id
 from ..core.torch_free import NeedsTorch
 from ..errors import ConversionError, FormatError
@@ -51,6 +52,14 @@ class StorageRef:
     location: str  # saved device tag
     crc: int | None = None  # CRC-32 of the bytes, when the source records it
     key: str | None = None  # record key in a torch zip source
+    record: Recorded | None = None  # the zip member holding them, its CRC-32 checked as they are copied
+
+
+def source_record(ref: Any) -> Recorded | None:
+    """The zip member a ref's bytes come from (a cast's: its source's), to check while copying."""
+    while isinstance(ref, CastRef):
+        ref = ref.source
+    return getattr(ref, "record", None)
 
 
 class PiecedRef:

@@ -23,7 +23,8 @@ from ..core.units import dtype_name
 from ..errors import ConversionError
 from ..parse.format_registry import SAFETENSORS
 from ..parse.safetensors_header import DTYPES, META_KEY, assemble, ckptfix_meta, read_header
-from . import CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides, mapped
+from . import (CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides, mapped,
+               source_record)
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
@@ -181,6 +182,12 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
     import torch
 
     def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
+        with rawcopy.CrcCheck(source_record(refs.get(storage_id(t))) for _key, t in tensors) as check:
+            pos = copy(out, source_fd, pos)
+            check.verify()
+        return pos
+
+    def copy(out: int, source_fd: Callable[[str], int], pos: int) -> int:
         for _key, t in tensors:
             n = t.numel() * t.element_size()
             ref = refs.get(storage_id(t))
@@ -251,10 +258,13 @@ def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorI
 
 def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
     def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
-        for _key, t in tensors:
-            st = t.storage
-            rawcopy.copy_range(source_fd(st.path), out, st.offset + t.storage_offset * t.element_size(), pos, t.nbytes)
-            pos += t.nbytes
+        with rawcopy.CrcCheck(t.storage.record for _key, t in tensors) as check:
+            for _key, t in tensors:
+                st = t.storage
+                rawcopy.copy_range(source_fd(st.path), out, st.offset + t.storage_offset * t.element_size(), pos,
+                                   t.nbytes)
+                pos += t.nbytes
+            check.verify()
         return pos
 
     write_file(path, header, body)

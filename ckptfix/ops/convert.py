@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import formats
+from ..formats.torchsave import records
 from ..statedict import locate as layout, transforms, wrappers
 from ..core import torch_free
+from ..core.bytecopy import CrcCheck
 from ..core.atomic import atomic_path, check_destination, check_destination_dir, hashed_name, sha256_file
 from ..core.devices import DevicePlan, normalise_device, storage_id
 from ..core.torch_free import NeedsTorch
@@ -109,7 +111,12 @@ def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
 
 
 def _load(req: Request) -> Checkpoint:
-    return read_checkpoint(req.src, req.map_location, req.trust, req.select, refuse=True, fmt=req.fmt_in)
+    """torch reads the file; a torch zip's records are checked against their CRC-32s meanwhile (torch doesn't)."""
+    members = records.data_members(req.src) if req.fmt_in == registry.TORCH_ZIP else []
+    with CrcCheck(members) as check:
+        ckpt = read_checkpoint(req.src, req.map_location, req.trust, req.select, refuse=True, fmt=req.fmt_in)
+        check.verify()
+    return ckpt
 
 
 def _needs_no_torch(req: Request) -> bool:

@@ -4,6 +4,7 @@ golden outputs, directory checkpoints with the forward check."""
 from __future__ import annotations
 
 import json
+import zipfile
 import shlex
 from pathlib import Path
 from typing import Any
@@ -391,3 +392,34 @@ def test_a_recorded_recipe_makes_the_same_input_again(recipe: dict, first: Any) 
         assert torch.equal(x, seeded_input((2, 3), 1234))
     else:
         assert x.dtype == first and bool((x >= recipe["range"][0]).all() and (x < recipe["range"][1]).all())
+
+
+# --- a damaged file: verify's fix command must not launder it ---
+
+@pytest.mark.parametrize("ext", [".pth", ".safetensors"])
+@pytest.mark.parametrize("torch_free", ["1", "0"], ids=["torch-free", "streamed"])
+def test_the_fix_command_for_a_damaged_file_is_refused(tmp_path: Path, ext: str, torch_free: str, cli_runner: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``verify --exact`` fails a file whose CRC-32s don't match its bytes and suggests a convert command (for
+    the wrapper prefix); that command refuses the file instead of writing a fresh one that would pass."""
+    monkeypatch.setenv("CKPTFIX_TORCH_FREE", torch_free)
+    net = build_model(MLP_SPEC)
+    good = tmp_path / "good.pth"
+    torch.save({"model": {f"module.{k}": v for k, v in net.state_dict().items()}}, good)
+    raw = bytearray(good.read_bytes())
+    with zipfile.ZipFile(good) as z:
+        member = z.getinfo("good/data/0")
+    start = member.header_offset + 30 + len(member.filename) + int.from_bytes(raw[member.header_offset + 28:
+                                                                                  member.header_offset + 30], "little")
+    raw[start + 3] ^= 0xFF
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(bytes(raw))
+    report = _json(cli_runner, [str(bad), "--model", MLP_SPEC, "--exact"], 3)
+    assert any("CRC-32" in f for f in report["failures"]), report["failures"]
+    command = shlex.split(report["convert_command"])
+    assert command[:2] == ["ckptfix", "convert"]
+    out = tmp_path / f"fixed{ext}"
+    command[3] = str(out)
+    res = cli_runner.invoke(cli, command[1:])
+    assert res.exit_code == 1 and res.output.startswith(f"Error: {bad}: record data/0 "), res.output
+    assert not out.exists()

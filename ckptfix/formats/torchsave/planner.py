@@ -22,7 +22,6 @@ from typing import Any, cast
 from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
 from ...core.torch_tables import DTYPE_ITEMSIZE
-from ...parse.sniff import zip_directory
 from .. import StorageRef, WritePlan
 from .zip_describer import dtype as DtypeToken
 from .records import write_archive
@@ -61,7 +60,6 @@ class _Records:
         self.order: list[tuple[str, StorageRef]] = []
         self.key_of: dict[int, str] = {}
         self.used: set[str] = set()
-        self._crcs: dict[str, dict[str, int]] = {}
 
     def persistent_id(self, arg: _StorageArg) -> tuple:
         st = arg.storage
@@ -73,16 +71,12 @@ class _Records:
                 key = f"{key}_"
             self.used.add(key)
             self.key_of[id(st)] = key
-            crc = self._crc(st) if self.keep_keys else None
-            self.order.append((key, StorageRef(st.path, st.offset, st.nbytes, st.location, crc, st.key)))
+            record = st.record
+            crc = record.crc if self.keep_keys and record is not None and record.size == st.nbytes else None
+            self.order.append((key, StorageRef(st.path, st.offset, st.nbytes, st.location, crc, st.key, record)))
         if arg.dtype is None:
             return ("storage", UNTYPED_STORAGE, self.key_of[id(st)], "cpu", st.nbytes)
         return ("storage", STORAGE_CLASS[arg.dtype], self.key_of[id(st)], "cpu", st.nbytes // DTYPE_ITEMSIZE[arg.dtype])
-
-    def _crc(self, st: StorageInfo) -> int | None:
-        if st.path not in self._crcs:
-            self._crcs[st.path] = {e.name.split("/", 1)[-1]: e.crc for e in zip_directory(st.path).entries}
-        return self._crcs[st.path].get(f"data/{st.key}")
 
 
 class _Saves:

@@ -10,22 +10,24 @@ multi-GB file costs about what ``cp`` does.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ...core.bytecopy import CrcWorker, SegmentsCrcWorker
+from ...core.bytecopy import CrcCheck, CrcWorker, Recorded, SegmentsCrcWorker
 from ...core.devices import storage_id
 from ...core.torch_free import NeedsTorch
 from ...errors import CkptfixError, FormatError, UnsafeCheckpointError
 from ...parse.format_registry import TORCH_ZIP
 from ...parse.sniff import zip_directory
 from ...parse.unpickler import SafePickle
+from ...parse.zipdir import data_start
 from ...safety import guards, scanner as safety
 from ...safety.standins import pickler_base_for
-from .. import CastRef, PiecedRef, RawRead, StorageRef, storage_bytes
+from .. import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 
@@ -41,11 +43,12 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
             raise NeedsTorch("big-endian data")
         data = reader.get_record("data.pkl")
-        crcs = {e.name.split("/", 1)[-1]: e.crc for e in zip_directory(path).entries}
+        members = {e.name.split("/", 1)[-1]: e for e in zip_directory(path).entries}
     except (RuntimeError, ValueError, OSError) as e:
         raise FormatError(f"{path}: is a truncated or corrupt torch zip archive ({str(e).splitlines()[0]})") from None
 
     storages: dict[str, Any] = {}
+    kept: dict[str, Any] = {}  # record -> the typed storage torch.load keeps for it (its first holding bytes)
     refs: dict[int, StorageRef] = {}
     tags: dict[int, str] = {}
 
@@ -56,9 +59,11 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         if type(key) is not str or type(numel) is not int or numel < 0:
             raise pickle.UnpicklingError(f"malformed storage id {saved_id!r:.80}")
         location = location.decode("ascii") if isinstance(location, bytes) else str(location)
+        if key in kept:  # as torch.load: the record's first typed storage, whatever class this id names
+            return kept[key]
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         nbytes = int(numel) * torch._utils._element_size(dtype)
-        if key not in storages:
+        if key not in storages or nbytes > 0:  # (an empty storage isn't kept: torch.load reads the record again)
             name = f"data/{key}"
             if not reader.has_record(name):
                 raise FormatError(f"{path}: the pickle refers to storage {key!r} but the archive has no {name} record")
@@ -67,9 +72,15 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
             st = torch.UntypedStorage(nbytes, device="meta")
             storages[key] = st
             sid = storage_id(st)
-            refs[sid] = StorageRef(path, reader.get_record_offset(name), nbytes, location, crcs.get(name), str(key))
+            offset, member = reader.get_record_offset(name), members.get(name)
+            record = None if member is None else Recorded(path, name, offset, member.file_size, member.crc)
+            crc = record.crc if record is not None and record.size == nbytes else None  # else computed when written
+            refs[sid] = StorageRef(path, offset, nbytes, location, crc, str(key), record)
             tags[sid] = location
-        return torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
+        typed = torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
+        if nbytes > 0:
+            kept[key] = typed
+        return typed
 
     policy = policy or guards.torch_policy()
     stream = io.BytesIO(data)
@@ -91,6 +102,18 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         safety.ensure_safe(path, TORCH_ZIP)
         raise translate_load_error(path, TORCH_ZIP, e) from None
     return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)
+
+
+def data_members(path: str) -> list[Recorded]:
+    """Every ``data/KEY`` record of the torch zip ``path`` with the CRC-32 its zip records (none where the
+    zip can't be read: the read then gives its own error), to check while torch reads them."""
+    try:
+        entries = [e for e in zip_directory(path).entries if e.name.split("/", 1)[-1].startswith("data/")]
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return [Recorded(path, e.name.split("/", 1)[-1], data_start(buf, len(buf), e)[0], e.file_size, e.crc)
+                    for e in entries if e.method == 0]
+    except (OSError, ValueError):
+        return []
 
 
 class _LazyCrcs:
@@ -210,6 +233,7 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
     copied = 0
     fds: dict[str, int] = {}
     crcs = _LazyCrcs(order, fds)
+    check = CrcCheck(source_record(ref) for _key, ref in order)
     try:
         pieces: dict[int, tuple[tuple[int, int, int], ...]] = {}  # id(PiecedRef) -> its (fd, offset, size)s
         for _key, ref in order:
@@ -237,11 +261,13 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
                 crc = ref.crc if ref.crc is not None else crcs.get(fds[ref.path], ref.offset, ref.nbytes)
                 z.add_copy(f"{archive}/data/{key}", fds[ref.path], ref.offset, ref.nbytes, crc)
                 copied += ref.nbytes
+            check.verify()
             z.add_bytes(f"{archive}/version", b"3\n")
             z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
             z.close()
     finally:
         crcs.close()
+        check.close()
         for fd in fds.values():
             os.close(fd)
     return copied

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ...core import limits
+from ...core.bytecopy import Recorded
 from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
 from ...core.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
@@ -140,7 +141,9 @@ class _Archive:
         entry = self.entry(f"data/{key}")
         if entry.file_size < nbytes or self.loaded and entry.file_size != nbytes:
             raise NeedsTorch(f"record data/{key} holds {entry.file_size} bytes, its tensor {nbytes}")
-        return StorageInfo(self.path, key, self.base + self.start(f"data/{key}", entry), nbytes, location)
+        offset = self.base + self.start(f"data/{key}", entry)
+        record = Recorded(self.path, f"data/{key}", offset, entry.file_size, entry.crc)
+        return StorageInfo(self.path, key, offset, nbytes, location, record)
 
 
 class _Token:
@@ -236,6 +239,7 @@ def _guard_parameter(u: Any, f: Any, args: tuple, kwargs: dict) -> TensorInfo:
 def _unpickle(where: str, data: bytes, archive: _Archive) -> tuple[Any, dict[int, str]]:
     storages: dict[str, StorageInfo] = {}
     tags: dict[int, str] = {}
+    kept: dict[str, tuple[str, int]] = {}  # record -> (dtype, nbytes) of the typed storage torch.load keeps for it
 
     def persistent_load(saved_id: Any) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] not in ("storage", b"storage"):
@@ -244,10 +248,15 @@ def _unpickle(where: str, data: bytes, archive: _Archive) -> tuple[Any, dict[int
         if type(key) is not str or type(numel) is not int or numel < 0 or not isinstance(storage_type, _StorageType):
             raise NeedsTorch("malformed storage id")
         location = location.decode("ascii") if isinstance(location, bytes) else str(location)
-        if key not in storages or archive.loaded:  # torch.load: a new storage each time
-            storages[key] = archive.storage(key, numel * DTYPE_ITEMSIZE[storage_type.dtype], location)
+        # torch.load keeps the first typed storage that holds bytes and hands it to every later reference to
+        # the record, whose own storage class and size it ignores (_rebuild_tensor_v2 takes that dtype)
+        dtype_name, nbytes = kept.get(key) or (storage_type.dtype, numel * DTYPE_ITEMSIZE[storage_type.dtype])
+        if key not in storages or archive.loaded or key not in kept and nbytes > 0:  # a new storage
+            storages[key] = archive.storage(key, nbytes, location)
             tags[id(storages[key])] = location
-        return _Typed(storages[key], storage_type.dtype)
+        if nbytes > 0:
+            kept.setdefault(key, (dtype_name, nbytes))
+        return _Typed(storages[key], dtype_name)
 
     stream = io.BytesIO(data)
     unpickler = SafePickle(_policy()).Unpickler(stream, encoding="utf-8")

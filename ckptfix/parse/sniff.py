@@ -7,10 +7,8 @@ readers (:mod:`ckptfix.formats`) before they read. The names it gives are the re
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
-import pickletools
 import struct
 from typing import Any
 
@@ -18,6 +16,7 @@ from ..core import limits
 from .checkpoint_dirs import find_index, index_format, is_dcp_dir, is_deepspeed_dir
 from ..errors import FormatError, MissingFileError
 from .format_registry import DCP, DEEPSPEED, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT
+from .pickle_walk import walk
 from .zipdir import read_directory
 
 # torch.serialization.MAGIC_NUMBER: the first pickle of every legacy (non-zip) torch file.
@@ -120,14 +119,9 @@ def _sniff_dir(path: str) -> str:
 
 
 def _first_pickle_is_magic(head: bytes) -> bool:
-    try:
-        for op, arg, _pos in pickletools.genops(io.BytesIO(head)):
-            if op.name in ("PROTO", "FRAME"):
-                continue
-            return op.name in ("LONG1", "LONG", "LONG4") and arg == LEGACY_MAGIC
-    except Exception:  # any parse failure means "not a legacy torch file"
-        return False
-    return False
+    """Whether the first pickle is torch's magic number, read as torch's unpickler reads it."""
+    w = walk(head, 0, "magic")
+    return w.end is not None and type(w.value) is int and w.value == LEGACY_MAGIC
 
 
 _ZIP_CACHE: dict[tuple, Any] = {}

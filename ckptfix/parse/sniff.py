@@ -7,6 +7,7 @@ readers (:mod:`ckptfix.formats`) before they read. The names it gives are the re
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import struct
@@ -53,6 +54,9 @@ def sniff(path: str) -> str:
     if head[:1] == b"\x80" and _first_pickle_is_magic(head):
         return TORCH_LEGACY
     if opens_as_tar(path):
+        if not _tar_has_storages(path):
+            raise FormatError(f"{path}: is a tar archive but not a torch checkpoint (no 'storages' member); "
+                              "extract the checkpoint from it and give that file")
         return TORCH_LEGACY  # torch < 0.4 tar layout (torch.load tries tarfile before the pickle stream)
     low = head.removeprefix(b"\xef\xbb\xbf").lstrip()[:64].lower()  # (a UTF-8 byte order mark first)
     if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<!--")):
@@ -97,6 +101,50 @@ def opens_as_tar(path: str) -> bool:
 
 
 _TAR_EXTENDED = (b"L", b"K", b"x", b"g", b"X")  # GNU long names/links, pax headers: data read into memory
+
+
+class BoundedReader(io.RawIOBase):
+    """A file for tarfile that refuses any single read past the limit max_pickle_bytes: tarfile reads
+    header extensions whole, so a forged size would otherwise allocate gigabytes."""
+
+    def __init__(self, f: Any):
+        super().__init__()
+        self.f = f
+        self.limit = limits.current().max_pickle_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.f.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def readinto(self, out: Any) -> int:
+        if len(out) > self.limit:
+            raise OSError(f"a tar record of {len(out)} bytes is beyond the limit max_pickle_bytes")
+        return self.f.readinto(out)
+
+
+def _tar_has_storages(path: str) -> bool:
+    """Whether the tar holds the regular file ``storages``, the member torch.load's tar path extracts first
+    (torch < 0.4 wrote ``sys_info``, ``pickle``, ``tensors`` and ``storages``). A tar whose members can't be
+    listed within the limits counts as a checkpoint: the scan refuses it unread."""
+    import tarfile
+
+    found = False
+    try:
+        with open(path, "rb") as raw, tarfile.open(fileobj=io.BufferedReader(BoundedReader(raw)), mode="r:") as tar:
+            for member in tar:
+                if member.name == "storages":
+                    found = member.isfile()  # torch takes the last one of that name
+    except (tarfile.TarError, OSError, ValueError, EOFError):
+        return True
+    return found
 
 
 def _sniff_dir(path: str) -> str:

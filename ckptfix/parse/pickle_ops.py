@@ -8,12 +8,13 @@ policy's handler for the instance's exact type, container keys through ``u.hasha
 
 from __future__ import annotations
 
-import codecs
 import pickle
 import struct
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from . import pickle_args as args_of
 
 _compat: Any = None
 
@@ -96,7 +97,7 @@ for _code, _fn in {
     pickle.BINFLOAT: lambda u: struct.unpack(">d", u.read_exact(8))[0],
     pickle.LONG1: lambda u: pickle.decode_long(u.read_exact(u.read_exact(1)[0])),
     pickle.LONG4: lambda u: pickle.decode_long(u.read_exact(_length(u, "<i", 4))),
-    pickle.FLOAT: lambda u: float(u.readline_()[:-1]),
+    pickle.FLOAT: lambda u: args_of.float_arg(u.readline_()),
     pickle.BINBYTES: lambda u: u.read_exact(_length(u, "<I", 4)),
     pickle.SHORT_BINBYTES: lambda u: u.read_exact(u.read_exact(1)[0]),
     pickle.BINBYTES8: lambda u: u.read_exact(_length(u, "<Q", 8)),
@@ -104,7 +105,10 @@ for _code, _fn in {
     pickle.BINUNICODE: lambda u: str(u.read_exact(_memo_index(u, 4)), "utf-8", "surrogatepass"),
     pickle.SHORT_BINUNICODE: lambda u: str(u.read_exact(u.read_exact(1)[0]), "utf-8", "surrogatepass"),
     pickle.BINUNICODE8: lambda u: str(u.read_exact(_length(u, "<Q", 8)), "utf-8", "surrogatepass"),
-    pickle.UNICODE: lambda u: str(u.readline_()[:-1], "raw-unicode-escape"),
+    pickle.UNICODE: lambda u: args_of.unicode_arg(u.readline_()),
+    pickle.INT: lambda u: args_of.int_arg(u.readline_()),
+    pickle.LONG: lambda u: args_of.long_arg(u.readline_()),
+    pickle.STRING: lambda u: u.decode_string(args_of.string_arg(u.readline_())),
     pickle.BINSTRING: lambda u: u.decode_string(u.read_exact(_length(u, "<i", 4))),
     pickle.SHORT_BINSTRING: lambda u: u.decode_string(u.read_exact(u.read_exact(1)[0])),
 }.items():
@@ -116,31 +120,6 @@ def _length(u: Any, fmt: str, size: int) -> int:
     if n < 0 or n > sys.maxsize:
         raise pickle.UnpicklingError("a length in the pickle is negative or too large")
     return n
-
-
-@_op(pickle.INT)
-def _int(u: Any) -> None:
-    data = u.readline_()
-    if data == pickle.FALSE[1:]:
-        u.stack.append(False)
-    elif data == pickle.TRUE[1:]:
-        u.stack.append(True)
-    else:
-        u.stack.append(int(data, 0))
-
-
-@_op(pickle.LONG)
-def _long(u: Any) -> None:
-    value = u.readline_()[:-1]
-    u.stack.append(int(value[:-1] if value[-1:] == b"L" else value, 0))
-
-
-@_op(pickle.STRING)
-def _string(u: Any) -> None:
-    data = u.readline_()[:-1]
-    if len(data) < 2 or data[0] != data[-1] or data[0] not in b"\"'":
-        raise pickle.UnpicklingError("the STRING opcode argument must be quoted")
-    u.stack.append(u.decode_string(codecs.escape_decode(data[1:-1])[0]))
 
 
 @_op(pickle.MARK)
@@ -266,7 +245,7 @@ def _additems(u: Any) -> None:
 
 def _memo_index(u: Any, size: int) -> int:
     if size == 0:
-        return int(u.readline_()[:-1])
+        return args_of.memo_arg(u.readline_())
     data = u.read(size)
     if len(data) != size:
         raise pickle.UnpicklingError("pickle data was truncated")
@@ -307,8 +286,8 @@ def _memoize(u: Any) -> None:
 
 @_op(pickle.GLOBAL)
 def _global(u: Any) -> None:
-    module = u.readline_()[:-1].decode("utf-8")
-    name = u.readline_()[:-1].decode("utf-8")
+    module = args_of.name_arg(u.readline_(), "utf-8")
+    name = args_of.name_arg(u.readline_(), "utf-8")
     u.stack.append(u.find_class(*decode_name(module, name)))
 
 
@@ -334,7 +313,7 @@ DISPATCH[pickle.EXT1[0]], DISPATCH[pickle.EXT2[0]], DISPATCH[pickle.EXT4[0]] = _
 
 @_op(pickle.PERSID)
 def _persid(u: Any) -> None:
-    pid = u.readline_()[:-1].decode("ascii")
+    pid = args_of.persid_arg(u.readline_())
     u.stack.append(_persistent(u, pid))
 
 
@@ -407,8 +386,8 @@ def _obj(u: Any) -> None:
 
 @_op(pickle.INST)
 def _inst(u: Any) -> None:
-    module = u.readline_()[:-1].decode("ascii")
-    name = u.readline_()[:-1].decode("ascii")
+    module = args_of.name_arg(u.readline_(), "ascii")
+    name = args_of.name_arg(u.readline_(), "ascii")
     cls = u.find_class(*decode_name(module, name))
     args = tuple(u.pop_mark())
     u.stack.append(u.call(cls, args, None, "INST"))

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..core import limits as _limits
 from ..errors import LimitError
+from . import pickle_args as args_of
 from .pickle_ops import decode_name as resolve_name
 from .unpickler import check_depth
 
@@ -103,20 +104,60 @@ def walk(buf: Any, start: int = 0, where: str = "pickle") -> Walk:
     result = Walk(where=where, start=start)
     stream = buf if hasattr(buf, "readline") else io.BytesIO(buf)
     stream.seek(start)
-    machine = _Machine(result, buf)
+    machine = _Machine(result)
     pos = start
     try:
-        for opcode, arg, at in pickletools.genops(stream):
-            pos = at if at is not None else pos  # None only for a stream without tell(): never here
-            machine.step(opcode.name, arg, pos)
-            if opcode.name == "STOP":
+        while True:
+            pos = stream.tell()
+            name, arg = _read_op(stream)
+            machine.step(name, arg, pos)
+            if name == "STOP":
                 result.end = stream.tell()
                 _check_depth(result)
                 return result
-        raise _Malformed("the stream ends before STOP")  # pragma: no cover - genops raises first
     except (_Malformed, *_PARSE_ERRORS) as e:
         result.error = f"at byte {pos}: {str(e) or type(e).__name__}"
     return result
+
+
+def _read_op(stream: Any) -> tuple[str, Any]:
+    """The next opcode's name and argument; text arguments as CPython's C unpickler reads them
+    (:mod:`ckptfix.parse.pickle_args`), strings decoded as torch.load decodes them (UTF-8)."""
+    code = stream.read(1)
+    if not code:
+        raise _Malformed("the stream ends before STOP")
+    opcode = _OPCODES.get(code.decode("latin-1"))
+    if opcode is None:
+        raise _Malformed(f"invalid opcode {code!r}")
+    if opcode.name in _TEXT_ARGS:
+        return opcode.name, _TEXT_ARGS[opcode.name](stream)
+    if opcode.arg is None:
+        return opcode.name, None
+    arg = opcode.arg.reader(stream)
+    if opcode.name in ("BINSTRING", "SHORT_BINSTRING"):  # pickletools decodes these as latin-1
+        arg = arg.encode("latin-1").decode("utf-8")
+    return opcode.name, arg
+
+
+_OPCODES = {op.code: op for op in pickletools.opcodes}
+
+
+def _name_pair(encoding: str) -> Callable[[Any], tuple[str, str]]:
+    return lambda f: (args_of.name_arg(f.readline(), encoding), args_of.name_arg(f.readline(), encoding))
+
+
+_TEXT_ARGS: dict[str, Callable[[Any], Any]] = {
+    "INT": lambda f: args_of.int_arg(f.readline()),
+    "LONG": lambda f: args_of.long_arg(f.readline()),
+    "FLOAT": lambda f: args_of.float_arg(f.readline()),
+    "STRING": lambda f: args_of.string_arg(f.readline()).decode("utf-8"),
+    "UNICODE": lambda f: args_of.unicode_arg(f.readline()),
+    "GET": lambda f: args_of.memo_arg(f.readline()),
+    "PUT": lambda f: args_of.memo_arg(f.readline()),
+    "PERSID": lambda f: args_of.persid_arg(f.readline()),
+    "GLOBAL": _name_pair("utf-8"),
+    "INST": _name_pair("ascii"),
+}
 
 
 def _check_depth(result: Walk) -> None:
@@ -144,9 +185,8 @@ def walk_stack(buf: Any, start: int, end: int, where: str) -> list[Walk]:
 class _Machine:
     """The unpickler's stack machine, over inert values."""
 
-    def __init__(self, result: Walk, buf: Any):
+    def __init__(self, result: Walk):
         self.r = result
-        self.buf = buf
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
@@ -172,14 +212,6 @@ class _Machine:
         items = self.stack
         self.stack = self.metastack.pop()
         return items
-
-    def line_pair(self, pos: int) -> tuple[str, str]:
-        """GLOBAL/INST's two lines, read from the bytes (pickletools joins them with a space)."""
-        e1 = self.buf.find(b"\n", pos + 1)
-        e2 = self.buf.find(b"\n", e1 + 1)
-        if e1 < 0 or e2 < 0:
-            raise _Malformed("GLOBAL without its two lines")
-        return bytes(self.buf[pos + 1 : e1]).decode("utf-8"), bytes(self.buf[e1 + 1 : e2]).decode("utf-8")
 
     def ref(self, module: str, name: str, op: str, pos: int) -> Ref:
         module, name = resolve_name(module, name)
@@ -339,8 +371,8 @@ class _Machine:
 
     op_BINGET = op_LONG_BINGET = op_GET
 
-    def op_GLOBAL(self, arg: Any, pos: int) -> None:
-        self.push(self.ref(*self.line_pair(pos), "GLOBAL", pos))
+    def op_GLOBAL(self, arg: tuple[str, str], pos: int) -> None:
+        self.push(self.ref(*arg, "GLOBAL", pos))
 
     def op_STACK_GLOBAL(self, arg: Any, pos: int) -> None:
         name, module = self.pop(), self.pop()
@@ -350,8 +382,8 @@ class _Machine:
             self.r.problems.append(f"STACK_GLOBAL at byte {pos} takes a name that is not a constant string")
             self.push(Ref("<unknown>", "<unknown>"))
 
-    def op_INST(self, arg: Any, pos: int) -> None:
-        module, name = self.line_pair(pos)
+    def op_INST(self, arg: tuple[str, str], pos: int) -> None:
+        module, name = arg
         args = tuple(self.pop_mark())
         ref = self.ref(module, name, "INST", pos)
         call = Call(ref, args, op="INST")

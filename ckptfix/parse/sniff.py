@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import mmap
 import os
-import pickletools
 import struct
 from typing import Any
 
@@ -18,6 +17,7 @@ from ..core import limits
 from .checkpoint_dirs import find_index, index_format, is_dcp_dir, is_deepspeed_dir
 from ..errors import FormatError, MissingFileError
 from .format_registry import DCP, DEEPSPEED, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT
+from .pickle_walk import walk
 from .zipdir import read_directory
 
 # torch.serialization.MAGIC_NUMBER: the first pickle of every legacy (non-zip) torch file.
@@ -54,6 +54,9 @@ def sniff(path: str) -> str:
     if head[:1] == b"\x80" and _first_pickle_is_magic(head):
         return TORCH_LEGACY
     if opens_as_tar(path):
+        if not _tar_has_storages(path):
+            raise FormatError(f"{path}: is a tar archive but not a torch checkpoint (no 'storages' member); "
+                              "extract the checkpoint from it and give that file")
         return TORCH_LEGACY  # torch < 0.4 tar layout (torch.load tries tarfile before the pickle stream)
     low = head.removeprefix(b"\xef\xbb\xbf").lstrip()[:64].lower()  # (a UTF-8 byte order mark first)
     if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<!--")):
@@ -100,6 +103,50 @@ def opens_as_tar(path: str) -> bool:
 _TAR_EXTENDED = (b"L", b"K", b"x", b"g", b"X")  # GNU long names/links, pax headers: data read into memory
 
 
+class BoundedReader(io.RawIOBase):
+    """A file for tarfile that refuses any single read past the limit max_pickle_bytes: tarfile reads
+    header extensions whole, so a forged size would otherwise allocate gigabytes."""
+
+    def __init__(self, f: Any):
+        super().__init__()
+        self.f = f
+        self.limit = limits.current().max_pickle_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.f.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def readinto(self, out: Any) -> int:
+        if len(out) > self.limit:
+            raise OSError(f"a tar record of {len(out)} bytes is beyond the limit max_pickle_bytes")
+        return self.f.readinto(out)
+
+
+def _tar_has_storages(path: str) -> bool:
+    """Whether the tar holds the regular file ``storages``, the member torch.load's tar path extracts first
+    (torch < 0.4 wrote ``sys_info``, ``pickle``, ``tensors`` and ``storages``). A tar whose members can't be
+    listed within the limits counts as a checkpoint: the scan refuses it unread."""
+    import tarfile
+
+    found = False
+    try:
+        with open(path, "rb") as raw, tarfile.open(fileobj=io.BufferedReader(BoundedReader(raw)), mode="r:") as tar:
+            for member in tar:
+                if member.name == "storages":
+                    found = member.isfile()  # torch takes the last one of that name
+    except (tarfile.TarError, OSError, ValueError, EOFError):
+        return True
+    return found
+
+
 def _sniff_dir(path: str) -> str:
     """A torch.distributed.checkpoint directory, a DeepSpeed one, or a Hugging Face sharded one (or its index)."""
     if os.path.isdir(path) and is_dcp_dir(path):
@@ -120,14 +167,9 @@ def _sniff_dir(path: str) -> str:
 
 
 def _first_pickle_is_magic(head: bytes) -> bool:
-    try:
-        for op, arg, _pos in pickletools.genops(io.BytesIO(head)):
-            if op.name in ("PROTO", "FRAME"):
-                continue
-            return op.name in ("LONG1", "LONG", "LONG4") and arg == LEGACY_MAGIC
-    except Exception:  # any parse failure means "not a legacy torch file"
-        return False
-    return False
+    """Whether the first pickle is torch's magic number, read as torch's unpickler reads it."""
+    w = walk(head, 0, "magic")
+    return w.end is not None and type(w.value) is int and w.value == LEGACY_MAGIC
 
 
 _ZIP_CACHE: dict[tuple, Any] = {}

@@ -11,6 +11,7 @@ between or after the members, compressed or encrypted members — it is reported
 
 from __future__ import annotations
 
+import re
 import struct
 import zipfile
 import zlib
@@ -23,6 +24,12 @@ from ..core import limits as _limits
 from .zipdir import Directory, Entry, RangeFile, ZipFormatError, data_start, fold, read_directory
 
 _DESCRIPTOR = b"PK\x07\x08"
+#: the records torch's reader opens before it unpickles anything (inline_container.cc, torch/serialization.py)
+_OPEN_RECORDS = (".data/version", "version", ".format_version", ".storage_alignment", "byteorder",
+                 ".data/serialization_id")
+#: kMinSupportedFileFormatVersion, kMaxSupportedFileFormatVersion (caffe2/serialize/versions.h)
+SUPPORTED_VERSIONS = (1, 10)
+_STOULL = re.compile(rb"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
 _CHUNK = 16 << 20
 
 
@@ -93,6 +100,7 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     _compare_with_zipfile(layout, buf, size, directory)
     _check_names(layout, directory.entries)
     _check_methods(layout, torchscript)
+    _check_open_records(layout, buf)
     _check_end(layout, size, directory)
     _check_gaps(layout, buf, directory.cd_offset)
     for m in layout.members:
@@ -292,9 +300,33 @@ def _check_names(layout: ZipLayout, entries: list[Entry]) -> None:
                         "(torch reads it, other readers don't)")
 
 
+def _check_open_records(layout: ZipLayout, buf: Any) -> None:
+    """Damage torch refuses the archive for: an encrypted record it opens, a version it can't read."""
+    opened = {f"{layout.root}/{name}": layout.unique(f"{layout.root}/{name}") for name in _OPEN_RECORDS}
+    for record in opened.values():
+        if record is not None and record.flags & 1:
+            layout.errors.append(f"record {record.name} is encrypted: torch can't open the archive")
+    version = opened[f"{layout.root}/.data/version"] or opened[f"{layout.root}/version"]
+    if version is None or version.flags & 1:
+        return
+    try:
+        head = next(iter_member(version, buf), b"")[:64]
+    except ValueError as e:
+        layout.errors.append(f"record {version.name} {e}")
+        return
+    number = _STOULL.match(head)  # std::stoull, as torch reads it; a minus sign makes any number out of range
+    low, high = SUPPORTED_VERSIONS
+    if number is None or number.group(1) == b"-" or not low <= int(number.group(2)) <= high:
+        layout.errors.append(f"its format version record {version.name} holds {head[:20]!r}, not a version torch "
+                             f"reads ({low} to {high}): the file is damaged or was written by a newer torch")
+
+
 def _check_methods(layout: ZipLayout, torchscript: bool) -> None:
     code = f"{layout.root}/code/"
+    opened = {f"{layout.root}/{name}" for name in _OPEN_RECORDS}
     for m in layout.members:
+        if m.flags & 1 and m.name in opened:
+            continue  # torch can't open the archive at all: damage (_check_open_records)
         if m.flags & 1:
             layout.find("encrypted", m.name, f"member {m.name} is encrypted: it can't be analysed")
         elif m.compress_type != 0 and not (torchscript and m.name.startswith(code)):

@@ -16,7 +16,7 @@ from ..parse import pickle_walk as pickle_scan, zipcheck as zip_check
 from .allowlist import ALLOWED, UNSAFE, classify
 from .static_checks import refused_build, refused_call, storage_itemsize
 from ..errors import FormatError, LimitError
-from ..parse.sniff import LEGACY_MAGIC
+from ..parse.sniff import LEGACY_MAGIC, BoundedReader
 
 PICKLE = "pickle"  # a plain pickle file: not a checkpoint, but scan reads it
 _LEGACY_PICKLES = ("pickle 1 (magic number)", "pickle 2 (protocol version)", "pickle 3 (system info)",
@@ -273,31 +273,8 @@ def scan_tar(c: Collector, legacy_too: bool) -> None:
     import tarfile
 
     limit = _limits.current().max_pickle_bytes
-
-    class Bounded(io.RawIOBase):  # tarfile reads header extensions whole: never more than the limit
-        def __init__(self, f: Any):
-            super().__init__()
-            self.f = f
-
-        def readable(self) -> bool:
-            return True
-
-        def seekable(self) -> bool:
-            return True
-
-        def seek(self, pos: int, whence: int = 0) -> int:
-            return self.f.seek(pos, whence)
-
-        def tell(self) -> int:
-            return self.f.tell()
-
-        def readinto(self, out: Any) -> int:
-            if len(out) > limit:
-                raise OSError(f"a tar record of {len(out)} bytes is beyond the limit max_pickle_bytes")
-            return self.f.readinto(out)
-
     try:
-        with open(c.path, "rb") as raw, tarfile.open(fileobj=io.BufferedReader(Bounded(raw)), mode="r:") as tar:
+        with open(c.path, "rb") as raw, tarfile.open(fileobj=io.BufferedReader(BoundedReader(raw)), mode="r:") as tar:
             for member in tar:
                 if not member.isfile() or member.size > limit:
                     continue

@@ -121,7 +121,9 @@ def test_plain_pickle_and_tar_legacy(tmp_path: Path) -> None:
     payload = pickle.dumps({"w": adversarial._Reduce(print, "x")}, protocol=2)
     tar_path = tmp_path / "old.tar"
     with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in (("sys_info", pickle.dumps({}, protocol=2)), ("pickle", payload)):
+        for name, data in (("sys_info", pickle.dumps({}, protocol=2)), ("pickle", payload),
+                           ("storages", pickle.dumps(0, protocol=2) + pickle.dumps([], protocol=2)),
+                           ("tensors", pickle.dumps(0, protocol=2))):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))

@@ -89,3 +89,10 @@ def test_architecture_names_what_exists() -> None:
             assert hasattr(importlib.import_module(f"ckptfix.{module}"), attr), f"ARCHITECTURE.md names {ref}"
         checked += 1
     assert checked > 30, checked  # the pattern still finds the references
+
+
+def test_one_conftest() -> None:
+    """Test modules import shared helpers as ``from conftest import …``: a second conftest.py in a test folder
+    would shadow the first for every module collected after it."""
+    tests = Path(__file__).resolve().parent
+    assert sorted(tests.rglob("conftest.py")) == [tests / "conftest.py"]

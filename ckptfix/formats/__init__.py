@@ -56,8 +56,9 @@ class StorageRef:
 
 
 def source_record(ref: Any) -> Recorded | None:
-    """The zip member a ref's bytes come from (a cast's: its source's), to check while copying."""
-    while isinstance(ref, CastRef):
+    """The zip member a ref's bytes come from (a cast's: its source's), to check while copying. A ref computed
+    from many ranges (DeepSpeed's GatherRef, its own source) has none."""
+    while isinstance(ref, CastRef) and ref.source is not ref:
         ref = ref.source
     return getattr(ref, "record", None)
 

@@ -319,6 +319,8 @@ def test_generated_headers_read_alike(case: tuple[str, bytes], tmp_path_factory:
     ('\ufeff{}', b""),
     (' \n{}\t', b""),
     ('{"a\\ud83d\\ude00": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', b"\0"),
+    ('{"a\\"%s": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}' % ("[" * 200), b"\0"),
+    ('{"__metadata__": {"k": "{{%s"}}' % ("{" * 200), b""),
 ])
 def test_edge_cases_read_alike(text: str, data: bytes, tmp_path: Path) -> None:
     """Corners found while reading safetensors' Rust parser (serde_json into usize, u64 arithmetic)."""

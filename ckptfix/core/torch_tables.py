@@ -63,11 +63,12 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16,
     "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,  # two 4-bit values per element
 }
 
 #: dtypes that may require grad (floating point or complex)
 DIFFERENTIABLE = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn",
-                            "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"})
+                            "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"})
 
 #: legacy storage classes (``torch.FloatStorage`` …) → the dtype of their elements
 STORAGE_DTYPES: dict[str, str] = {

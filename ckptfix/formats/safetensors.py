@@ -22,7 +22,8 @@ from ..core.torch_free import NeedsTorch
 from ..core.units import dtype_name
 from ..errors import ConversionError
 from ..parse.format_registry import SAFETENSORS
-from ..parse.safetensors_header import DTYPES, META_KEY, assemble, ckptfix_meta, read_header
+from ..parse.safetensors_header import (DTYPES, META_KEY, PACKED, assemble, ckptfix_meta, header_shape, read_header,
+                                         torch_shape)
 from . import (CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides, mapped,
                source_record)
 
@@ -43,17 +44,18 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
     refs: dict[int, StorageRef] = {}
     for key, e in header.items():
         dtype = getattr(torch, DTYPES[e["dtype"]])
+        shape = torch_shape(e)
         b, end = e["data_offsets"]
         t: Any  # (set_ with no stride makes it contiguous: torch's stubs lack that form)
         if dev == "meta":
-            t = torch.empty(e["shape"], dtype=dtype, device="meta")
+            t = torch.empty(shape, dtype=dtype, device="meta")
             refs[storage_id(t)] = StorageRef(path, start + b, end - b, "cpu")
         else:
             t = torch.empty(0, dtype=dtype)
             if end > b:
-                t.set_(whole[start + b : start + end], 0, e["shape"])
+                t.set_(whole[start + b : start + end], 0, shape)
             else:
-                t = torch.empty(e["shape"], dtype=dtype)
+                t = torch.empty(shape, dtype=dtype)
             if dev != "cpu":
                 t = t.to(dev)
         tensors[key] = t
@@ -68,7 +70,7 @@ def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> 
     tensors: dict[str, Any] = {}
     for key, e in header.items():
         b, end = e["data_offsets"]
-        shape = tuple(e["shape"])
+        shape = torch_shape(e)
         storage = StorageInfo(path, key, start + b, end - b, "cpu")
         tensors[key] = TensorInfo(DTYPES[e["dtype"]], shape, contiguous_strides(shape), 0, storage)
     sd = assemble(path, header, meta, tensors)
@@ -77,6 +79,12 @@ def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> 
 
 
 _ST_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _alias(of: str, dtype: str, shape: Any) -> dict[str, Any]:
+    """ckptfix's metadata for a tied tensor written once: the key it is, and its header dtype and shape."""
+    st_dtype = _ST_NAMES[dtype]
+    return {"of": of, "dtype": st_dtype, "shape": header_shape(st_dtype, shape)}
 
 
 def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive",
@@ -115,7 +123,7 @@ def _write_tensors(state_dict: Any, path: str, refs: dict | None) -> list[str]:
             raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
         view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if view in canonical and t.numel() > 0:
-            aliases[key] = {"of": canonical[view], "dtype": _ST_NAMES[name], "shape": list(t.shape)}
+            aliases[key] = _alias(canonical[view], name, t.shape)
             continue
         canonical[view] = key
         if not t.is_contiguous():
@@ -137,8 +145,11 @@ def encode_header(state_dict: Any, tensors: list[tuple[str, Any]], aliases: dict
     offset = 0
     for key, t in tensors:
         n = t.numel() * t.element_size()
-        header[key] = {"dtype": _ST_NAMES[dtype_name(t.dtype)], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + n]}
+        st_dtype = _ST_NAMES[dtype_name(t.dtype)]
+        if st_dtype in PACKED and not t.shape:
+            raise ConversionError(f"{key!r}: a 0-dimensional {dtype_name(t.dtype)} tensor has no safetensors form "
+                                  f"({st_dtype} counts values along the last dimension); write .pth instead")
+        header[key] = {"dtype": st_dtype, "shape": header_shape(st_dtype, t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     extra: dict[str, Any] = {"version": 1, "order": list(state_dict.keys())}
     if aliases:
@@ -246,7 +257,7 @@ def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorI
             raise NeedsTorch(f"{key!r}: not a tensor safetensors holds")
         view = (id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype)
         if view in canonical and t.numel() > 0:
-            aliases[key] = {"of": canonical[view], "dtype": _ST_NAMES[t.dtype], "shape": list(t.shape)}
+            aliases[key] = _alias(canonical[view], t.dtype, t.shape)
             continue
         canonical[view] = key
         if not t.is_contiguous():

@@ -15,7 +15,7 @@ import torch
 import ckptfix
 from ckptfix import errors
 from ckptfix.model import forward, inputs, spec as models
-from ckptfix.statedict import locate as layout, transforms, wrappers
+from ckptfix.statedict import locate, transforms, wrappers
 from ckptfix.core import limits
 from ckptfix.core.devices import parse_cli_map_location
 
@@ -60,7 +60,7 @@ CASES: list[tuple[type[errors.CkptfixError], type[Exception] | None, Callable[[P
     (errors.DestinationError, OSError, lambda tmp, fx: ckptfix.convert(fx / "mlp_ddp.pth", fx / "mlp_dp.pth")),
     (errors.UnsafeCheckpointError, None, _unsafe),
     (errors.DeviceError, ValueError, _raise(lambda: parse_cli_map_location(("cpu", "cuda:0=cpu")))),
-    (errors.SelectError, LookupError, _raise(lambda: layout.find_state_dict({"epoch": 3}))),
+    (errors.SelectError, LookupError, _raise(lambda: locate.find_state_dict({"epoch": 3}))),
     (errors.KeyCollisionError, ValueError, _raise(lambda: wrappers.rename_state_dict({"a": 1, "b": 2}, lambda k: "c"))),
     (errors.WrapperError, ValueError, _raise(lambda: wrappers.key_transform(to="fsdp9"))),
     (errors.ConversionError, ValueError, _raise(lambda: transforms.parse_dtype("fp8"))),

@@ -8,7 +8,7 @@ import time
 from types import TracebackType
 from typing import TextIO
 
-from . import bytecopy as rawcopy
+from . import bytecopy
 from .units import human_size
 
 
@@ -32,11 +32,11 @@ class Progress:
         self._drawn = False
 
     def __enter__(self) -> Progress:
-        rawcopy.progress = self
+        bytecopy.progress = self
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        rawcopy.progress = None
+        bytecopy.progress = None
         if et is None and self.enabled and (self._drawn or time.perf_counter() - self.start >= 1.0):
             self.bytes, self.tensors = self.total_bytes, self.total_tensors  # done: all of it is written
             self._draw(force=True)

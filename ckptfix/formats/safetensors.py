@@ -15,7 +15,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from ..core import bytecopy as rawcopy
+from ..core import bytecopy
 from ..core.devices import storage_id
 from ..core.tensorinfo import StorageInfo, TensorInfo
 from ..core.torch_free import NeedsTorch
@@ -193,7 +193,7 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
     import torch
 
     def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
-        with rawcopy.CrcCheck(source_record(refs.get(storage_id(t))) for _key, t in tensors) as check:
+        with bytecopy.CrcCheck(source_record(refs.get(storage_id(t))) for _key, t in tensors) as check:
             pos = copy(out, source_fd, pos)
             check.verify()
         return pos
@@ -206,7 +206,7 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
             if segments is not None and ref is not None and t.is_contiguous() and t.storage_offset() == 0 \
                     and n == ref.nbytes:
                 # a tensor in chunks: copied chunk after chunk
-                rawcopy.copy_segments([(source_fd(src), offset, k) for src, offset, k in segments], out, pos)
+                bytecopy.copy_segments([(source_fd(src), offset, k) for src, offset, k in segments], out, pos)
                 pos += n
                 continue
             if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
@@ -215,7 +215,7 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
                 t, ref = torch.empty(0, dtype=t.dtype).set_(
                     ref.materialize().untyped_storage(), t.storage_offset(), t.shape, t.stride()), None
             if ref is not None and t.is_contiguous():
-                rawcopy.copy_range(source_fd(ref.path), out, ref.offset + t.storage_offset() * t.element_size(), pos, n)
+                bytecopy.copy_range(source_fd(ref.path), out, ref.offset + t.storage_offset() * t.element_size(), pos, n)
             else:
                 if ref is not None:  # a non-contiguous view of a storage still in the source file
                     real = torch.empty(0, dtype=t.dtype)
@@ -225,7 +225,7 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
                 if flat.stride(0) != 1:  # contiguous() keeps a 1-element view's stride; view() needs 1
                     flat = flat.clone(memory_format=torch.contiguous_format)
                 data = flat.view(torch.uint8).numpy()
-                rawcopy.write_all(out, memoryview(data), pos)
+                bytecopy.write_all(out, memoryview(data), pos)
             pos += n
         return pos
 
@@ -269,10 +269,10 @@ def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorI
 
 def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
     def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
-        with rawcopy.CrcCheck(t.storage.record for _key, t in tensors) as check:
+        with bytecopy.CrcCheck(t.storage.record for _key, t in tensors) as check:
             for _key, t in tensors:
                 st = t.storage
-                rawcopy.copy_range(source_fd(st.path), out, st.offset + t.storage_offset * t.element_size(), pos,
+                bytecopy.copy_range(source_fd(st.path), out, st.offset + t.storage_offset * t.element_size(), pos,
                                    t.nbytes)
                 pos += t.nbytes
             check.verify()

@@ -16,8 +16,8 @@ import warnings
 from collections import OrderedDict
 from typing import Any
 
-from ..parse import pickle_walk as pickle_scan, zipcheck as zip_check
-from ..safety import scanner as safety
+from ..parse import pickle_walk, zipcheck
+from ..safety import scanner
 from ..safety.allowlist import REBUILD_PARAMETER, REBUILD_PARAMETER_WITH_STATE, REBUILD_TENSOR, REBUILD_TENSOR_V2
 from ..core.devices import storage_id
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
@@ -65,18 +65,18 @@ _DECLARED = re.compile(r"^\s+__(?:parameters|buffers)__ = (\[.*\])\s*$")
 
 def read_meta(path: str) -> RawRead:
     """The archive's state dict on ``meta``, with each storage's saved device as its tag."""
-    safety.ensure_safe(path, TORCHSCRIPT, structure_only=True)
+    scanner.ensure_safe(path, TORCHSCRIPT, structure_only=True)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        layout = zip_check.check_zip(path, buf, len(buf), torchscript=True, check_crc=False)
+        layout = zipcheck.check_zip(path, buf, len(buf), torchscript=True, check_crc=False)
         member = layout.unique(f"{layout.root}/data.pkl")
         if member is None:
             raise FormatError(f"{path}: TorchScript archive without {layout.root}/data.pkl")
         try:
-            data = zip_check.read_member(member, buf)
+            data = zipcheck.read_member(member, buf)
             declared = _declared_state(layout, buf)
         except ValueError as e:
             raise FormatError(f"{path}: member {member.name} {e}") from None
-    walk = pickle_scan.walk(data, 0, member.name)
+    walk = pickle_walk.walk(data, 0, member.name)
     if walk.error:
         raise FormatError(f"{path}: {member.name} is truncated or corrupt ({walk.error})")
     builder = _Builder(path, declared)

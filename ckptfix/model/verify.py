@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..ops import api
-from ..safety import scanner as safety
+from ..safety import scanner
 from . import forward as fwd
 from . import golden as gold
 from . import spec as models
@@ -189,7 +189,7 @@ def crc_failures(path: str, fmt: str) -> list[str]:
     if not format_of(fmt).zip:
         return []
 
-    report = safety.scan(path, check_crc=True)
+    report = scanner.scan(path, check_crc=True)
     return [f"integrity: {f.where}: its CRC-32 does not match its bytes: the file was damaged or altered after "
             "it was written (a truncated copy, a bad download or disk); copy or download it again from the original"
             for f in report.findings if f.kind == "crc-mismatch"]

@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import formats
 from ..formats.torchsave import records
-from ..statedict import locate as layout, transforms, wrappers
+from ..statedict import locate, transforms, wrappers
 from ..core import torch_free
 from ..core.bytecopy import CrcCheck
 from ..core.atomic import atomic_path, check_destination, check_destination_dir, hashed_name, sha256_file
@@ -199,7 +199,7 @@ class Output:
 def transform(req: Request, ckpt: Checkpoint) -> Output:
     """Keys renamed, dtype cast (on meta when streamed), the state dict put back for ``keep_extra``."""
     if req.keep_extra and req.strip_prefix is not None:
-        layout.check_resumable(ckpt.raw, ckpt.state_dict_key, ckpt.state_dict, req.strip_prefix, req.src)
+        locate.check_resumable(ckpt.raw, ckpt.state_dict_key, ckpt.state_dict, req.strip_prefix, req.src)
     sd, notes = normalise_keys(ckpt, req.to, req.strip_prefix, req.add_prefix, req.rename, req.by_order)
     cast = None
     if req.dtype is not None:
@@ -207,7 +207,7 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
         notes.append(f"cast to {cast.dtype}: " + (", ".join(f"{k} ×{v}" for k, v in cast.cast.items()) or "nothing to cast")
                      + ("; kept " + ", ".join(f"{k} ×{v}" for k, v in cast.kept.items()) if cast.kept else ""))
     kept = req.keep_extra and ckpt.state_dict_key not in (None, "<nn.Module>")
-    obj = layout.put_back(ckpt.raw, ckpt.state_dict_key, sd) if kept else sd
+    obj = locate.put_back(ckpt.raw, ckpt.state_dict_key, sd) if kept else sd
     return Output(sd, obj, notes, cast, kept)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import formats
-from ..statedict import locate as layout, wrappers
+from ..statedict import locate, wrappers
 from ..core.devices import DevicePlan
 from ..parse.format_registry import get
 from ..reports import Checkpoint, tensor_stats
@@ -24,11 +24,11 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
 
 def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool) -> Checkpoint:
     """The Checkpoint for what a reader returned: the state dict found, wrappers detected, stats."""
-    sel = layout.find_state_dict(raw.obj, select, source=path)
+    sel = locate.find_state_dict(raw.obj, select, source=path)
     sd = sel.state_dict
     keys = list(sd.keys())
     default_tag = get(fmt).default_device
-    notes = list(raw.notes) + layout.check_deepspeed(raw.obj, select, path, refuse=refuse)
+    notes = list(raw.notes) + locate.check_deepspeed(raw.obj, select, path, refuse=refuse)
     if sel.ema_keys:
         notes.append(f"EMA weights also present at {', '.join(sel.ema_keys)} (take them with select=KEY)")
     return Checkpoint(

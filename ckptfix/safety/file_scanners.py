@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core import limits as _limits
-from ..parse import pickle_walk as pickle_scan, zipcheck as zip_check
+from ..parse import pickle_walk, zipcheck
 from .allowlist import ALLOWED, UNSAFE, classify
 from .static_checks import refused_build, refused_call, storage_itemsize
 from ..errors import FormatError, LimitError
@@ -84,7 +84,7 @@ class Collector:
     def find(self, kind: str, where: str, message: str) -> None:
         self.findings.append(Finding(kind, where, message))
 
-    def add_walk(self, w: pickle_scan.Walk, also: frozenset[str] = frozenset()) -> None:
+    def add_walk(self, w: pickle_walk.Walk, also: frozenset[str] = frozenset()) -> None:
         """Record a walked pickle; ``also``: names allowed in this pickle only (created with NEWOBJ and
         given state with BUILD), such as DCP's metadata classes in its ``.metadata``."""
         self.pickles.append(w.where)
@@ -149,35 +149,35 @@ class Collector:
 
 def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bool,
               unpickled_by_caller: str | None = None, also: frozenset[str] = frozenset(), directory: Any = None) -> None:
-    layout = zip_check.check_zip(c.path, buf, size, torchscript=torchscript, check_crc=check_crc, directory=directory)
+    layout = zipcheck.check_zip(c.path, buf, size, torchscript=torchscript, check_crc=check_crc, directory=directory)
     for kind, where, message in layout.findings:
         c.find(kind, where, message)
     for error in layout.errors:
         c.damage("archive", error)
     for name, data in layout.alternate:  # what another reader would unpickle: say what it would run
-        for w in pickle_scan.walk_stack(data, 0, len(data), f"{name} (as Python's zipfile reads it)"):
+        for w in pickle_walk.walk_stack(data, 0, len(data), f"{name} (as Python's zipfile reads it)"):
             c.add_walk(w)
     for start, end in layout.unreferenced:  # hidden bytes that hold a pickle: say what it would run
         if buf[start] == 0x80:
             hidden = bytes(buf[start : min(end, start + _limits.current().max_pickle_bytes)])
-            for w in pickle_scan.walk_stack(hidden, 0, len(hidden), f"unreferenced bytes at {start}"):
+            for w in pickle_walk.walk_stack(hidden, 0, len(hidden), f"unreferenced bytes at {start}"):
                 c.add_walk(w)
     names = [m.name for m in layout.members]
     for i, m in enumerate(layout.members):
-        if not zip_check.is_pickle(m.name) or m.flags & 1 or m.compress_type not in (0, 8):
+        if not zipcheck.is_pickle(m.name) or m.flags & 1 or m.compress_type not in (0, 8):
             continue  # encrypted / unknown compression: already a finding
         if unpickled_by_caller and m.name == f"{layout.root}/{unpickled_by_caller}" and layout.unique(m.name) is m:
             continue  # the caller unpickles it with ckptfix's restricted unpickler and checks its end
         where = m.name if names.count(m.name) == 1 else f"{m.name} (entry {i + 1})"
         try:
-            data = zip_check.read_member(m, buf)
+            data = zipcheck.read_member(m, buf)
         except LimitError as e:
             c.find("resource-limit", where, f"member {where}: {e}")
             continue
         except ValueError as e:
             c.damage(where, f"member {where} {e}")
             continue
-        walks = pickle_scan.walk_stack(data, 0, len(data), where)
+        walks = pickle_walk.walk_stack(data, 0, len(data), where)
         for w in walks:
             c.add_walk(w, also)
         first_end = walks[0].end if walks else 0
@@ -192,7 +192,7 @@ def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bo
 
 
 def starts_with_magic(buf: Any) -> bool:
-    w = pickle_scan.walk(bytes(buf[:64]), 0, "magic")
+    w = pickle_walk.walk(bytes(buf[:64]), 0, "magic")
     return w.end is not None and w.value == LEGACY_MAGIC
 
 
@@ -200,7 +200,7 @@ def scan_legacy(c: Collector, buf: Any, size: int) -> None:
     """A legacy file is five stacked pickles, every one unpickled by torch, then raw storages."""
     pos, walks = 0, []
     for label in _LEGACY_PICKLES:
-        w = pickle_scan.walk(buf, pos, label)
+        w = pickle_walk.walk(buf, pos, label)
         c.add_walk(w)
         walks.append(w)
         if w.end is None:
@@ -220,7 +220,7 @@ def scan_legacy(c: Collector, buf: Any, size: int) -> None:
     if end < size:
         c.find("data-after", "file", f"{size - end} bytes after the end of the checkpoint's storage data")
         if buf[end] == 0x80:
-            for w in pickle_scan.walk_stack(buf, end, size, f"data after the checkpoint (byte {end})"):
+            for w in pickle_walk.walk_stack(buf, end, size, f"data after the checkpoint (byte {end})"):
                 c.add_walk(w)
 
 
@@ -281,7 +281,7 @@ def scan_tar(c: Collector, legacy_too: bool) -> None:
                 f = tar.extractfile(member)
                 data = f.read() if f is not None else b""
                 if data[:1] == b"\x80":
-                    for w in pickle_scan.walk_stack(data, 0, len(data), f"tar member {member.name}"):
+                    for w in pickle_walk.walk_stack(data, 0, len(data), f"tar member {member.name}"):
                         c.add_walk(w)
     except (tarfile.TarError, KeyError, OSError) as e:
         c.damage("archive", f"is a corrupt legacy tar checkpoint ({e})")

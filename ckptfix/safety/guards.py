@@ -16,7 +16,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from . import numpy_policy as numpy_safe, standins
+from . import numpy_policy, standins
 from .allowlist import (NEW, PICKLE_CODECS, RULES, ckptfix_names, numpy_dtype_classes, numpy_names, refused_names,
                         rule)
 from ..parse.unpickler import Policy, Refused, Unpickler, build_attributes, build_setstate, type_name
@@ -222,7 +222,7 @@ def _guards() -> dict[str, Guard]:
         "view v1": _rebuild_view(hooks_at=None), "view": _rebuild_view(), "view v3": _rebuild_view(position_of_dtype=6),
         "qtensor": _rebuild_view(hooks_at=6, allocates=True), "rebuild parameter": _rebuild_parameter,
         "sparse tensor": _sparse_tensor, "device tensor": _device_tensor, "from type": _rebuild_from_type,
-        **numpy_safe.GUARDS,
+        **numpy_policy.GUARDS,
     }
 
 
@@ -245,7 +245,7 @@ _STAND_INS: dict[str, Callable[[str], Any]] = {
     "path": standins.path_class,
     "getattr": _fixed(standins.getattr_method),
     "history buffer": _fixed(standins.HistoryBuffer),
-    **{kind: _fixed(obj) for kind, obj in numpy_safe.STAND_INS.items()},
+    **{kind: _fixed(obj) for kind, obj in numpy_policy.STAND_INS.items()},
 }
 
 
@@ -288,8 +288,8 @@ def torch_policy() -> Policy:
             calls[id(obj)] = guards[r.call]
         if r.new == NEW:
             newobj.add(id(obj))
-        if r.build in numpy_safe.BUILDS:
-            build[numpy_safe.BUILDS[r.build]] = build_setstate
+        if r.build in numpy_policy.BUILDS:
+            build[numpy_policy.BUILDS[r.build]] = build_setstate
         elif r.build is not None:
             made = obj if isinstance(obj, type) else torch.Tensor  # the rebuild functions make tensors
             build[made] = _BUILDS[r.build]
@@ -339,7 +339,7 @@ class _Restorer:
         return done.get(id(root), root)
 
     def _children(self, x: Any) -> list[Any]:
-        if isinstance(x, numpy_safe.NUMPY_STAND_INS):
+        if isinstance(x, numpy_policy.NUMPY_STAND_INS):
             return []
         if isinstance(x, dict):
             return list(x.values())
@@ -354,7 +354,7 @@ class _Restorer:
         def get(v: Any) -> Any:
             return done.get(id(v), v)
 
-        if isinstance(x, numpy_safe.NUMPY_STAND_INS):
+        if isinstance(x, numpy_policy.NUMPY_STAND_INS):
             return x.real()
         if isinstance(x, standins.Deque):
             out: Any = collections.deque((get(v) for v in x), maxlen=x.maxlen)

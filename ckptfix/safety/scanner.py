@@ -20,8 +20,8 @@ import os
 import struct
 from typing import Any
 
-from . import dcp_policy as dcp_metadata
-from ..parse import pickle_walk as pickle_scan
+from . import dcp_policy
+from ..parse import pickle_walk
 from ..core import limits as _limits
 from .allowlist import UNSAFE
 from ..parse.checkpoint_dirs import find_index, load_index, locate, member_path
@@ -93,7 +93,7 @@ def _scan_pickle(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str 
     c = Collector(path, fmt)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         size = len(buf)
-        for w in pickle_scan.walk_stack(buf, 0, min(size, _limits.current().max_pickle_bytes), "pickle"):
+        for w in pickle_walk.walk_stack(buf, 0, min(size, _limits.current().max_pickle_bytes), "pickle"):
             c.add_walk(w)
     return c.finish()
 
@@ -128,10 +128,10 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
     with DCP's metadata classes allowed, then every record it lists (torch.save zips inside the
     ``.distcp`` files) checked and walked like a torch zip of its own."""
     c = Collector(path, DCP)
-    meta_path = os.path.join(path, dcp_metadata.METADATA)
-    data = dcp_metadata.read_bytes(meta_path)
-    also = dcp_metadata.metadata_names()
-    walks = pickle_scan.walk_stack(data, 0, len(data), ".metadata")
+    meta_path = os.path.join(path, dcp_policy.METADATA)
+    data = dcp_policy.read_bytes(meta_path)
+    also = dcp_policy.metadata_names()
+    walks = pickle_walk.walk_stack(data, 0, len(data), ".metadata")
     for w in walks:
         c.add_walk(w, also)
     if walks and walks[0].end is not None and walks[0].end < len(data):
@@ -141,7 +141,7 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
         c.merge_report("meta.pt", scan(meta_pt, check_crc=check_crc))
     if c.findings or any(g.category == UNSAFE for g in c.globals.values()):
         return c.finish()  # the records' places come from .metadata: not read unless it is clean
-    for file, ranges in dcp_metadata.record_ranges(path).items():
+    for file, ranges in dcp_policy.record_ranges(path).items():
         with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             for what, start, length in ranges:
                 record = Collector(f"{os.path.basename(file)} [{what}]", TORCH_ZIP)

@@ -67,7 +67,7 @@ def _fail_writes(monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
     import builtins
 
     from ckptfix.formats import safetensors as safetensors_file
-    from ckptfix.formats.torchsave import torch_io as torchfile, records as torchzip
+    from ckptfix.formats.torchsave import torch_io as torchfile, records
 
     real_open, real_pwrite, real_cfr = builtins.open, os.pwrite, os.copy_file_range
 
@@ -83,7 +83,7 @@ def _fail_writes(monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
         disk.take(count)
         return real_cfr(src, dst, count, *args)
 
-    for module in (torchfile, safetensors_file, torchzip):
+    for module in (torchfile, safetensors_file, records):
         monkeypatch.setattr(module, "open", fake_open, raising=False)
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "copy_file_range", copy_file_range)

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint import filesystem as fs
 from torch.distributed.checkpoint import metadata as md
 
-from ckptfix.safety import dcp_policy as dcp_metadata
+from ckptfix.safety import dcp_policy
 from ckptfix.safety.dcp_policy import DCP_DEFAULTS, DCP_METADATA_CLASSES, DCP_METADATA_ENUMS, DCP_SETSTATE_CLASSES
 from ckptfix.parse.safetensors_header import DTYPES
 from ckptfix.core.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES, TORCH_SAFE_GLOBALS, torch_series
@@ -119,6 +119,6 @@ def test_defaults_match_installed_torch() -> None:
 
 
 def test_policy_resolves_every_name_to_torch() -> None:
-    policy = dcp_metadata.metadata_policy()
+    policy = dcp_policy.metadata_policy()
     for name in DCP_METADATA_CLASSES | DCP_METADATA_ENUMS:
         assert _name(policy.globals[name]) == name

@@ -20,7 +20,7 @@ import torch
 from conftest import assert_close_to_recorded, mapped_from
 import torch.distributed.checkpoint as tdcp
 
-from ckptfix.statedict import locate as layout
+from ckptfix.statedict import locate
 from ckptfix.core.devices import DevicePlan
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.dcp import directory as dcp
@@ -50,7 +50,7 @@ def fsdp2_copy(fixtures_dir: Path, tmp_path: Path) -> Path:
 def test_fsdp2_consolidates_to_the_gathered_full_state_dict(fixtures_dir: Path, manifest: dict, train: Any) -> None:
     raw = formats_read(str(fixtures_dir / "mlp_fsdp2"), DCP, DevicePlan("cpu"), trust=False)
     assert raw.format == "dcp"
-    sel = layout.find_state_dict(raw.obj)
+    sel = locate.find_state_dict(raw.obj)
     assert sel.key == "model" and list(sel.extra) == ["optim"]
     full = torch.load(fixtures_dir / "mlp_fsdp2_full.pth", weights_only=True)
     assert_same(sel.state_dict, full)

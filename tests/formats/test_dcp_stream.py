@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptfix
-from ckptfix.formats.dcp import chunks as dcp_chunks
+from ckptfix.formats.dcp import chunks
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ class ScratchSpy:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, refuse: bool):
         self.made: list[int] = []
-        real = dcp_chunks.Scratch.__init__
+        real = chunks.Scratch.__init__
 
         def init(scratch: Any, nbytes: int) -> None:
             if nbytes:
@@ -51,7 +51,7 @@ class ScratchSpy:
                     raise AssertionError(f"a {nbytes}-byte scratch mapping was asked for")
             real(scratch, nbytes)
 
-        monkeypatch.setattr(dcp_chunks.Scratch, "__init__", init)
+        monkeypatch.setattr(chunks.Scratch, "__init__", init)
 
 
 def same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -133,7 +133,7 @@ def test_chunks_that_are_not_plain_bytes_are_assembled(fsdp2: dict, tmp_path: Pa
     """A chunk record whose bytes aren't the chunk's elements row-major (a strided or larger storage)
     sends its tensor through the scratch path: pretend none is plain and the answer doesn't change."""
     src, ref = fsdp2["rows"]
-    monkeypatch.setattr(dcp_chunks.Chunks, "_span", lambda *_args: None)
+    monkeypatch.setattr(chunks.Chunks, "_span", lambda *_args: None)
     spy = ScratchSpy(monkeypatch, refuse=False)
     for ext in (".pth", ".safetensors"):
         ckptfix.convert(src, tmp_path / f"out{ext}")

@@ -352,7 +352,7 @@ def test_imitation_matches_real_deepspeed_files(stage: int, precision: str, real
     """fixtures/deepspeed_layouts.py writes what deepspeed writes: the same files, keys in the same order,
     tensors of the same shapes, dtypes and storage layouts, the same pickled globals (values differ: its
     training is plain torch)."""
-    from ckptfix.formats.torchsave import records as torchzip
+    from ckptfix.formats.torchsave import records
     from ckptfix.safety.deepspeed_policy import optim_policy
 
     real = real_runs / f"zero{stage}_{precision}" / "global_step3"
@@ -360,7 +360,7 @@ def test_imitation_matches_real_deepspeed_files(stage: int, precision: str, real
     fake = tmp_path / "global_step3"
     assert sorted(p.name for p in real.iterdir()) == sorted(p.name for p in fake.iterdir())
     for name in sorted(p.name for p in real.iterdir()):
-        a, b = (torchzip.read_structure(str(d / name), optim_policy()).obj for d in (real, fake))
+        a, b = (records.read_structure(str(d / name), optim_policy()).obj for d in (real, fake))
         assert _signature(a) == _signature(b), name
         assert _globals(real / name) == _globals(fake / name), name
 

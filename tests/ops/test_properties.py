@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfix
-from ckptfix.parse import pickle_walk as pickle_scan
+from ckptfix.parse import pickle_walk
 from ckptfix.statedict.wrappers import WRAPPER_SEGMENTS
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -142,6 +142,6 @@ plain = st.recursive(
 def test_walker_value_matches_pickle(value: Any, protocol: int) -> None:
     """On plain data the simulated stack machine builds exactly what pickle.loads does (memo included)."""
     data = pickle.dumps(value, protocol=protocol)
-    walk = pickle_scan.walk(data)
+    walk = pickle_walk.walk(data)
     assert walk.error is None and walk.end == len(data) and walk.uses == []
     assert walk.value == pickle.loads(data)

@@ -18,14 +18,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
 
-from ckptfix.safety import dcp_policy as dcp_metadata
+from ckptfix.safety import dcp_policy
 from ckptfix.safety.dcp_policy import METADATA
 
 
 # -- the inert read against the torch read ------------------------------------------------------------
 
 def _torch_ranges(path: Path) -> Any:
-    return dcp_metadata._ranges(str(path), dcp_metadata.load_metadata(str(path), trust=False))
+    return dcp_policy._ranges(str(path), dcp_policy.load_metadata(str(path), trust=False))
 
 
 def _outcome(f: Any) -> Any:
@@ -55,7 +55,7 @@ def fsdp2_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_inert_ranges_equal_torch_ranges(fixtures_dir: Path, single_process_dir: Path,
                                          fsdp2_variants: dict[str, Path]) -> None:
     for path in [fixtures_dir / "mlp_fsdp2", single_process_dir, *fsdp2_variants.values()]:
-        inert = dcp_metadata.inert_record_ranges(str(path))
+        inert = dcp_policy.inert_record_ranges(str(path))
         assert inert is not None, path
         assert inert == _torch_ranges(path), path
 
@@ -82,7 +82,7 @@ def test_mutated_metadata_same_outcome_both_reads(fixtures_dir: Path, tmp_path: 
         assert old in data, name
         changed = data.replace(old, new, 1)
     meta.write_bytes(changed)
-    got = _outcome(lambda: dcp_metadata.record_ranges(str(path)))
+    got = _outcome(lambda: dcp_policy.record_ranges(str(path)))
     want = _outcome(lambda: _torch_ranges(path))
     assert got == want
     assert got[0] != "ok", got  # each mutation is refused

@@ -293,18 +293,18 @@ def test_limits_are_documented_and_overridable(tmp_path: Path, monkeypatch: pyte
 
 
 def test_compressed_pickle_inflates_in_bounded_chunks(tmp_path: Path) -> None:
-    from ckptfix.parse import zipcheck as zip_check
+    from ckptfix.parse import zipcheck
 
     path = _deflate_bomb(tmp_path)
     import mmap
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        layout = zip_check.check_zip(str(path), buf, len(buf), check_crc=False)
+        layout = zipcheck.check_zip(str(path), buf, len(buf), check_crc=False)
         member = layout.unique("archive/data.pkl")
-        sizes = [len(chunk) for chunk in zip_check.iter_member(member, buf)]
+        sizes = [len(chunk) for chunk in zipcheck.iter_member(member, buf)]
         assert sum(sizes) == 256 << 20 and max(sizes) <= 16 << 20
         with pytest.raises(LimitError, match="max_alloc_bytes"):
-            zip_check.read_member(member, buf)
+            zipcheck.read_member(member, buf)
 
 
 # -- metadata that contradicts the file ----------------------------------------------------------------

@@ -130,9 +130,9 @@ def test_paths_from_other_pythons_and_systems(old: bytes, new: bytes, expected: 
 
 def test_allow_list_holds_no_function_that_runs_code() -> None:
     """Every entry is a data class or one of ckptfix's own guarded stand-ins; builtin types are inert tokens."""
-    from ckptfix.safety import numpy_policy as numpy_safe, standins
+    from ckptfix.safety import numpy_policy, standins
 
-    own = {standins.defaultdict_stand_in, standins.empty_bytes, standins.getattr_method, *numpy_safe.STAND_INS.values()}
+    own = {standins.defaultdict_stand_in, standins.empty_bytes, standins.getattr_method, *numpy_policy.STAND_INS.values()}
     for name, obj in ckptfix_objects().items():
         assert classify(*name.rsplit(".", 1)) == "allowed"
         if name == "builtins.getattr":  # only getattr(HistoryBuffer, <statistic>), giving an inert name
@@ -188,12 +188,12 @@ def test_env_vars_never_make_ckptfix_unsafe(variable: str, scanned: bool, malici
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's variables flip torch.load's *defaults*; ckptfix always hands torch its own restricted
     unpickler. Without the static scan (patched out), that unpickler still refuses: two lines."""
-    from ckptfix.safety import scanner as safety
+    from ckptfix.safety import scanner
     from ckptfix.parse.unpickler import SafePickle
 
     monkeypatch.setenv(variable, "1")
     if not scanned:
-        monkeypatch.setattr(safety, "ensure_safe", lambda path, fmt, **kwargs: None)
+        monkeypatch.setattr(scanner, "ensure_safe", lambda path, fmt, **kwargs: None)
     calls: list[dict] = []
     real_load = torch.load
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.parse import pickle_walk as pickle_scan
+from ckptfix.parse import pickle_walk
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 
@@ -166,7 +166,7 @@ def test_scan_subprocess(corpus: dict[str, adversarial.Case]) -> None:
 
 def test_walker_keeps_what_came_before_a_break() -> None:
     data = adversarial.proto(2) + adversarial.call(adversarial.glob("posix", "system"), adversarial.u("x")) + b"\xff"
-    walk = pickle_scan.walk(data)
+    walk = pickle_walk.walk(data)
     assert walk.error and walk.end is None
     assert [u.full for u in walk.uses] == ["posix.system", "posix.system"]
 
@@ -175,14 +175,14 @@ def test_walker_computed_stack_global_name_is_a_problem() -> None:
     # STACK_GLOBAL whose module name is the result of a call: no constant to name
     data = (adversarial.proto(4) + adversarial.call(adversarial.glob("builtins", "str"), adversarial.u("os"))
             + adversarial.u("system") + b"\x93.")
-    walk = pickle_scan.walk(data)
+    walk = pickle_walk.walk(data)
     assert any("not a constant string" in p for p in walk.problems)
 
 
 def test_walker_never_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "scan_trap_mod.py").write_text("raise SystemExit('imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    walk = pickle_scan.walk(adversarial.as_weight(adversarial.call(adversarial.glob("scan_trap_mod", "f"))))
+    walk = pickle_walk.walk(adversarial.as_weight(adversarial.call(adversarial.glob("scan_trap_mod", "f"))))
     assert walk.error is None and "scan_trap_mod" not in sys.modules
     assert [u.full for u in walk.uses] == ["scan_trap_mod.f", "scan_trap_mod.f"]
 

@@ -25,13 +25,13 @@ from ...core.units import dtype_name
 from ...errors import CkptfixError, DeepSpeedZeroError, FormatError, UnsafeCheckpointError, trust_advice
 from ...parse.checkpoint_dirs import Layout, locate
 from ...parse.format_registry import DEEPSPEED, TORCH_ZIP
-from ...safety import scanner as safety
+from ...safety import scanner
 from ...safety.deepspeed_policy import optim_names, optim_policy
 from ...statedict.locate import ZeroWeights, deepspeed_info
 from .. import CastRef, RawRead, StorageRef
-from ..torchsave import read_file as read_torch, records as torchzip
+from ..torchsave import read_file as read_torch, records
 from ..torchsave.torch_io import torch_load, translate_load_error, unpickling_error
-from . import partitions as deepspeed_zero
+from . import partitions
 from .partitions import Spec
 
 
@@ -52,9 +52,9 @@ class _Source:
             except Exception as e:  # torch raises many types for bad files
                 raise translate_load_error(path, TORCH_ZIP, e) from None
 
-        safety.ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl")  # data.pkl: the restricted unpickler
+        scanner.ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl")  # data.pkl: the restricted unpickler
         try:
-            raw = torchzip.read_structure(path, policy)
+            raw = records.read_structure(path, policy)
         except NeedsTorch as e:
             raise FormatError(f"{path}: can't be read structure-only ({e}); pass --trust to load it whole") from None
         except CkptfixError as e:
@@ -168,7 +168,7 @@ def _consolidate(path: str, layout: Layout, plan: Any, trust: bool) -> RawRead |
                                      f"file; there are {len(layout.model_files)} for {world} ranks")
         model_states += [source.load(f) for f in layout.model_files[1:]]
     try:
-        specs = deepspeed_zero.plan(stage, world, model_states, flat,
+        specs = partitions.plan(stage, world, model_states, flat,
                                     states[0].get("param_alignment_paddings") if stage <= 2 else None, layout.tag_dir)
     except CkptfixError:
         raise

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from ...safety import guards, scanner as safety
+from ...safety import guards, scanner
 from ...errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
 from ...safety.standins import pickle_module_for
 from ...parse.unpickler import Refused, SafePickle
@@ -27,7 +27,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     a legacy file on meta without its tensor bytes)."""
     zipped = get(fmt).zip
     if not trust:
-        safety.ensure_safe(path, fmt)
+        scanner.ensure_safe(path, fmt)
     tags: dict[int, str] = {}
     # torch.load routes any path ending in .safetensors to safetensors: hand it a file object then.
     by_name = not path.endswith(".safetensors")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from ...core import bytecopy as rawcopy
+from ...core import bytecopy
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -66,7 +66,7 @@ class ZipWriter:
         counting it as it does copied tensors."""
         self._start(name, len(data), zlib.crc32(data))
         self.f.flush()
-        rawcopy.write_all(self.f.fileno(), data, self.pos)
+        bytecopy.write_all(self.f.fileno(), data, self.pos)
         self.pos += len(data)
         self.f.seek(self.pos)
 
@@ -86,9 +86,9 @@ class ZipWriter:
         entry = self.entries[-1]
         self.f.flush()
         if len(segments) == 1:
-            rawcopy.copy_range(segments[0][0], self.f.fileno(), segments[0][1], self.pos, size)
+            bytecopy.copy_range(segments[0][0], self.f.fileno(), segments[0][1], self.pos, size)
         else:
-            rawcopy.copy_segments(segments, self.f.fileno(), self.pos)
+            bytecopy.copy_segments(segments, self.f.fileno(), self.pos)
         self.pos += size
         if not isinstance(crc, int):
             entry.crc = crc()

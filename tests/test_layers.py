@@ -211,3 +211,25 @@ def test_no_private_names_imported_across_modules() -> None:
                 found += [f"{_name(module)}:{node.lineno} imports {alias.name}" for alias in node.names
                           if alias.name.startswith("_") and not alias.name.startswith("__")]
     assert not found, "private names imported across modules:\n  " + "\n  ".join(found)
+
+
+def test_no_format_tests_outside_the_registry() -> None:
+    """What a format can do is asked of the registry (``registry.get(fmt).stream`` …), never decided by comparing
+    format names, above the layers that define formats (parse, safety's per-format scanners, formats)."""
+    from ckptfix.parse.format_registry import FORMATS
+
+    #: module -> why it may name one format: a rule of the product, not a capability of the format
+    exempt = {"model.golden": "golden outputs are a safetensors file by definition (docs/verify.md)"}
+    names = set(FORMATS) | {name.upper().replace("-", "_") for name in FORMATS} | {"SHARDED"}
+    found = []
+    for module, path in MODULES.items():
+        if module.split(".")[0] in ("parse", "safety", "formats") or module in exempt:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    named = side.attr if isinstance(side, ast.Attribute) else getattr(side, "id", None)
+                    literal = side.value if isinstance(side, ast.Constant) else None
+                    if named in names or literal in names:
+                        found.append(f"{_name(module)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "format names compared outside the registry (add an ability to it instead):\n  " + "\n  ".join(found)

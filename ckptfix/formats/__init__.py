@@ -6,7 +6,8 @@ this module dispatches to the family that implements it, imported by name only w
 ``dcp/`` (torch.distributed.checkpoint, Lightning sharded dirs), ``deepspeed/`` (ZeRO), ``torchscript``.
 Every family exposes the same verbs: ``read(path, fmt, plan, trust, select, read_part)``, and where the
 registry says so ``describe(path, fmt, select, describe_part)`` (torch-free), ``write(obj, path, fmt, refs,
-archive, force)``, ``plan_write(obj, fmt, archive, keep_keys)`` (torch-free) and ``dir_output(fmt)``;
+archive, force)``, ``plan_write(obj, fmt, archive, keep_keys)`` (torch-free), ``dir_output(fmt)`` and
+``recorded_members(path)`` (the zip records a torch read goes through, to CRC-check);
 ``read_part``/``describe_part`` read a member file (a shard, Lightning's ``meta.pt``) through this registry,
 so no family calls back up into it. A family knows bytes, not wrappers: it returns the unpickled object
 with the saved device tag of every storage, or writes a state dict it is handed. The shared types of
@@ -318,6 +319,16 @@ def write_sharded(obj: Any, dst_dir: str, fmt: str, max_shard_size: int, force: 
     shards: Any = family(sharded)  # the sharded family writes a directory of files, not one: its own verb
     notes: list[str] = shards.write_shards(obj, dst_dir, sharded, max_shard_size, plan_shard, force, refs)
     return notes
+
+
+def recorded_members(path: str, fmt: str) -> list[Recorded]:
+    """The zip records a torch read of ``path`` goes through, each with the CRC-32 its zip records, so the caller
+    can check them while torch reads (torch doesn't); none for a format the registry doesn't call a zip, or whose
+    family names none (it reads them its own way)."""
+    if not registry.get(fmt).zip:
+        return []
+    members = getattr(family(fmt), "recorded_members", None)
+    return members(path) if members is not None else []
 
 
 def dir_output(fmt: str, sharded: bool = False) -> DirOutput:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import formats
-from ..formats.torchsave import records
 from ..statedict import locate, transforms, wrappers
 from ..core import torch_free
 from ..core.bytecopy import CrcCheck
@@ -112,7 +111,7 @@ def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
 
 def _load(req: Request) -> Checkpoint:
     """torch reads the file; a torch zip's records are checked against their CRC-32s meanwhile (torch doesn't)."""
-    members = records.data_members(req.src) if req.fmt_in == registry.TORCH_ZIP else []
+    members = formats.recorded_members(req.src, req.fmt_in)
     with CrcCheck(members) as check:
         ckpt = read_checkpoint(req.src, req.map_location, req.trust, req.select, refuse=True, fmt=req.fmt_in)
         check.verify()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...core.bytecopy import Recorded
 from ...core.torch_free import NeedsTorch
 from ...parse.format_registry import get
 from ...safety.scanner import ensure_safe
@@ -33,6 +34,11 @@ def read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
         except NeedsTorch:
             pass
     return torch_io.read(path, fmt, plan, trust)
+
+
+def recorded_members(path: str) -> list[Recorded]:
+    """Every ``data/KEY`` record with its recorded CRC-32 (:func:`.records.data_members`)."""
+    return records.data_members(path)
 
 
 def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead:

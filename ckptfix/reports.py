@@ -204,6 +204,10 @@ class LoadReport:
     notes: list[str] = field(default_factory=list)
     tolerated: list[str] = field(default_factory=list)  # missing keys filled in: num_batches_tracked, tied twins
     nonfinite: list[str] = field(default_factory=list)  # keys loaded holding NaN/Inf (refused with strict_values)
+    copied: int = 0  # model keys filled in place (a built model's tensors)
+    assigned: int = 0  # model keys given new tensors (meta-built, or assign=True): views of the file or materialised
+    sharded: int = 0  # model keys that are DTensors: this rank's shards filled
+    bytes_read: int = 0  # tensor bytes this process read from the checkpoint
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

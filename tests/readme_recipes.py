@@ -340,6 +340,9 @@ RECIPES: dict[str, Entry] = {
         "ddp_compiled.pth": "fixture:mlp_ddp_compile.pth", "ddp_run.pth": "fixture:mlp_ddp.pth",
         "train.ckpt": "fixture:mlp_lightning.ckpt", "huge.pth": "fixture:mlp_single.pth"},
         check=lambda tmp, ns: ns["report"].dst.endswith("model.safetensors") and ns["ckpt"].state_dict_key == "state_dict"),
+    'with torch.device("meta"):': Entry(
+        {"ddp_run.pth": "fixture:mlp_ddp.pth"},
+        check=lambda tmp, ns: ns["report"].fix == "strip module." and ns["net"][0].weight.device.type == "cpu"),
     'report = ckptfix.verify("run.pth", "torchvision:resnet18", model_args={"num_classes": 10},': Entry(
         {"run.pth": "resnet18 10 ddp", "orig.pth": "resnet18 10", "model.safetensors": "resnet18 10"},
         check=lambda tmp, ns: ns["report"].ok and ns["d"].identical),

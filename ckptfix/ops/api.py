@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from typing import Any
 
 from . import convert as conversion
+from . import loading
 from .. import formats
-from ..statedict import repair, transforms
+from ..statedict import transforms
 from ..core import torch_free
 from ..core.torch_free import NeedsTorch
-from ..errors import LoadError
 from .convert_options import ConvertOptions, takes
 from .reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
@@ -115,71 +114,29 @@ def load_into(
     select: str = "auto",
     trust: bool = False,
     strict_values: bool = False,
+    check_values: bool = True,
+    assign: bool | None = None,
 ) -> LoadReport:
-    """Load a checkpoint into ``model`` whatever the wrapping of either (plain, DP/DDP, compiled).
+    """Load a checkpoint into ``model`` whatever the wrapping of either (plain, DP/DDP, compiled), however
+    the model was built: on a device, on ``meta``, or sharded as DTensors (FSDP2, tensor parallel).
 
-    The keys get the repair ``verify`` would choose (wrapper segments matched to the model's,
-    a framework's leading prefix such as Lightning's ``model.`` removed); a checkpoint that still
-    doesn't fit raises LoadError with a short report instead of torch's wall of keys.
+    The keys get the repair ``verify`` would choose (wrapper segments matched to the model's, a framework's
+    leading prefix such as Lightning's ``model.`` removed); a checkpoint that still doesn't fit raises
+    LoadError with a short report instead of torch's wall of keys. All or nothing: everything that can fail
+    is checked before the model is touched, and a failure leaves its tensors as they were.
 
-    NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's
-    ``nonfinite``); with ``strict_values=True`` they raise LoadError and nothing is loaded.
+    Tensors are read once from the mapped file. A built model's tensors are filled in place; a model built
+    on ``meta`` gets its tensors assigned (``assign=True`` does that for a built one too, as torch's
+    ``load_state_dict(assign=True)``): zero-copy views of the file where the target is the CPU and the
+    dtype as stored, else materialised on ``map_location`` (``auto``: where they were saved, if this
+    machine has it, else the CPU); tied parameters stay tied. With DTensor parameters (call it on every
+    rank), each rank reads only its own shards' bytes.
+
+    NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's ``nonfinite``;
+    the check is fused into the copy, ``check_values=False`` skips it); with ``strict_values=True`` they
+    raise LoadError and nothing is loaded.
+
+    >>> with torch.device("meta"): model = Net()                       # doctest: +SKIP
+    >>> ckptfix.load_into(model, "ddp.pth").fix                          # 'strip module.'
     """
-    ckpt = read(path, map_location=map_location, trust=trust, select=select)
-    target = repair.describe_target(model)
-    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
-    if fit.shape_mismatch or fit.non_tensor or (strict and (fit.missing or fit.unexpected)):
-        raise LoadError(_short_report(ckpt.path, fit, chosen))
-    nonfinite = repair.nonfinite_keys(fit.state_dict, target.shapes)
-    values = f"{len(nonfinite)} tensor(s) hold NaN/Inf values: {_few(nonfinite)}"
-    if nonfinite and strict_values:
-        raise LoadError(f"{ckpt.path}: {values}; nothing was loaded (a diverged run, or a damaged file?); "
-                        "pass strict_values=False to load it anyway")
-    model.load_state_dict(fit.state_dict, strict=strict)
-    notes = list(ckpt.notes)
-    if nonfinite:
-        warnings.warn(f"{ckpt.path}: {values} (loaded; strict_values=True refuses them)", UserWarning, stacklevel=2)
-        notes.append(f"{values} (a diverged run, or a damaged file?)")
-    if fit.dtype_mismatch:
-        kinds = sorted({f"{r['checkpoint']} -> {r['model']}" for r in fit.dtype_mismatch})
-        notes.append(f"{len(fit.dtype_mismatch)} tensors cast to the model's dtype ({', '.join(kinds)})")
-    return LoadReport(
-        path=ckpt.path,
-        state_dict_key=ckpt.state_dict_key,
-        checkpoint_wrappers=ckpt.wrappers,
-        model_wrappers=target.wrappers,
-        fix=chosen.description,
-        matched=chosen.matched,
-        missing=fit.missing,
-        unexpected=fit.unexpected,
-        notes=notes,
-        tolerated=[t["key"] for t in fit.tolerated],
-        nonfinite=nonfinite,
-    )
-
-
-def _few(keys: list[str]) -> str:
-    return ", ".join(keys[:5]) + (f" … (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-
-
-def _short_report(path: str, fit: Any, chosen: Any) -> str:
-    """One paragraph: what is missing / unexpected / mismatched after the repair, and the likely cause."""
-    parts = [f"{path}: does not load into the model"]
-    if chosen.description:
-        parts.append(f"after the repair ({chosen.summary})")
-    if fit.missing:
-        parts.append(f"{len(fit.missing)} missing: {_few(fit.missing)}")
-    if fit.unexpected:
-        parts.append(f"{len(fit.unexpected)} unexpected: {_few(fit.unexpected)}")
-    if fit.shape_mismatch:
-        parts.append(
-            f"{len(fit.shape_mismatch)} shape mismatch: "
-            + ", ".join(f"{r['key']} {r['checkpoint']} vs model {r['model']}" for r in fit.shape_mismatch[:5])
-        )
-    if fit.non_tensor:
-        parts.append(f"{len(fit.non_tensor)} not tensors: {_few(fit.non_tensor)}")
-    if fit.missing and fit.unexpected:
-        parts.append("the names differ: a renamed layer, or a different architecture (`ckptfix verify` suggests renames)")
-    elif fit.missing or fit.shape_mismatch:
-        parts.append("likely a different architecture or configuration (e.g. num_classes)")
-    return "; ".join(parts)
+    return loading.load_into(model, path, map_location, strict, select, trust, strict_values, check_values, assign)

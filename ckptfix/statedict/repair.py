@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import wrappers
+from ..core import tensorcopy
 from ..core.units import dtype_name
 
 _MAX_PREFIX_DEPTH = 3
@@ -276,13 +277,8 @@ def nonfinite_keys(state_dict: Mapping[str, Any], keys: Iterable[str]) -> list[s
     """Those of ``keys`` whose floating or complex tensor holds a NaN or an Inf (tensors on meta: not checked)."""
     import torch
 
-    out = []
-    for k in keys:
-        t = state_dict.get(k)
-        if (isinstance(t, torch.Tensor) and t.device.type != "meta" and (t.is_floating_point() or t.is_complex())
-                and not bool(torch.isfinite(t).all())):
-            out.append(k)
-    return out
+    return [k for k in keys if isinstance(t := state_dict.get(k), torch.Tensor) and t.device.type != "meta"
+            and not tensorcopy.all_finite(t)]
 
 
 def torch_fills_num_batches_tracked(key: str, state_dict: Any) -> bool:

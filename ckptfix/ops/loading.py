@@ -1,0 +1,311 @@
+"""``load_into``: a checkpoint into a model built on a device, on ``meta``, or sharded as DTensors — all or nothing.
+
+1. **Plan, reading no tensor bytes.** The checkpoint's structure is read on ``meta`` (each storage's byte
+   range known), the keys are repaired against the model (:mod:`ckptfix.statedict.repair`), and everything
+   that can fail is checked: keys, shapes, a file too short for its tensors, devices, meta tensors nothing
+   fills. With ``strict_values`` the values are checked too, on the mapped file. A failure raises LoadError
+   and the model is as it was.
+2. **Commit.** Each model tensor is filled once from the mapped file: copied in place (built tensors, the
+   NaN/Inf check fused into the copy: :mod:`ckptfix.core.tensorcopy`), assigned (meta tensors: a zero-copy
+   view of the file where the target is the CPU and the dtype as stored, else materialised on the target
+   device; tied parameters stay one tensor), or — for a DTensor — its local shard read from exactly its
+   byte ranges (:mod:`ckptfix.ops.shards`). Modules whose ``_load_from_state_dict`` or load hooks are their
+   own (BatchNorm's version handling, user hooks) are loaded through torch's ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import bytecopy, tensorcopy
+from ..core.devices import DevicePlan, storage_id
+from ..core.positional import PositionalReader
+from ..errors import FormatError, LoadError
+from ..formats import source_record
+from ..reports import LoadReport
+from ..statedict import repair
+from . import shards
+from .reading import read_checkpoint
+from .sources import Sources
+
+
+@dataclass
+class Slot:
+    """Where one model tensor lives: ``module.<name>``, a parameter or a buffer; tied keys share a Slot."""
+
+    keys: list[str]
+    places: list[tuple[Any, str]]  # (module, attribute name), one per tied name
+    tensor: Any
+    is_param: bool
+
+
+@dataclass
+class Plan:
+    """What the commit step does, decided before anything is touched."""
+
+    copy: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source view)
+    assign: list[tuple[Slot, Any, str]] = field(default_factory=list)  # (slot, source view, target device)
+    sharded: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source on meta)
+    by_torch: OrderedDict[str, Any] = field(default_factory=OrderedDict)  # key -> source view
+    torch_assigns: bool = False  # the by-torch keys are assigned (their module is on meta, or assign=True)
+    sources: list[Any] = field(default_factory=list)  # every source tensor (on meta: its ref says where its bytes are)
+
+
+def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = True, select: str = "auto",
+              trust: bool = False, strict_values: bool = False, check_values: bool = True,
+              assign: bool | None = None) -> LoadReport:
+    """See :func:`ckptfix.load_into`."""
+    path = os.fspath(path)
+    plan_devices = DevicePlan(map_location, source=path)
+    ckpt = read_checkpoint(path, "meta", trust, select, refuse=True)
+    target = repair.describe_target(model)
+    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
+    if fit.shape_mismatch or fit.non_tensor or (strict and (fit.missing or fit.unexpected)):
+        raise LoadError(short_report(ckpt.path, fit, chosen))
+    with PositionalReader() as reader:
+        _zero_filled(fit)
+        sources = Sources(ckpt.refs, reader)
+        if not all(sources.has_bytes(t) for t in _tensors(fit.state_dict)):
+            # bytes only torch.load produces (legacy files, DeepSpeed, DCP values): read on the CPU, then fill
+            ckpt = read_checkpoint(path, "cpu", trust, select, refuse=True)
+            chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
+            sources = Sources({}, reader)
+        distributed = shards.Agreement(model)
+        local_bad: list[str] = []
+        with distributed.step():  # no collectives inside: a rank that raises here makes every rank raise
+            sources.check_bounds()
+            plan = _plan(model, fit.state_dict, sources, plan_devices, assign)
+            if strict_values:
+                _check_records(plan, sources, distributed)
+                local_bad = _precheck(plan, sources)
+        bad = distributed.gather_keys(local_bad)
+        if bad:
+            raise LoadError(f"{ckpt.path}: {_values(bad)}; nothing was loaded (a diverged run, or a damaged "
+                            "file?); pass strict_values=False to load it anyway")
+        nonfinite = distributed.gather_keys(_commit(model, plan, fit.state_dict, sources, check_values and not strict_values))
+        bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src in plan.copy) + sum(
+            _nbytes(src) for _s, src, _d in plan.assign)
+    notes = list(ckpt.notes)
+    if nonfinite:
+        warnings.warn(f"{ckpt.path}: {_values(nonfinite)} (loaded; strict_values=True refuses them)", UserWarning,
+                      stacklevel=3)
+        notes.append(f"{_values(nonfinite)} (a diverged run, or a damaged file?)")
+    if fit.dtype_mismatch:
+        kinds = sorted({f"{r['checkpoint']} -> {r['model']}" for r in fit.dtype_mismatch})
+        notes.append(f"{len(fit.dtype_mismatch)} tensors cast to the model's dtype ({', '.join(kinds)})")
+    return LoadReport(
+        path=ckpt.path, state_dict_key=ckpt.state_dict_key, checkpoint_wrappers=ckpt.wrappers,
+        model_wrappers=target.wrappers, fix=chosen.description, matched=chosen.matched, missing=fit.missing,
+        unexpected=fit.unexpected, notes=notes, tolerated=[t["key"] for t in fit.tolerated], nonfinite=nonfinite,
+        copied=sum(len(s.keys) for s, _ in plan.copy) + (0 if plan.torch_assigns else len(plan.by_torch)),
+        assigned=sum(len(s.keys) for s, _, _ in plan.assign) + (len(plan.by_torch) if plan.torch_assigns else 0),
+        sharded=sum(len(s.keys) for s, _ in plan.sharded),
+        bytes_read=bytes_read,
+    )
+
+
+def _tensors(state_dict: Any) -> list[Any]:
+    import torch
+
+    return [v for v in state_dict.values() if isinstance(v, torch.Tensor)]
+
+
+def _zero_filled(fit: repair.Fit) -> None:
+    """A tolerated missing ``num_batches_tracked`` is 0, as BatchNorm sets it (not a tensor of the file)."""
+    import torch
+
+    for t in fit.tolerated:
+        if t["kind"] == "num_batches_tracked":
+            fit.state_dict[t["key"]] = torch.zeros((), dtype=torch.long)
+
+
+def _plan(model: Any, state_dict: Any, sources: Sources, devices: DevicePlan, assign: bool | None) -> Plan:
+    """Sort every key into copy / assign / sharded / by-torch; refuse meta tensors nothing would fill."""
+    plan = Plan()
+    slots = _slots(model, state_dict)
+    own = _own_loaders(model)
+    for key, slot in slots.items():
+        if key != slot.keys[0]:
+            continue  # a tied name: filled with its group's first
+        src = state_dict[key]
+        module = slot.places[0][0]
+        plan.sources.append(src)
+        if shards.is_dtensor(slot.tensor):
+            shards.check_placements(key, slot.tensor, src)
+            plan.sharded.append((slot, src))
+        elif module in own:  # torch's load_state_dict assigns as given: the model's dtype and device first
+            view = sources.view(src)
+            if slot.tensor.is_meta or assign:
+                view = view.to(dtype=slot.tensor.dtype, device=devices.target(_tag(src, sources)))
+                plan.torch_assigns = True
+            plan.by_torch.update((k, view) for k in slot.keys)
+        elif slot.tensor.is_meta or assign:
+            plan.assign.append((slot, sources.view(src), devices.target(_tag(src, sources))))
+        else:
+            plan.copy.append((slot, sources.view(src)))
+    _refuse_meta_left(model, slots, plan)
+    return plan
+
+
+def _tag(src: Any, sources: Sources) -> str:
+    """The device a source tensor was saved on."""
+    return str(sources.refs[storage_id(src)].location if src.is_meta else src.device)
+
+
+def _slots(model: Any, state_dict: Any) -> dict[str, Slot]:
+    """Model key → its Slot, for the keys the (repaired) state dict fills; tied keys share one Slot."""
+    model_sd = model.state_dict(keep_vars=True)
+    by_id: dict[int, Slot] = {}
+    out: dict[str, Slot] = {}
+    for key, value in model_sd.items():
+        if key not in state_dict or not hasattr(value, "shape"):
+            continue
+        owner, _, name = key.rpartition(".")
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            module = None
+        is_param = module is not None and name in module._parameters
+        if module is None or not (is_param or name in module._buffers):
+            raise LoadError(f"model key {key!r} is not a parameter or buffer at that path (a state_dict hook renames "
+                            "it?); load this model with model.load_state_dict(ckptfix.load(path))")
+        slot = by_id.get(id(value))
+        if slot is None:
+            slot = by_id[id(value)] = Slot([], [], value, is_param)
+        slot.keys.append(key)
+        slot.places.append((module, name))
+        out[key] = slot
+    return out
+
+
+def _own_loaders(model: Any) -> set[Any]:
+    """Modules that load their tensors their own way: an overridden ``_load_from_state_dict``, or load hooks
+    (other than FSDP2's, which this loader honours itself)."""
+    import torch
+
+    base = torch.nn.Module._load_from_state_dict
+    out = set()
+    for module in model.modules():
+        hooks = [*module._load_state_dict_pre_hooks.values(), *module._load_state_dict_post_hooks.values()]
+        if type(module)._load_from_state_dict is not base or any(not shards.is_fsdp_hook(h) for h in hooks):
+            out.add(module)
+    return out
+
+
+def _refuse_meta_left(model: Any, slots: dict[str, Slot], plan: Plan) -> None:
+    filled = {id(s.tensor) for s, *_ in plan.assign} | {id(s.tensor) for s, _ in plan.sharded}
+    filled |= {id(slots[k].tensor) for k in plan.by_torch if k in slots}
+    left = [name for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+            if _on_meta(t) and id(t) not in filled]
+    if left:
+        few = ", ".join(left[:5]) + (f" … (+{len(left) - 5} more)" if len(left) > 5 else "")
+        raise LoadError(f"{len(left)} tensor(s) of the model are on the meta device and the checkpoint doesn't fill them: "
+                        f"{few}; nothing was loaded. Give them values first (model.to_empty(device=...) and their "
+                        "initialisation, e.g. non-persistent buffers), or load a checkpoint that holds them")
+
+
+def _on_meta(t: Any) -> bool:
+    return bool(t.is_meta or (shards.is_dtensor(t) and t.to_local().is_meta))
+
+
+def _precheck(plan: Plan, sources: Sources) -> list[str]:
+    """strict_values: the keys whose values in the file are NaN/Inf, found before anything is loaded."""
+    bad = []
+    for slot, src in plan.copy:
+        bad += [] if tensorcopy.all_finite(src) else slot.keys
+    for slot, src, _dev in plan.assign:
+        bad += [] if tensorcopy.all_finite(src) else slot.keys
+    for key, src in plan.by_torch.items():
+        bad += [] if tensorcopy.all_finite(src) else [key]
+    for slot, src in plan.sharded:
+        bad += [] if shards.local_source_finite(slot.tensor, src, sources) else slot.keys
+    return bad
+
+
+def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) -> None:
+    """strict_values: each zip record the load reads matches the CRC-32 its zip records (each rank checks
+    its share of the records); a mismatch raises FormatError naming the record, before anything is loaded."""
+    records = list(dict.fromkeys(r for t in plan.sources if t.is_meta
+                                 and (r := source_record(sources.refs.get(storage_id(t)))) is not None))
+    rank, world = distributed.rank_and_world()
+    for record in records[rank::world]:
+        crc = bytecopy.crc32_range(sources.reader.fd(record.path), record.offset, record.size)
+        if crc != record.crc:
+            raise FormatError(f"{record.path}: record {record.name} does not match the CRC-32 its zip records "
+                              f"({crc:08x}, recorded {record.crc:08x}): the file was damaged or altered after it was "
+                              "written; nothing was loaded; restore it from a good copy")
+
+
+def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool) -> list[str]:
+    """Fill the model; the keys whose values are NaN/Inf (checked as they are copied, when ``check``)."""
+    import torch
+
+    bad: list[str] = []
+    new = []
+    for slot, src, device in plan.assign:  # built first: a failure here (out of memory) leaves the model as it was
+        want = slot.tensor.dtype
+        if device == "cpu" and src.dtype == want:
+            value, finite = src, (tensorcopy.all_finite(src) if check else True)
+        else:
+            value = torch.empty(src.shape, dtype=want, device=device)
+            finite = tensorcopy.copy_checked(value, src, check)
+        bad += [] if finite else slot.keys
+        new.append((slot, value))
+    if plan.by_torch:
+        sub: Any = OrderedDict(plan.by_torch)
+        sub._metadata = getattr(state_dict, "_metadata", None) or {}
+        model.load_state_dict(sub, strict=False, assign=plan.torch_assigns)
+        model_sd = model.state_dict()
+        bad += [k for k in plan.by_torch if check and not tensorcopy.all_finite(model_sd[k])]
+    shards.reshard(model)
+    for slot, src in plan.copy:
+        bad += [] if tensorcopy.copy_checked(slot.tensor.detach(), src, check) else slot.keys
+    for slot, src in plan.sharded:
+        bad += [] if shards.fill_local(slot.tensor, src, sources, check) else slot.keys
+    for slot, value in new:
+        if slot.is_param:
+            value = torch.nn.Parameter(value, requires_grad=slot.tensor.requires_grad)
+        for module, name in slot.places:
+            setattr(module, name, value)
+    return bad
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel() * t.element_size())
+
+
+def _values(keys: list[str]) -> str:
+    return f"{len(keys)} tensor(s) hold NaN/Inf values: {few(keys)}"
+
+
+def few(keys: list[str]) -> str:
+    """The first five keys, and how many more."""
+    return ", ".join(keys[:5]) + (f" … (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+
+
+def short_report(path: str, fit: Any, chosen: Any) -> str:
+    """One paragraph: what is missing / unexpected / mismatched after the repair, and the likely cause."""
+    parts = [f"{path}: does not load into the model"]
+    if chosen.description:
+        parts.append(f"after the repair ({chosen.summary})")
+    if fit.missing:
+        parts.append(f"{len(fit.missing)} missing: {few(fit.missing)}")
+    if fit.unexpected:
+        parts.append(f"{len(fit.unexpected)} unexpected: {few(fit.unexpected)}")
+    if fit.shape_mismatch:
+        parts.append(
+            f"{len(fit.shape_mismatch)} shape mismatch: "
+            + ", ".join(f"{r['key']} {r['checkpoint']} vs model {r['model']}" for r in fit.shape_mismatch[:5])
+        )
+    if fit.non_tensor:
+        parts.append(f"{len(fit.non_tensor)} not tensors: {few(fit.non_tensor)}")
+    if fit.missing and fit.unexpected:
+        parts.append("the names differ: a renamed layer, or a different architecture (`ckptfix verify` suggests renames)")
+    elif fit.missing or fit.shape_mismatch:
+        parts.append("likely a different architecture or configuration (e.g. num_classes)")
+    return "; ".join(parts)
+

@@ -1,0 +1,148 @@
+"""Where a checkpoint's tensor bytes are, for a loader: mapped CPU views, or exact positional reads.
+
+A structure read (tensors on ``meta``, each storage's ``StorageRef`` or ``PiecedRef``) says where every
+element of every tensor sits in which file. From it a loader gets either a zero-copy CPU view of the
+mapped file (what ``torch.load(mmap=True)`` or ``safetensors.safe_open`` would give), or — for one rank's
+shard of a tensor — the exact byte runs of a box of elements, read straight into the destination.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..core.devices import storage_id
+from ..core.positional import PositionalReader
+from ..errors import FormatError
+from ..formats import PiecedRef, StorageRef
+
+#: a run of bytes in one file: (path, offset, nbytes)
+Segment = tuple[str, int, int]
+
+
+class Sources:
+    """The tensors of one structure read (``refs``: storage id → ref), as views or byte runs."""
+
+    def __init__(self, refs: dict[int, Any], reader: PositionalReader):
+        self.refs = refs
+        self.reader = reader
+        self._maps: dict[str, Any] = {}
+        self._pieces: dict[int, Any] = {}
+
+    def has_bytes(self, t: Any) -> bool:
+        """A meta tensor whose storage a ref places in files (else the loader reads the file with torch)."""
+        return not t.is_meta or self.refs.get(storage_id(t)) is not None
+
+    def segments(self, t: Any) -> list[Segment] | None:
+        """The file runs whose concatenation is ``t``'s storage, or None (computed bytes)."""
+        ref = self.refs.get(storage_id(t))
+        if isinstance(ref, StorageRef) and ref.path is not None:
+            return [(ref.path, ref.offset, ref.nbytes)]
+        if isinstance(ref, PiecedRef):
+            return ref.segments()
+        return None
+
+    def check_bounds(self) -> None:
+        """Every referenced byte lies inside its file (a truncated file is refused before anything is loaded)."""
+        for ref in self.refs.values():
+            segs = ([(ref.path, ref.offset, ref.nbytes)] if isinstance(ref, StorageRef) and ref.path is not None
+                    else ref.segments() if isinstance(ref, PiecedRef) else None) or []
+            for path, offset, nbytes in segs:
+                if offset + nbytes > self.reader.size(path):
+                    raise FormatError(f"{path}: a tensor's bytes {offset}..{offset + nbytes} lie past the end of the "
+                                      f"file ({self.reader.size(path)} bytes): the file is truncated; nothing was loaded")
+
+    def view(self, t: Any) -> Any:
+        """``t`` with its bytes: a zero-copy view of the mapped file (a DCP tensor split over files: read
+        whole once); ``t`` itself when it isn't on meta."""
+        import torch
+
+        if not t.is_meta:
+            return t
+        ref = self.refs[storage_id(t)]
+        if isinstance(ref, StorageRef) and ref.path is not None:
+            storage = self._map(ref.path)[ref.offset : ref.offset + ref.nbytes]
+        else:
+            sid = storage_id(t)
+            if sid not in self._pieces:
+                self._pieces[sid] = ref.materialize().untyped_storage()
+            storage = self._pieces[sid]
+        out = torch.empty(0, dtype=t.dtype)
+        if ref.nbytes:
+            out.set_(storage, t.storage_offset(), t.shape, t.stride())
+        else:
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        return out
+
+    def _map(self, path: str) -> Any:
+        import torch
+
+        if path not in self._maps:
+            self._maps[path] = torch.UntypedStorage.from_file(path, shared=False, nbytes=self.reader.size(path))
+        return self._maps[path]
+
+    def box_runs(self, t: Any, offsets: Sequence[int], sizes: Sequence[int]) -> list[Segment] | None:
+        """The file runs holding the box ``t[offsets : offsets + sizes]`` in row-major order (their
+        concatenation is the box as a contiguous tensor), or None where ``t`` isn't stored contiguously."""
+        segs = self.segments(t)
+        if segs is None or not t.is_contiguous():
+            return None
+        if math.prod(sizes) == 0:
+            return []
+        shape, item, strides = list(t.shape), t.element_size(), t.stride()
+        if not shape:
+            return list(_slice(segs, t.storage_offset() * item, item))
+
+        def whole(d: int) -> bool:
+            return offsets[d] == 0 and sizes[d] == shape[d]
+
+        # k: the last dimension the box cuts; every dimension after it is whole, so each run is contiguous
+        k = next(d for d in range(len(shape)) if all(whole(e) for e in range(d + 1, len(shape))))
+        run = sizes[k] * math.prod(shape[k + 1:])
+        runs: list[Segment] = []
+        for index in itertools.product(*(range(offsets[d], offsets[d] + sizes[d]) for d in range(k))):
+            first = t.storage_offset() + sum(i * s for i, s in zip(index, strides)) + offsets[k] * strides[k]
+            runs.extend(_slice(segs, first * item, run * item))
+        return _merge(runs)
+
+    def read_runs(self, runs: list[Segment], out: memoryview) -> None:
+        """Read ``runs`` one after another into ``out`` (exactly their total size)."""
+        pos = 0
+        for path, offset, nbytes in runs:
+            self.reader.read_into(path, offset, out[pos : pos + nbytes])
+            pos += nbytes
+        if pos != out.nbytes:
+            raise AssertionError(f"read {pos} bytes into a buffer of {out.nbytes}")
+
+
+def _slice(segs: list[Segment], start: int, length: int) -> Iterator[Segment]:
+    """The file runs of bytes ``start .. start + length`` of a storage made of ``segs``."""
+    pos = 0
+    for path, offset, nbytes in segs:
+        lo, hi = max(start, pos), min(start + length, pos + nbytes)
+        if lo < hi:
+            yield path, offset + lo - pos, hi - lo
+        pos += nbytes
+        if pos >= start + length:
+            return
+    if pos < start + length:
+        raise FormatError(f"{segs[0][0] if segs else 'checkpoint'}: a tensor needs bytes past the end of its storage")
+
+
+def _merge(runs: list[Segment]) -> list[Segment]:
+    out: list[Segment] = []
+    for path, offset, nbytes in runs:
+        if out and out[-1][0] == path and out[-1][1] + out[-1][2] == offset:
+            out[-1] = (path, out[-1][1], out[-1][2] + nbytes)
+        else:
+            out.append((path, offset, nbytes))
+    return out
+
+
+def byte_view(t: Any) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy."""
+    import torch
+
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")

@@ -67,12 +67,14 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
             name = f"data/{key}"
             if not reader.has_record(name):
                 raise FormatError(f"{path}: the pickle refers to storage {key!r} but the archive has no {name} record")
-            if reader.get_record_size(name) < nbytes:
-                raise FormatError(f"{path}: record {name} holds {reader.get_record_size(name)} bytes, its tensor needs {nbytes}")
+            offset, member = reader.get_record_offset(name), members.get(name)
+            # (torch < 2.12's reader has no get_record_size: the zip directory's entry says the same)
+            size = reader.get_record_size(name) if hasattr(reader, "get_record_size") else getattr(member, "file_size", 0)
+            if size < nbytes:
+                raise FormatError(f"{path}: record {name} holds {size} bytes, its tensor needs {nbytes}")
             st = torch.UntypedStorage(nbytes, device="meta")
             storages[key] = st
             sid = storage_id(st)
-            offset, member = reader.get_record_offset(name), members.get(name)
             record = None if member is None else Recorded(path, name, offset, member.file_size, member.crc)
             crc = record.crc if record is not None and record.size == nbytes else None  # else computed when written
             refs[sid] = StorageRef(path, offset, nbytes, location, crc, str(key), record)

@@ -43,12 +43,13 @@ def test_every_mode_into_every_wrapping(fixtures_dir: Path, manifest: dict, trai
     saved = _fixture_tensors(fixtures_dir / entry["file"])
     loaded = {strip_wrappers(k): v for k, v in model.state_dict().items()}
     assert loaded.keys() == saved.keys()
-    for key, value in saved.items():
-        assert torch.equal(loaded[key], value.to(loaded[key].dtype)), key
+    for key, value in saved.items():  # (.cpu(): DataParallel moves its module to the GPU when there is one)
+        assert torch.equal(loaded[key].cpu(), value.to(loaded[key].dtype)), key
     inner = model.module if target == "dp" else model
     inner.eval()
+    device = next(inner.parameters()).device
     with torch.no_grad():
-        out = inner(train.fixed_input("mlp"))
+        out = inner(train.fixed_input("mlp").to(device)).cpu()
     assert_close_to_recorded(out, entry["output"])
 
 
@@ -121,7 +122,7 @@ def test_old_batchnorm_checkpoint_fills_num_batches_tracked(tmp_path: Path) -> N
     model = nn.DataParallel(net())
     report = ckptfix.load_into(model, tmp_path / "old.pth")
     assert report.tolerated == ["module.1.num_batches_tracked"] and report.fix == "add module."
-    assert torch.equal(model.module[1].running_mean, torch.full((4,), 0.25))
+    assert torch.equal(model.module[1].running_mean.cpu(), torch.full((4,), 0.25))
     assert int(model.module[1].num_batches_tracked) == 0
 
 

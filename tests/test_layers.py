@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, str]] = [
     ("statedict", "key strings, not files: wrappers, where the state dict sits, transforms, repair"),
     ("formats", "one package or module per format family, behind the registry in formats/__init__"),
     ("ops", "the library's operations: read, load, load_into, convert, diff; their reports and text"),
-    ("model", "verification against a model: spec, inputs, forward, golden, verify"),
+    ("model", "verification against a model: spec, inputs, forward, golden, serving, verify"),
     ("cli", "click commands; and the package itself, whose lazy __getattr__ reaches every layer"),
 ]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import formats
-from ..statedict import locate, transforms, wrappers
+from ..statedict import locate, ties, transforms, wrappers
 from ..core import torch_free
 from ..core.bytecopy import CrcCheck
 from ..core.atomic import atomic_path, check_destination, check_destination_dir, hashed_name, sha256_file
@@ -211,7 +211,7 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
         locate.check_resumable(ckpt.raw, ckpt.state_dict_key, ckpt.state_dict, req.strip_prefix, req.src)
     sd, notes = normalise_keys(ckpt, req.to, req.strip_prefix, req.add_prefix, req.rename, req.by_order)
     if req.untie:
-        sd, untied = transforms.untie_aliases(sd, ckpt.refs)
+        sd, untied = ties.untie_aliases(sd, ckpt.refs)
         notes.append(f"--untie: {len(untied)} tied tensor(s) stored under their own keys"
                      + (": " + ", ".join(untied[:20]) if untied else ""))
     cast = None

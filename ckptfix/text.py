@@ -105,8 +105,12 @@ def verify_text(report: Any) -> str:
     loader = spec.exact_loader if spec is not None and spec.exact_loader else "torch.load(weights_only=True)"
     mode = f"--exact: as {loader} + strict load_state_dict would load it" if report.exact else "repairs allowed"
     mode += f"; model in {report.model_dtype}" if report.model_dtype else ""
+    mode += f"; serving device {report.serving_device}" if report.serving_device else ""
+    tolerated = f", {len(report.tolerated)} tolerated" if report.tolerated else ""
     lines = [f"{'VERIFIED' if report.ok else 'FAILED'}: {report.checkpoint} against {report.model} ({mode})",
-             f"  keys: {report.fix or 'as saved'}: {report.matched}/{report.total} keys match"]
+             f"  keys: {report.fix or 'as saved'}: {report.matched}/{report.total} keys match{tolerated}"]
+    if report.exact and report.devices:
+        lines.append(f"  devices: {counts(report.devices)} (where {loader} puts the tensors: as saved)")
     if report.convert_command:
         lines.append(f"  fix the file with: {report.convert_command}")
     for name, keys in (("missing", report.missing), ("unexpected", report.unexpected),

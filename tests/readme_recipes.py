@@ -312,6 +312,8 @@ RECIPES: dict[str, Entry] = {
                                  check=_output_has("max abs diff 0")),
     "ckptfix verify release.pth --model torchvision:resnet18 --exact --json": Entry(
         {"release.pth": "resnet18 1000"}, check=_json("ok", True)),
+    "ckptfix verify release.pth --model torchvision:resnet18 --exact --serving-device cpu": Entry(
+        {"release.pth": "resnet18 1000"}, check=_output_has("devices: cpu ×")),
     "ckptfix verify half.safetensors --model mypkg.models:build --exact --dtype fp16 --reference run.pth": Entry(
         {"half.safetensors": "mypkg in fp16", "run.pth": "mypkg, ddp", **MYPKG_FILES}, env_path=True),
     "ckptfix verify bert.pth --model mypkg.nlp:build --input-shape 1,16 --input-dtype long --input-range 0,30522 "

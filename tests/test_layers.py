@@ -21,10 +21,10 @@ LAYERS: list[tuple[str, str]] = [
     ("core", "primitives: limits, devices, atomic writes, interrupts, byte copying, progress, units, TensorInfo"),
     ("parse", "bytes to structure, nothing executed: sniffing, zip directory, safetensors header, pickle opcodes"),
     ("safety", "policy: the allow-list, guards, stand-ins, DCP/DeepSpeed pickle policies, the scanners"),
-    ("statedict", "key strings, not files: wrappers, where the state dict sits, transforms, repair"),
+    ("statedict", "key strings, not files: wrappers, where the state dict sits, transforms, ties, repair"),
     ("formats", "one package or module per format family, behind the registry in formats/__init__"),
     ("ops", "the library's operations: read, load, load_into, convert, diff; their reports and text"),
-    ("model", "verification against a model: spec, inputs, forward, golden, verify"),
+    ("model", "verification against a model: spec, inputs, forward, golden, serving, verify"),
     ("cli", "click commands; and the package itself, whose lazy __getattr__ reaches every layer"),
 ]
 

@@ -70,6 +70,9 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
 @click.option("--exact", is_flag=True,
               help="Pass only if the serving loader (torch.load(weights_only=True), or safetensors.torch.load_file for "
                    "safetensors) + load_state_dict(strict=True) takes the file as saved, dtypes included.")
+@click.option("--serving-device", metavar="DEV",
+              help="With --exact: the device the serving code loads on (cpu, cuda, cuda:N); fail when the file's saved "
+                   "devices differ (default: those of this machine).")
 @click.option("--reference", metavar="REF", type=click.Path(dir_okay=True),
               help="Compare forward outputs with this checkpoint's (e.g. the original before a conversion).")
 @input_options
@@ -85,10 +88,10 @@ def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
 @json_option
 @click.pass_context
 def verify(ctx: click.Context, path: str, model_spec: str, model_args: tuple[str, ...], exact: bool,
-           reference: str | None, input_shape: str | None, input_dtype: str | None, input_range: str | None,
-           input_file: str | None, golden: str | None, record_golden: bool, dtype: str | None, atol: float | None,
-           rtol: float | None, no_forward: bool, map_location: tuple[str, ...], select: str, trust: bool,
-           as_json: bool) -> None:
+           serving_device: str | None, reference: str | None, input_shape: str | None, input_dtype: str | None,
+           input_range: str | None, input_file: str | None, golden: str | None, record_golden: bool, dtype: str | None,
+           atol: float | None, rtol: float | None, no_forward: bool, map_location: tuple[str, ...], select: str,
+           trust: bool, as_json: bool) -> None:
     """Check PATH against a model: keys, shapes, dtypes, NaN/Inf, tied weights, forward outputs (exit 3: failed)."""
     from ..model.inputs import parse_range
     from ..model.spec import parse_model_args, parse_shape
@@ -96,12 +99,15 @@ def verify(ctx: click.Context, path: str, model_spec: str, model_args: tuple[str
 
     if record_golden and not golden:
         raise click.UsageError("--record-golden needs --golden FILE")
+    if serving_device and not exact:
+        raise click.UsageError("--serving-device goes with --exact (the plain load it checks)")
     report = do_verify(path, model_spec, model_args=parse_model_args(model_args), reference=reference, exact=exact,
                        forward=not no_forward, atol=atol, rtol=rtol, dtype=dtype,
                        input_shape=parse_shape(input_shape) if input_shape else None, input_dtype=input_dtype,
                        input_range=parse_range(input_range) if input_range else None, inputs=input_file,
                        golden=golden, record_golden=record_golden,
                        map_location=map_location_value(map_location), select=select, trust=trust,
+                       serving_device=serving_device, progress=True,
                        checksum=as_json)  # text + --no-forward: no tensor loaded, no hash (CRC-32s still checked)
     render(report, as_json, _format_text)
     if not report.ok:

@@ -13,14 +13,20 @@ from .units import human_size
 
 
 class Progress:
-    """Counts bytes and tensors moved through ``rawcopy``; draws a bar after ~1 s on a terminal.
+    """Counts bytes and tensors moved through ``rawcopy``; draws a bar after ``DELAY`` (1 s) on a terminal.
 
     ``total_bytes`` is what will be written (after a dtype cast). A run that finishes ends on a full
     line (``100%``, every tensor) even where a writer reports its bytes otherwise (tied tensors
-    written once, cast tensors the torch-zip writer adds without ``rawcopy``).
+    written once, cast tensors the torch-zip writer adds without ``rawcopy``). ``label`` starts the line
+    (``verify``'s: what it is checking); callers other than a copy call ``advance`` and ``tensor_done`` themselves.
     """
 
-    def __init__(self, total_bytes: int, total_tensors: int, enabled: bool, stream: TextIO | None = None):
+    #: seconds before the first draw: a short run prints nothing
+    DELAY = 1.0
+
+    def __init__(self, total_bytes: int, total_tensors: int, enabled: bool, stream: TextIO | None = None,
+                 label: str = ""):
+        self.label = label
         self.total_bytes = total_bytes
         self.total_tensors = total_tensors
         self.stream = stream or sys.stderr
@@ -37,7 +43,7 @@ class Progress:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         bytecopy.progress = None
-        if et is None and self.enabled and (self._drawn or time.perf_counter() - self.start >= 1.0):
+        if et is None and self.enabled and (self._drawn or time.perf_counter() - self.start >= self.DELAY):
             self.bytes, self.tensors = self.total_bytes, self.total_tensors  # done: all of it is written
             self._draw(force=True)
         if self._drawn:
@@ -57,14 +63,15 @@ class Progress:
             return
         now = time.perf_counter()
         elapsed = now - self.start
-        if not force and (elapsed < 1.0 or now - self._last_draw < 0.2):
+        if not force and (elapsed < self.DELAY or now - self._last_draw < 0.2):
             return
         self._last_draw = now
         self._drawn = True
         pct = min(100, 100 * self.bytes / self.total_bytes) if self.total_bytes else 100
         rate = self.bytes / elapsed if elapsed > 0 else 0
+        label = f"{self.label}: " if self.label else ""
         self.stream.write(
-            f"\r  {human_size(self.bytes, 'GiB')} / {human_size(self.total_bytes, 'GiB')} ({pct:3.0f}%)  "
+            f"\r  {label}{human_size(self.bytes, 'GiB')} / {human_size(self.total_bytes, 'GiB')} ({pct:3.0f}%)  "
             f"{self.tensors}/{self.total_tensors} tensors  {human_size(rate, 'GiB')}/s   "
         )
         self.stream.flush()

@@ -21,16 +21,17 @@ from ..ops import api
 from ..safety import scanner
 from . import forward as fwd
 from . import golden as gold
+from . import serving
 from . import spec as models
 from ..statedict import repair, wrappers
 from ..statedict.transforms import CAST_DTYPES
 from .. import text
 from ..core.atomic import sha256_file
 from ..core.devices import storage_id
-from ..errors import GoldenError, LoadError
+from ..core.progress import Progress
+from ..errors import DeviceError, GoldenError, LoadError
 from .inputs import InputRecipe, resolve_input
 from ..parse.format_registry import get as format_of
-from ..parse.safetensors_header import read_header
 
 _SHORT_DTYPES = {long: short for short, long in CAST_DTYPES.items()}  # convert --dtype names
 
@@ -65,6 +66,8 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     model_dtype: str | None = None
     golden: dict[str, Any] | None = None
+    devices: dict[str, int] = field(default_factory=dict)
+    serving_device: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +98,8 @@ def verify(
     inputs: Any = None,
     golden: Any = None,
     record_golden: bool = False,
+    serving_device: str | None = None,
+    progress: bool = False,
 ) -> VerifyReport:
     """Check checkpoint ``path`` against ``model`` (an nn.Module, a spec such as
     ``'torchvision:resnet18'`` with ``model_args``, or a factory).
@@ -120,9 +125,18 @@ def verify(
     (:data:`ckptfix.model.forward.RECORDED_TOLERANCE`) when ``dtype`` is half precision — and within the
     recorded-value default for its dtype with ``golden``'s (recorded elsewhere); given, they apply to
     every comparison. Each ``forward['against']`` row says the atol/rtol it used and why.
+
+    ``exact`` also takes the devices as saved (``report.devices``: where the plain loader puts the tensors,
+    no map_location): each must be ``serving_device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``; the CPU always
+    does) or, without one, exist on this machine. Tied keys the file holds once pass only where the
+    model ties them again after loading (:mod:`ckptfix.model.serving`). ``progress``: a progress line on
+    stderr, when it is a terminal, while the values are checked.
     """
     if record_golden and golden is None:
         raise GoldenError("record_golden needs golden=PATH (--golden PATH): where to write the outputs")
+    if serving_device is not None and not exact:
+        raise DeviceError(f"serving_device={serving_device!r} (--serving-device) is what --exact's plain load is "
+                          "checked against: pass exact=True (--exact) too")
     path = os.fspath(path)
     forward = forward and str(map_location).strip().lower() != "meta"  # meta holds no values to run
     request = fwd.ForwardRequest(reference, golden, record_golden, atol, rtol, input_shape, input_dtype, input_range,
@@ -139,14 +153,25 @@ def verify(
         nonfinite=None, forward=None, sha256=sha, exact=exact, format=ckpt.format,
         state_dict_key=ckpt.state_dict_key, matched=chosen.matched, total=chosen.total,
         non_tensor=fit.non_tensor, tolerated=fit.tolerated, notes=list(ckpt.notes), model_dtype=source.dtype_name,
+        devices=dict(ckpt.devices), serving_device=serving_device,
     )
     cast = _cast_to(fit, target) if exact else None
-    if chosen.description or cast or (exact and (ckpt.state_dict_key is not None or not format_of(ckpt.format).exact_loader)):
+    aliases, off_device = serving.Aliases(), []
+    if exact:
+        loaded = serving.plainly_loaded(ckpt)
+        aliases = serving.check_aliases(ckpt.state_dict, loaded, chosen.fn, target, serving.retie_hook(structure))
+        serving.as_served(report, aliases)
+        off_device = serving.device_failures(ckpt.devices, serving_device, serving.loader(ckpt.format))
+    if chosen.description or cast or aliases.stored or off_device or \
+            (exact and (ckpt.state_dict_key is not None or not format_of(ckpt.format).exact_loader)):
         ext = format_of(ckpt.format).fixed_ext  # a safetensors release stays one
         report.convert_command = repair.convert_command(path, list(ckpt.state_dict), chosen, target,
-                                                        ckpt.state_dict_key, dtype=cast, ext=ext)
-    _check_values(report, fit, target, has_data=forward)
-    _judge_structure(report, fit, exact, ckpt, target)
+                                                        ckpt.state_dict_key, dtype=cast, ext=ext,
+                                                        untie=bool(aliases.stored),
+                                                        map_location="cpu" if off_device else None)
+    _check_values(report, fit, target, has_data=forward, progress=progress)
+    _judge_structure(report, fit, exact, ckpt, target, aliases)
+    report.failures += off_device
     report.failures += crc_failures(path, ckpt.format)  # with or without the forward check
     if forward and fit.loads:
         net = structure if is_fresh else source.fresh()
@@ -162,13 +187,14 @@ def verify(
     return report
 
 
-def _check_values(report: VerifyReport, fit: repair.Fit, target: repair.Target, has_data: bool) -> None:
+def _check_values(report: VerifyReport, fit: repair.Fit, target: repair.Target, has_data: bool,
+                  progress: bool = False) -> None:
     """NaN/Inf per tensor, and tied parameters that arrive as different tensors."""
     import torch
 
     sd = fit.state_dict
     if has_data:
-        report.nonfinite = repair.nonfinite_keys(sd, target.shapes)
+        report.nonfinite = _nonfinite(sd, list(target.shapes), progress)
     for group in target.tied:
         present = [k for k in group if isinstance(sd.get(k), torch.Tensor)]
         views = {(storage_id(sd[k]), sd[k].storage_offset(), tuple(sd[k].shape), tuple(sd[k].stride())) for k in present}
@@ -180,6 +206,21 @@ def _check_values(report: VerifyReport, fit: repair.Fit, target: repair.Target, 
         elif any(sd[k].shape != sd[present[0]].shape or not torch.equal(sd[k], sd[present[0]]) for k in present[1:]):
             report.shared_mismatch.append({"keys": present, "reason": "the model ties them but their values differ; "
                                                                       "only one survives loading"})
+
+
+def _nonfinite(sd: Any, keys: list[str], progress: bool) -> list[str]:
+    """:func:`repair.nonfinite_keys`, tensor by tensor, with a progress line on a terminal (the long part)."""
+    import torch
+
+    tensors = [k for k in keys if isinstance(sd.get(k), torch.Tensor)]
+    total = sum(sd[k].numel() * sd[k].element_size() for k in tensors)
+    out: list[str] = []
+    with Progress(total, len(tensors), enabled=progress, label="verify: NaN/Inf") as bar:
+        for k in tensors:
+            out += repair.nonfinite_keys(sd, [k])
+            bar.advance(sd[k].numel() * sd[k].element_size())
+            bar.tensor_done()
+    return out
 
 
 def crc_failures(path: str, fmt: str) -> list[str]:
@@ -195,14 +236,20 @@ def crc_failures(path: str, fmt: str) -> list[str]:
             for f in report.findings if f.kind == "crc-mismatch"]
 
 
-def _judge_structure(report: VerifyReport, fit: repair.Fit, exact: bool, ckpt: Any, target: repair.Target) -> None:
+def _keys(rows: list[Any]) -> list[str]:
+    """Key names from a report list: keys, ``{key, …}`` rows, or ``{keys: [...]}`` rows (as ``a/b``)."""
+    return [r if isinstance(r, str) else r["key"] if "key" in r else "/".join(r["keys"]) for r in rows]
+
+
+def _judge_structure(report: VerifyReport, fit: repair.Fit, exact: bool, ckpt: Any, target: repair.Target,
+                     aliases: serving.Aliases) -> None:
     fails = report.failures
-    problems = [f"{len(v)} {name}" for name, v in (
+    problems = [serving.named(name, _keys(v)) for name, v in (
         ("missing", fit.missing), ("unexpected", fit.unexpected), ("shape mismatch", fit.shape_mismatch),
         ("non-tensor", fit.non_tensor), ("non-finite", report.nonfinite or []),
         ("tied-weight mismatch", report.shared_mismatch)) if v]
     if problems:
-        fails.append(("after the repair: " if report.fix else "") + ", ".join(problems))
+        fails.append(("after the repair: " if report.fix else "") + "; ".join(problems))
         if fit.missing and fit.unexpected:
             fails[-1] += " (names differ: a renamed layer, or a different architecture)"
             single = wrappers.strip_wrappers  # convert's --rename applies to the single form
@@ -218,10 +265,10 @@ def _judge_structure(report: VerifyReport, fit: repair.Fit, exact: bool, ckpt: A
         counts = sorted({f"{r['checkpoint']} -> {r['model']}" for r in fit.dtype_mismatch})
         report.warnings.append(f"{len(fit.dtype_mismatch)} tensors are cast on load ({', '.join(counts)})")
     if exact:
-        fails += _exact_failures(ckpt, target, report)
+        fails += _exact_failures(ckpt, target, report, aliases)
 
 
-def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> list[str]:
+def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport, aliases: serving.Aliases) -> list[str]:
     """Why the serving loader — ``torch.load(PATH, weights_only=True)`` or ``safetensors.torch.load_file(PATH)``
     — followed by ``load_state_dict(…, strict=True)`` would not take the file as is."""
     out = []
@@ -231,29 +278,21 @@ def _exact_failures(ckpt: Any, target: repair.Target, report: VerifyReport) -> l
         out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
     if ckpt.state_dict_key is not None:
         out.append(f"exact: torch.load returns a dict with the state dict under {ckpt.state_dict_key!r}, not the state dict")
-    as_loaded = _as_plainly_loaded(ckpt)
+    as_loaded = serving.plainly_loaded(ckpt)
     plain = repair.check_fit(as_loaded, target, fill=False)
-    missing = plain.missing + [t["key"] for t in plain.tolerated
-                               if not repair.torch_fills_num_batches_tracked(t["key"], as_loaded)]
-    problems = [f"{len(v)} {name}" for name, v in (("missing", missing), ("unexpected", plain.unexpected),
-                                                   ("shape mismatch", plain.shape_mismatch),
-                                                   ("non-tensor", plain.non_tensor)) if v]
+    missing = plain.missing + [t["key"] for t in plain.tolerated if t["key"] not in aliases.retied
+                               and not repair.torch_fills_num_batches_tracked(t["key"], as_loaded)]
+    problems = [serving.named(name, _keys(v)) for name, v in (
+        ("missing", missing), ("unexpected", plain.unexpected), ("shape mismatch", plain.shape_mismatch),
+        ("non-tensor", plain.non_tensor)) if v]
     if problems:
-        out.append(f"exact: load_state_dict(strict=True) would fail as saved: {', '.join(problems)}{how}")
+        why = "".join(f"; {serving.alias_reason(k, aliases, ckpt.format)}" for k in missing if k in aliases.absent)
+        out.append(f"exact: load_state_dict(strict=True) would fail as saved: {'; '.join(problems)}{how}{why}")
     if plain.dtype_mismatch:
         kinds = sorted({f"{r['checkpoint']} vs model {r['model']}" for r in plain.dtype_mismatch})
-        out.append(f"exact: {len(plain.dtype_mismatch)} dtypes differ from the model's ({', '.join(kinds)})")
+        out.append(f"exact: {len(plain.dtype_mismatch)} dtypes differ from the model's ({', '.join(kinds)}): "
+                   + serving.shown(_keys(plain.dtype_mismatch)))
     return out
-
-
-def _as_plainly_loaded(ckpt: Any) -> Any:
-    """The state dict as the plain loader returns it: for safetensors, only the header's tensors and no
-    ``_metadata`` (ckptfix's tied-weight aliases and module metadata are ckptfix's reader's, not load_file's)."""
-    if not format_of(ckpt.format).stores_aliases:
-        return ckpt.state_dict
-
-    _, entries, _ = read_header(ckpt.path)
-    return {k: v for k, v in ckpt.state_dict.items() if k in entries}
 
 
 def _cast_to(fit: repair.Fit, target: repair.Target) -> str | None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import formats
-from ..statedict import locate, transforms, wrappers
+from ..statedict import locate, ties, transforms, wrappers
 from ..core import torch_free
 from ..core.bytecopy import CrcCheck
 from ..core.atomic import atomic_path, check_destination, check_destination_dir, hashed_name, sha256_file
@@ -64,7 +64,17 @@ def validate(src: str, dst: str, options: ConvertOptions) -> Request:
         raise ConversionError("map_location='meta' reads no tensor data; convert needs real tensors")
     if options.dtype is not None:
         transforms.parse_dtype(options.dtype)
+    if options.untie and not _stores_aliases(fmt_out):
+        raise ConversionError(f"{dst}: --untie is for safetensors output, which stores a tied tensor once; a "
+                              f"{fmt_out} output keeps tied tensors as torch.save does (torch.load restores each "
+                              "key): drop --untie")
     return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan, **vars(options))
+
+
+def _stores_aliases(fmt: str) -> bool:
+    """Does ``fmt`` (or its shards' format) store tied tensors once, as aliases only ckptfix's reader restores?"""
+    spec = registry.get(fmt)
+    return spec.stores_aliases or (spec.shard_format is not None and registry.get(spec.shard_format).stores_aliases)
 
 
 def _plan_output(src: str, dst: str, fmt_requested: str | None, max_shard_size: int | str | None, keep_extra: bool,
@@ -200,6 +210,10 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
     if req.keep_extra and req.strip_prefix is not None:
         locate.check_resumable(ckpt.raw, ckpt.state_dict_key, ckpt.state_dict, req.strip_prefix, req.src)
     sd, notes = normalise_keys(ckpt, req.to, req.strip_prefix, req.add_prefix, req.rename, req.by_order)
+    if req.untie:
+        sd, untied = ties.untie_aliases(sd, ckpt.refs)
+        notes.append(f"--untie: {len(untied)} tied tensor(s) stored under their own keys"
+                     + (": " + ", ".join(untied[:20]) if untied else ""))
     cast = None
     if req.dtype is not None:
         sd, cast = transforms.cast_floating(sd, req.dtype, req.allow_overflow)

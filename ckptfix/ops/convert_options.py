@@ -86,6 +86,9 @@ class ConvertOptions:
     #: an nn.Module; on the command line, the one --model and --arg build
     by_order: Any = option(None, Flag(("--by-order",), is_flag=True,
                                       help="Give the tensors --model's key names by position (counts and shapes must agree)."))
+    untie: bool = option(False, Flag(("--untie",), is_flag=True,
+                                     help="Store each tied tensor under every key it has (safetensors output: "
+                                          "safetensors.torch.load_file then returns every key)."))
     dtype: str | None = option(None, Flag(("--dtype",), choices=DTYPES,
                                           help="Cast floating-point tensors (never integer or bool buffers)."))
     allow_overflow: bool = option(False, Flag(("--allow-overflow",), is_flag=True,

@@ -289,9 +289,11 @@ def torch_fills_num_batches_tracked(key: str, state_dict: Any) -> bool:
 
 
 def convert_command(path: str, keys: list[str], repair: Repair, target: Target, select: str | None,
-                    dtype: str | None = None, ext: str = ".pth") -> str | None:
+                    dtype: str | None = None, ext: str = ".pth", untie: bool = False,
+                    map_location: str | None = None) -> str | None:
     """The ``ckptfix convert …`` line writing ``PATH.fixed{ext}``, which plain ``torch.load`` (or
-    ``safetensors.torch.load_file``, for ``.safetensors``) + ``load_state_dict`` takes.
+    ``safetensors.torch.load_file``, for ``.safetensors``) + ``load_state_dict`` takes: with ``--untie``
+    (tied tensors under every key) and ``--map-location`` (the devices) when given.
 
     Each candidate command is checked by running its key function over every key; ``None`` when
     no ``--to``/``--strip-prefix``/``--add-prefix`` combination reproduces the repair.
@@ -310,6 +312,8 @@ def convert_command(path: str, keys: list[str], repair: Repair, target: Target, 
             argv += ["--add-prefix", repair.add_prefix + "."] if repair.add_prefix else []
             argv += ["--select", select] if select not in (None, "<nn.Module>") else []
             argv += ["--dtype", dtype] if dtype else []
+            argv += ["--untie"] if untie else []
+            argv += ["--map-location", map_location] if map_location else []
             return " ".join(shlex.quote(a) for a in argv)
     return None
 

@@ -216,7 +216,8 @@ def test_fp16_checkpoint_warns_and_exact_fails_on_dtype(cli_runner, fixtures_dir
     report = _json(cli_runner, [path, "--model", MLP_SPEC, "--exact"], 3)
     assert [r["key"] for r in report["dtype_mismatch"]] == list(_state_dict(fixtures_dir / "mlp_amp.pth"))
     assert {(r["checkpoint"], r["model"]) for r in report["dtype_mismatch"]} == {("float16", "float32")}
-    assert report["failures"] == ["exact: 6 dtypes differ from the model's (float16 vs model float32)"]
+    assert report["failures"] == ["exact: 6 dtypes differ from the model's (float16 vs model float32): 0.weight, "
+                                  "0.bias, 2.weight and 3 more"]
     assert report["convert_command"].endswith("--to single --dtype fp32")
     assert cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:]).exit_code == 0
     fixed = _json(cli_runner, [str(tmp_path / "mlp_amp.fixed.pth"), "--model", MLP_SPEC, "--exact"], 0)
@@ -229,8 +230,9 @@ def test_dp_checkpoint_with_exact_fails_and_names_the_repair(cli_runner, fixture
     report = _json(cli_runner, [str(src), "--model", MLP_SPEC, "--exact"], 3)
     assert report["fix"] == "strip module." and report["exact"] is True
     assert report["convert_command"] == f"ckptfix convert {src} {tmp_path / 'mlp_dp.fixed.pth'} --to single"
-    assert report["failures"] == ["exact: load_state_dict(strict=True) would fail as saved: 6 missing, 6 unexpected "
-                                  "(the repair: strip module.)"]
+    assert report["failures"] == ["exact: load_state_dict(strict=True) would fail as saved: 6 missing: 0.weight, "
+                                  "0.bias, 2.weight and 3 more; 6 unexpected: module.0.weight, module.0.bias, "
+                                  "module.2.weight and 3 more (the repair: strip module.)"]
     # The named command really produces a file that passes --exact.
     res = cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:])
     assert res.exit_code == 0, res.output
@@ -334,6 +336,9 @@ def test_nonfinite_values_fail(cli_runner, fixtures_dir: Path, tmp_path: Path) -
     torch.save(sd, tmp_path / "nan.pth")
     report = _json(cli_runner, [str(tmp_path / "nan.pth"), "--model", MLP_SPEC], 3)
     assert report["nonfinite"] == ["2.bias", "4.weight"]
+    assert report["failures"] == ["2 non-finite: 2.bias, 4.weight"]  # the keys, not only a count
+    text = cli_runner.invoke(cli, ["verify", str(tmp_path / "nan.pth"), "--model", MLP_SPEC]).output
+    assert "  FAIL: 2 non-finite: 2.bias, 4.weight\n" in text and "  NaN/Inf (2):\n    2.bias\n    4.weight\n" in text
     assert _json(cli_runner, [str(tmp_path / "nan.pth"), "--model", MLP_SPEC, "--no-forward"], 0)["nonfinite"] is None
 
 

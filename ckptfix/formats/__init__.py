@@ -271,10 +271,13 @@ def format_for_destination(dst: str, format: str | None, sharded: bool = False) 
     ext = os.path.splitext(dst)[1].lower()
     spec = registry.by_extension(ext)
     if spec is None:
-        suggested = " or ".join("/".join(f.extensions) for f in registry.FORMATS.values() if f.extensions)
+        files = [f for f in registry.FORMATS.values() if f.extensions]
+        dirs = [f.write_names[0] for f in registry.FORMATS.values() if f.directory_output and f.write_names]
         raise FormatError(
-            f"{dst}: can't tell the output format from the extension {ext or '(none)'!r}; "
-            f"use {suggested}, or pass --format {'|'.join(registry.WRITE_NAMES)}"
+            f"{dst}: can't tell the output format from the extension {ext or '(none)'!r}; for one file use "
+            f"{' or '.join('/'.join(f.extensions) for f in files)} (or pass --format "
+            f"{'|'.join(f.write_names[0] for f in files)}); for a directory pass --max-shard-size SIZE (e.g. 5GB: "
+            f"Hugging Face shards)" + "".join(f" or --format {name}" for name in dirs)
         )
     return spec.name
 

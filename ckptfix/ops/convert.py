@@ -76,6 +76,7 @@ def _plan_output(src: str, dst: str, fmt_requested: str | None, max_shard_size: 
     fmt_out = formats.format_for_destination(dst, fmt_requested, sharded=shard_size is not None)
     out = registry.get(fmt_out)
     if shard_size is not None or out.directory_output:
+        _check_directory_name(dst, "--max-shard-size" if shard_size is not None else f"--format {fmt_requested}")
         if hashed:
             raise ConversionError("--hash names one output file; it does not apply to a sharded or DCP directory")
         output = formats.dir_output(fmt_out, sharded=shard_size is not None)
@@ -88,6 +89,18 @@ def _plan_output(src: str, dst: str, fmt_requested: str | None, max_shard_size: 
             "file or a DCP directory can hold; write .pth, or drop --keep-extra to write the weights alone"
         )
     return shard_size, fmt_out
+
+
+def _check_directory_name(dst: str, flag: str) -> None:
+    """A directory output under a one-file name (``model.safetensors``) would be a directory called that:
+    refused, unless that directory already exists (Lightning's ``.ckpt`` directories are not one-file names)."""
+    stem, ext = os.path.splitext(dst.rstrip(os.sep))
+    spec = registry.by_extension(ext.lower())
+    if spec is not None and ext.lower() in spec.extensions and not os.path.isdir(dst):
+        raise ConversionError(
+            f"{dst}: {flag} writes a directory, not one {ext} file; name a directory instead (e.g. {stem}/), "
+            f"or drop {flag.split()[0]} to write one file; nothing was written"
+        )
 
 
 # -- planning the read --------------------------------------------------------------------------------

@@ -173,6 +173,7 @@ def normalise_keys(
     Returns the new state dict and notes.
     """
     wrappers.check_no_flat_params(ckpt.state_dict.keys(), ckpt.path)
+    notes: list[str] = []
     if strip_prefix is not None:
         p = strip_prefix.strip().strip(".")
         if not any(wrappers.has_prefix(k, p) for k in ckpt.state_dict):
@@ -180,7 +181,9 @@ def normalise_keys(
                 f"{ckpt.path}: no key starts with {p + '.'!r} (first key: {next(iter(ckpt.state_dict), '')!r}); "
                 "nothing was changed"
             )
-    notes: list[str] = []
+        left = [k for k in ckpt.state_dict if not wrappers.has_prefix(k, p)]
+        if left:
+            notes.append(f"--strip-prefix {p}. left {len(left)} key(s) without that prefix unchanged: {_few(left)}")
     inner = "keep" if to == "keep" else "single"
     sd = wrappers.rename_state_dict(ckpt.state_dict, wrappers.key_transform(inner, strip_prefix=strip_prefix),
                                     source=ckpt.path)
@@ -346,7 +349,7 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
     if cast is not None and cast.infs_produced:
         notes.append(f"overflow: {cast.infs_produced} value(s) became inf in {', '.join(cast.overflow_keys)}")
     dropped = [] if out.kept else list(ckpt.extra)
-    report_notes = ckpt.notes + notes
+    report_notes = ckpt.notes + _moved(req.plan, ckpt.stats.devices) + notes
     if dropped:
         report_notes.append(f"not written (state dict only): {', '.join(dropped)}; pass --keep-extra to keep them")
     return ConvertReport(
@@ -374,6 +377,26 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,
     )
+
+
+def _moved(plan: DevicePlan, devices: dict[str, int]) -> list[str]:
+    """``moved to cpu: 2 tensor(s) saved on cuda:0, 4 tensor(s) saved on cuda:1``: storages written for a device
+    other than the one they were saved on, by target (none for a ``map_location`` function: its choice is its own)."""
+    if plan.user_fn is not None:
+        return []
+    moved: dict[str, list[str]] = {}
+    for tag, count in sorted(devices.items()):
+        try:
+            saved, target = normalise_device(tag), plan.target(tag)
+        except DeviceError:
+            continue
+        if target != saved:
+            moved.setdefault(target, []).append(f"{count} tensor(s) saved on {tag}")
+    return [f"moved to {target}: {', '.join(parts)}" for target, parts in moved.items()]
+
+
+def _few(keys: list[str], n: int = 5) -> str:
+    return ", ".join(keys[:n]) + (f" … (+{len(keys) - n} more)" if len(keys) > n else "")
 
 
 def _size_on_disk(path: str) -> int:

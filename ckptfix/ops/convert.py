@@ -119,16 +119,29 @@ def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
     ckpt = read_checkpoint(req.src, "meta", False, req.select, refuse=True, fmt=req.fmt_in)
     if not ckpt.refs or any(req.plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
         return _load(req), LOADED  # a device other than the CPU asked for: load the tensors for real
+    _check_unrecorded(req, ckpt.refs)
     return ckpt, STREAMED
 
 
 def _load(req: Request) -> Checkpoint:
     """torch reads the file; a torch zip's records are checked against their CRC-32s meanwhile (torch doesn't)."""
-    members = formats.recorded_members(req.src, req.fmt_in)
+    members = formats.recorded_members(req.src, req.fmt_in, req.select)
     with CrcCheck(members) as check:
         ckpt = read_checkpoint(req.src, req.map_location, req.trust, req.select, refuse=True, fmt=req.fmt_in)
         check.verify()
     return ckpt
+
+
+def _check_unrecorded(req: Request, refs: dict) -> None:
+    """The zip records of source files whose streamed copy checks none (DeepSpeed's consolidated ranges and
+    gathered weights carry no record), CRC-checked before anything is written; a file whose copied ranges
+    name their records is checked while they are copied instead."""
+    if all(formats.source_record(ref) is not None for ref in refs.values()):
+        return
+    copied = {m.path for m in map(formats.source_record, refs.values()) if m is not None}
+    members = [m for m in formats.recorded_members(req.src, req.fmt_in, req.select) if m.path not in copied]
+    with CrcCheck(members) as check:
+        check.verify()
 
 
 def _needs_no_torch(req: Request) -> bool:

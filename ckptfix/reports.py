@@ -131,9 +131,9 @@ class Checkpoint:
     def nbytes(self) -> int:
         return self.stats.nbytes
 
-    def to_dict(self, head: int = 5) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` object; ``keys`` lists every key (the text shows the first and last five)."""
         keys = list(self.state_dict.keys())
-        shown = keys if len(keys) <= 2 * head else keys[:head] + keys[-head:]
         return {
             "path": self.path,
             "format": self.format,
@@ -151,7 +151,7 @@ class Checkpoint:
             "non_tensor_keys": self.stats.non_tensors,
             "extra": {k: describe_value(v) for k, v in self.extra.items()},
             "has_metadata": getattr(self.state_dict, "_metadata", None) is not None,
-            "keys": [_shape_row(k, self.state_dict[k]) for k in shown],
+            "keys": [_shape_row(k, self.state_dict[k]) for k in keys],
             "num_keys": len(keys),
             "notes": self.notes,
         }

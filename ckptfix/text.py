@@ -31,8 +31,9 @@ def stack(wrappers: list[str]) -> str:
     return ".".join(wrappers) + "." if wrappers else "none"
 
 
-def inspect_text(info: dict[str, Any]) -> str:
-    """``ckptfix inspect``'s summary from a Checkpoint's ``to_dict()``: one row per fact, then the keys."""
+def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) -> str:
+    """``ckptfix inspect``'s summary from a Checkpoint's ``to_dict()``: one row per fact, then the keys
+    (the first and last ``head``; every key with ``all_keys``)."""
     lines: list[str] = []
     whole = "the whole checkpoint" if os.path.isdir(info["path"]) else "the whole file"
     where = f"at {info['state_dict_key']!r}" if info["state_dict_key"] else whole
@@ -56,11 +57,14 @@ def inspect_text(info: dict[str, Any]) -> str:
         rows.append(("non-tensor keys", ", ".join(info["non_tensor_keys"][:10])))
     for name, value in rows:
         lines.append(f"{name + ':':<16}{value}")
-    lines.append(f"keys ({info['num_keys']}):")
-    shown = info["keys"]
+    rows = info["keys"]
+    cut = not all_keys and len(rows) > 2 * head
+    shown = rows[:head] + rows[-head:] if cut else rows
+    lines.append(f"keys ({info['num_keys']}" + (f"; the first and last {head}, --all lists every key" if cut else "")
+                 + "):")
     width = max((len(row["key"]) for row in shown), default=0)
     for i, row in enumerate(shown):
-        if i == len(shown) // 2 and info["num_keys"] > len(shown):
+        if cut and i == head:
             lines.append("  …")
         shape = "x".join(map(str, row["shape"])) if row["shape"] is not None else "-"
         lines.append(f"  {row['key']:<{width}}  [{shape}]  {row['dtype']}")

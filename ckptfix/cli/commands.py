@@ -50,17 +50,19 @@ def convert(src: str, dst: str, model_spec: str | None, model_args: tuple[str, .
 
 @cli.command()
 @click.argument("path", type=click.Path(dir_okay=True))
+@click.option("--all", "all_keys", is_flag=True, help="List every key (without it: the first and last five; "
+                                                       "--json always lists every key).")
 @select_option
 @trust_option
 @json_option
-def inspect(path: str, select: str, trust: bool, as_json: bool) -> None:
+def inspect(path: str, all_keys: bool, select: str, trust: bool, as_json: bool) -> None:
     """Summarise a checkpoint without reading its tensor data."""
     from .. import text
     from ..ops.api import describe, inspect as do_inspect
 
     # Without --trust, torch is imported only for files that need it (see ckptfix.formats.describe).
     report = do_inspect(path, trust=True, select=select) if trust else describe(path, select=select)
-    render(report, as_json, lambda r: text.inspect_text(r.to_dict()))
+    render(report, as_json, lambda r: text.inspect_text(r.to_dict(), all_keys=all_keys))
 
 
 @cli.command()

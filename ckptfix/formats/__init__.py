@@ -7,8 +7,9 @@ this module dispatches to the family that implements it, imported by name only w
 Every family exposes the same verbs: ``read(path, fmt, plan, trust, select, read_part)``, and where the
 registry says so ``describe(path, fmt, select, describe_part)`` (torch-free), ``write(obj, path, fmt, refs,
 archive, force)``, ``plan_write(obj, fmt, archive, keep_keys)`` (torch-free), ``dir_output(fmt)`` and
-``recorded_members(path)`` (the zip records a torch read goes through, to CRC-check);
-``read_part``/``describe_part`` read a member file (a shard, Lightning's ``meta.pt``) through this registry,
+``recorded_members(path, fmt, select, part_members)`` (the zip records a torch read goes through, to CRC-check);
+``read_part``/``describe_part``/``part_members`` read a member file (a shard, Lightning's ``meta.pt``) through
+this registry,
 so no family calls back up into it. A family knows bytes, not wrappers: it returns the unpickled object
 with the saved device tag of every storage, or writes a state dict it is handed. The shared types of
 every family (:class:`RawRead`, :class:`StorageRef` …) live here.
@@ -271,10 +272,13 @@ def format_for_destination(dst: str, format: str | None, sharded: bool = False) 
     ext = os.path.splitext(dst)[1].lower()
     spec = registry.by_extension(ext)
     if spec is None:
-        suggested = " or ".join("/".join(f.extensions) for f in registry.FORMATS.values() if f.extensions)
+        files = [f for f in registry.FORMATS.values() if f.extensions]
+        dirs = [f.write_names[0] for f in registry.FORMATS.values() if f.directory_output and f.write_names]
         raise FormatError(
-            f"{dst}: can't tell the output format from the extension {ext or '(none)'!r}; "
-            f"use {suggested}, or pass --format {'|'.join(registry.WRITE_NAMES)}"
+            f"{dst}: can't tell the output format from the extension {ext or '(none)'!r}; for one file use "
+            f"{' or '.join('/'.join(f.extensions) for f in files)} (or pass --format "
+            f"{'|'.join(f.write_names[0] for f in files)}); for a directory pass --max-shard-size SIZE (e.g. 5GB: "
+            f"Hugging Face shards)" + "".join(f" or --format {name}" for name in dirs)
         )
     return spec.name
 
@@ -321,14 +325,13 @@ def write_sharded(obj: Any, dst_dir: str, fmt: str, max_shard_size: int, force: 
     return notes
 
 
-def recorded_members(path: str, fmt: str) -> list[Recorded]:
-    """The zip records a torch read of ``path`` goes through, each with the CRC-32 its zip records, so the caller
-    can check them while torch reads (torch doesn't); none for a format the registry doesn't call a zip, or whose
-    family names none (it reads them its own way)."""
-    if not registry.get(fmt).zip:
-        return []
+def recorded_members(path: str, fmt: str, select: str | None = "auto") -> list[Recorded]:
+    """The zip records a torch read of ``path`` (with ``select``) goes through, each with the CRC-32 its zip
+    records, so the caller can check them while torch reads (torch doesn't): a torch zip's, every torch zip
+    shard's, a DeepSpeed checkpoint's files'; none for a family that names none (it has no CRC-32s, or reads
+    them its own way)."""
     members = getattr(family(fmt), "recorded_members", None)
-    return members(path) if members is not None else []
+    return members(path, fmt, select, recorded_members) if members is not None else []
 
 
 def dir_output(fmt: str, sharded: bool = False) -> DirOutput:

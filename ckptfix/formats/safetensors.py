@@ -159,12 +159,40 @@ def encode_header(state_dict: Any, tensors: list[tuple[str, Any]], aliases: dict
     if meta is not None:
         try:
             extra["module_metadata"] = json.loads(json.dumps(meta))
-            notes.append("_metadata kept in the ckptfix metadata entry (restored by ckptfix; other loaders ignore it)")
+            versioned = _versions_that_matter(extra["module_metadata"], state_dict.keys())
+            if versioned:
+                notes.append(
+                    f"_metadata: {', '.join(versioned)} record a state-dict version that load_state_dict reads "
+                    "differently without it; kept in the ckptfix metadata entry: ckptfix.load restores it, "
+                    "safetensors.torch.load_file and other loaders don't"
+                )
         except (TypeError, ValueError):
             notes.append("_metadata dropped: it holds values JSON can't represent")
     header["__metadata__"] = {"format": "pt", META_KEY: json.dumps(extra, separators=(",", ":"))}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     return raw + b" " * (-len(raw) % 8)
+
+
+def _versions_that_matter(meta: Any, keys: Any) -> list[str]:
+    """The modules whose ``_metadata`` version changes what ``load_state_dict`` loads, as ``'1' (version 2)``.
+
+    A loader that drops ``_metadata`` passes every module version None. torch's modules load the same tensors
+    then as at version 1 (nn.Module's default), and BatchNorm (version 2) as well unless it has running stats
+    without num_batches_tracked (then version 2 makes a strict load fail where None fills the buffer in).
+    A version above 2 is a module class of its own rules (quantized Linear …): it matters."""
+    if not isinstance(meta, dict):
+        return []
+    present = set(keys)
+    found = []
+    for prefix, entry in meta.items():
+        version = entry.get("version") if isinstance(entry, dict) else None
+        if type(version) is not int or version <= 1:
+            continue
+        dot = f"{prefix}." if prefix else ""
+        if version == 2 and (f"{dot}running_mean" not in present or f"{dot}num_batches_tracked" in present):
+            continue  # BatchNorm with its buffer, or without running stats: loads the same without the version
+        found.append(f"{prefix!r} (version {version})")
+    return found[:5] + ([f"… (+{len(found) - 5} more)"] if len(found) > 5 else [])
 
 
 def write_file(path: str, header: bytes, body: Callable[[int, Callable[[str], int], int], int]) -> None:

@@ -50,6 +50,19 @@ def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> 
     return _merge(str(find_index(path)), describe_part)
 
 
+def recorded_members(path: str, fmt: str, select: str | None, part_members: Any) -> list[Any]:
+    """Every shard's zip records with their CRC-32s (``part_members(shard_path, shard_format)``: the registry's),
+    for a torch read of the shards to be checked against; none for safetensors shards (no CRC-32s)."""
+    index_path = str(find_index(path))
+    root = os.path.dirname(os.path.abspath(index_path))
+    shards = dict.fromkeys(load_index(index_path).values())
+    out: list[Any] = []
+    for shard in shards:
+        shard_path = member_path(root, shard, index_path)
+        out += part_members(shard_path, sniff(shard_path), None)
+    return out
+
+
 def _merge(index_path: str, read_part: Reader) -> RawRead:
     root = os.path.dirname(os.path.abspath(index_path))
     weight_map = load_index(index_path)

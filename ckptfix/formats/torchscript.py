@@ -155,7 +155,7 @@ class _Builder:
             dtype = torch.serialization.StorageType(pid[1].name).dtype
             location = str(pid[3])
             if pid[2] not in self.storages:
-                nbytes = int(pid[4]) * torch._utils._element_size(dtype)
+                nbytes = int(pid[4]) * dtype.itemsize
                 self.storages[pid[2]] = torch.UntypedStorage(nbytes, device="meta")
             t = torch.empty(0, dtype=dtype, device="meta").set_(self.storages[pid[2]], offset, size, stride)
         except (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError) as e:

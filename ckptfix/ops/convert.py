@@ -86,6 +86,7 @@ def _plan_output(src: str, dst: str, fmt_requested: str | None, max_shard_size: 
     fmt_out = formats.format_for_destination(dst, fmt_requested, sharded=shard_size is not None)
     out = registry.get(fmt_out)
     if shard_size is not None or out.directory_output:
+        _check_directory_name(dst, "--max-shard-size" if shard_size is not None else f"--format {fmt_requested}")
         if hashed:
             raise ConversionError("--hash names one output file; it does not apply to a sharded or DCP directory")
         output = formats.dir_output(fmt_out, sharded=shard_size is not None)
@@ -98,6 +99,18 @@ def _plan_output(src: str, dst: str, fmt_requested: str | None, max_shard_size: 
             "file or a DCP directory can hold; write .pth, or drop --keep-extra to write the weights alone"
         )
     return shard_size, fmt_out
+
+
+def _check_directory_name(dst: str, flag: str) -> None:
+    """A directory output under a one-file name (``model.safetensors``) would be a directory called that:
+    refused, unless that directory already exists (Lightning's ``.ckpt`` directories are not one-file names)."""
+    stem, ext = os.path.splitext(dst.rstrip(os.sep))
+    spec = registry.by_extension(ext.lower())
+    if spec is not None and ext.lower() in spec.extensions and not os.path.isdir(dst):
+        raise ConversionError(
+            f"{dst}: {flag} writes a directory, not one {ext} file; name a directory instead (e.g. {stem}/), "
+            f"or drop {flag.split()[0]} to write one file; nothing was written"
+        )
 
 
 # -- planning the read --------------------------------------------------------------------------------
@@ -116,16 +129,29 @@ def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
     ckpt = read_checkpoint(req.src, "meta", False, req.select, refuse=True, fmt=req.fmt_in)
     if not ckpt.refs or any(req.plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
         return _load(req), LOADED  # a device other than the CPU asked for: load the tensors for real
+    _check_unrecorded(req, ckpt.refs)
     return ckpt, STREAMED
 
 
 def _load(req: Request) -> Checkpoint:
     """torch reads the file; a torch zip's records are checked against their CRC-32s meanwhile (torch doesn't)."""
-    members = formats.recorded_members(req.src, req.fmt_in)
+    members = formats.recorded_members(req.src, req.fmt_in, req.select)
     with CrcCheck(members) as check:
         ckpt = read_checkpoint(req.src, req.map_location, req.trust, req.select, refuse=True, fmt=req.fmt_in)
         check.verify()
     return ckpt
+
+
+def _check_unrecorded(req: Request, refs: dict) -> None:
+    """The zip records of source files whose streamed copy checks none (DeepSpeed's consolidated ranges and
+    gathered weights carry no record), CRC-checked before anything is written; a file whose copied ranges
+    name their records is checked while they are copied instead."""
+    if all(formats.source_record(ref) is not None for ref in refs.values()):
+        return
+    copied = {m.path for m in map(formats.source_record, refs.values()) if m is not None}
+    members = [m for m in formats.recorded_members(req.src, req.fmt_in, req.select) if m.path not in copied]
+    with CrcCheck(members) as check:
+        check.verify()
 
 
 def _needs_no_torch(req: Request) -> bool:
@@ -170,6 +196,7 @@ def normalise_keys(
     Returns the new state dict and notes.
     """
     wrappers.check_no_flat_params(ckpt.state_dict.keys(), ckpt.path)
+    notes: list[str] = []
     if strip_prefix is not None:
         p = strip_prefix.strip().strip(".")
         if not any(wrappers.has_prefix(k, p) for k in ckpt.state_dict):
@@ -177,7 +204,9 @@ def normalise_keys(
                 f"{ckpt.path}: no key starts with {p + '.'!r} (first key: {next(iter(ckpt.state_dict), '')!r}); "
                 "nothing was changed"
             )
-    notes: list[str] = []
+        left = [k for k in ckpt.state_dict if not wrappers.has_prefix(k, p)]
+        if left:
+            notes.append(f"--strip-prefix {p}. left {len(left)} key(s) without that prefix unchanged: {_few(left)}")
     inner = "keep" if to == "keep" else "single"
     sd = wrappers.rename_state_dict(ckpt.state_dict, wrappers.key_transform(inner, strip_prefix=strip_prefix),
                                     source=ckpt.path)
@@ -347,7 +376,7 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
     if cast is not None and cast.infs_produced:
         notes.append(f"overflow: {cast.infs_produced} value(s) became inf in {', '.join(cast.overflow_keys)}")
     dropped = [] if out.kept else list(ckpt.extra)
-    report_notes = ckpt.notes + notes
+    report_notes = ckpt.notes + _moved(req.plan, ckpt.stats.devices) + notes
     if dropped:
         report_notes.append(f"not written (state dict only): {', '.join(dropped)}; pass --keep-extra to keep them")
     return ConvertReport(
@@ -375,6 +404,26 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,
     )
+
+
+def _moved(plan: DevicePlan, devices: dict[str, int]) -> list[str]:
+    """``moved to cpu: 2 tensor(s) saved on cuda:0, 4 tensor(s) saved on cuda:1``: storages written for a device
+    other than the one they were saved on, by target (none for a ``map_location`` function: its choice is its own)."""
+    if plan.user_fn is not None:
+        return []
+    moved: dict[str, list[str]] = {}
+    for tag, count in sorted(devices.items()):
+        try:
+            saved, target = normalise_device(tag), plan.target(tag)
+        except DeviceError:
+            continue
+        if target != saved:
+            moved.setdefault(target, []).append(f"{count} tensor(s) saved on {tag}")
+    return [f"moved to {target}: {', '.join(parts)}" for target, parts in moved.items()]
+
+
+def _few(keys: list[str], n: int = 5) -> str:
+    return ", ".join(keys[:n]) + (f" … (+{len(keys) - n} more)" if len(keys) > n else "")
 
 
 def _size_on_disk(path: str) -> int:

@@ -307,7 +307,11 @@ def _check_open_records(layout: ZipLayout, buf: Any) -> None:
         if record is not None and record.flags & 1:
             layout.errors.append(f"record {record.name} is encrypted: torch can't open the archive")
     version = opened[f"{layout.root}/.data/version"] or opened[f"{layout.root}/version"]
-    if version is None or version.flags & 1:
+    if version is None:  # torch's reader: TORCH_CHECK(hasRecord("version")) when there is no .data/version
+        layout.errors.append(f"it has no format version record ({layout.root}/version or {layout.root}/.data/version), "
+                             "which torch needs to open it: the file is damaged or was not written by torch.save")
+        return
+    if version.flags & 1:
         return
     try:
         head = next(iter_member(version, buf), b"")[:64]

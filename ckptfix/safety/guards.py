@@ -64,14 +64,14 @@ def check_view(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = N
     memory, or on ``meta`` another record's bytes). Returns (elements, element size, storage bytes)."""
     torch = _torch()
     if type(storage) is torch.storage.TypedStorage:
-        itemsize, nbytes = torch._utils._element_size(storage.dtype), storage._untyped_storage.nbytes()
+        itemsize, nbytes = storage.dtype.itemsize, storage._untyped_storage.nbytes()
     elif isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
-        itemsize = 1 if isinstance(storage, torch.UntypedStorage) else torch._utils._element_size(storage.dtype)
+        itemsize = 1 if isinstance(storage, torch.UntypedStorage) else storage.dtype.itemsize
         nbytes = storage.nbytes() if isinstance(storage, torch.UntypedStorage) else storage._untyped_storage.nbytes()
     else:
         raise Refused(f"{where}a tensor is rebuilt from a {type_name(storage)}, not a storage")
     if dtype is not None:
-        itemsize = torch._utils._element_size(dtype) if isinstance(dtype, torch.dtype) else 0
+        itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 0
     if not isinstance(size, tuple) or not isinstance(stride, tuple) or type(offset) is not int:
         raise Refused(f"{where}a tensor view has malformed offset/size/stride")
     if len(size) != len(stride) or len(size) > 64 or itemsize <= 0:
@@ -200,7 +200,7 @@ def _device_tensor(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
     if kwargs or len(args) != 4 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.dtype):
         raise Refused("_rebuild_device_tensor_from_cpu_tensor with unexpected arguments")
     data = args[0]  # copied to the device: a view larger than its storage is charged
-    u.charge(max(0, data.numel() * torch._utils._element_size(args[1]) - data.untyped_storage().nbytes()),
+    u.charge(max(0, data.numel() * args[1].itemsize - data.untyped_storage().nbytes()),
              "_rebuild_device_tensor_from_cpu_tensor")
     return f(*args)
 

@@ -173,6 +173,9 @@ def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_
         return
     if unpickled_by_caller:  # refused anyway: scan everything so the message names every global
         return ensure_safe(path, fmt, structure_only)
+    whole = None if structure_only else _whole_module_message(path, report, findings)
+    if whole is not None:
+        raise UnsafeCheckpointError(whole, report.unsafe_globals)
     parts = []
     if report.unsafe_globals and not structure_only:
         parts.append("it references globals outside the safe allow-list: " + ", ".join(report.unsafe_globals))
@@ -183,6 +186,37 @@ def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_
         f"`ckptfix scan {path}` lists everything it references.",
         [] if structure_only else report.unsafe_globals,
     )
+
+
+#: the opcodes that name a class or create it with ``cls.__new__`` (what pickling an nn.Module uses), never a call
+_CLASS_OPS = {"GLOBAL", "STACK_GLOBAL", "NEWOBJ", "NEWOBJ_EX"}
+
+
+def _whole_module_message(path: str, report: ScanReport, findings: list[Finding]) -> str | None:
+    """The refusal of a whole pickled model (``torch.save(model)``: torch.nn module classes created with NEWOBJ) in
+    one short line naming its class and the fix, instead of every layer class; None for any other file.
+
+    Only module classes are summarised: any other unsafe global (a function called with REDUCE) is still named,
+    and the findings that are not about those classes are counted, for ``ckptfix scan`` to list."""
+    unsafe = [g for g in report.globals if g.category == UNSAFE]
+    if not any(g.name.startswith("torch.nn.modules.") for g in unsafe):
+        return None
+    classes = list(dict.fromkeys(g.name for g in unsafe if set(g.ops) <= _CLASS_OPS))
+    if not classes:
+        return None
+    root = classes[0]  # the first class the pickle names: the object torch.save was given (or its first module)
+    calls = sorted({g.name for g in unsafe} - set(classes))
+    made = [f"creates a {name}," for name in classes]
+    others = [f for f in findings if f.kind not in ("unsafe-global", "malformed")
+              and not any(m in f.message for m in made)
+              and "calls a computed object" not in f.message]  # legacy files name module classes by persistent id
+    also = f"; it also calls {', '.join(calls)}" if calls else ""
+    more = f"; {len(others)} other finding(s)" if others else ""
+    return (f"{path}: refused: a whole pickled model (torch.save(model)) of class {root}"
+            f"{f' and {len(classes) - 1} other module class(es)' if len(classes) > 1 else ''}, not a state dict: "
+            f"loading it runs that code{also}{more}. Load it with the model's code and save model.state_dict() "
+            f"instead; or, if you trust this file and its author and {root} is importable here, "
+            f"{trust_advice().split(', ', 1)[1]}. `ckptfix scan {path}` lists everything it references.")
 
 
 def _scan_format(path: str) -> str:

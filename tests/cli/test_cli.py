@@ -50,6 +50,25 @@ def test_inspect_text(cli_runner, fixtures_dir: Path) -> None:
     assert "at 'model_state_dict'" in res.output and "optimizer_state_dict: dict" in res.output
 
 
+def test_inspect_lists_every_key_with_all_and_in_json(cli_runner, tmp_path: Path) -> None:
+    """Text shows the first and last five keys, ``--all`` every key; ``--json`` always lists every key."""
+    sd = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(8)]).state_dict()
+    torch.save(sd, tmp_path / "deep.pth")
+    every = list(sd)
+    res = cli_runner.invoke(cli, ["inspect", str(tmp_path / "deep.pth")])
+    assert res.exit_code == 0, res.output
+    listed = [line.split()[0] for line in res.output.splitlines() if line.startswith("  ") and "[" in line]
+    assert listed == every[:5] + every[-5:] and "  …" in res.output and "--all" in res.output
+    res = cli_runner.invoke(cli, ["inspect", str(tmp_path / "deep.pth"), "--all"])
+    assert res.exit_code == 0, res.output
+    listed = [line.split()[0] for line in res.output.splitlines() if line.startswith("  ") and "[" in line]
+    assert listed == every and "  …" not in res.output
+    res = cli_runner.invoke(cli, ["inspect", str(tmp_path / "deep.pth"), "--json"])
+    info = json.loads(res.output)
+    assert [row["key"] for row in info["keys"]] == every and info["num_keys"] == len(every) == 16
+    assert info["keys"][3] == {"key": every[3], "shape": list(sd[every[3]].shape), "dtype": "float32"}
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

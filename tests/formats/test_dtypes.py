@@ -28,10 +28,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 #: the torch dtypes safetensors stores (safetensors' list ∩ torch's), by torch's name
 BOTH = sorted(str(d).removeprefix("torch.") for d in _SIZE)
+#: torch's bit-container dtypes: no finfo/iinfo (torch._utils._element_size fails), only ``dtype.itemsize``
+BITS = ["bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"]
 #: torch dtypes torch.save writes and torch.load(weights_only=True) reads back, that safetensors can't store
-#: (and bits8, bits16, bits1x8 … which ckptfix's torch-zip reader doesn't read yet: torch._utils._element_size
-#: fails for them)
-TORCH_ONLY = ["complex128", "complex32", "bcomplex32"]
+TORCH_ONLY = ["complex128", "complex32", "bcomplex32", *BITS]
 #: safetensors dtypes torch has none for
 SAFETENSORS_ONLY = ["F6_E2M3", "F6_E3M2"]
 
@@ -142,6 +142,23 @@ def test_torch_only_dtype_is_refused_by_name(name: str, tmp_path: Path, cli_runn
     assert res.stderr.startswith("Error: ") and res.stderr.count("\n") == 1, res.stderr
     assert "'w'" in res.stderr and name in res.stderr and "a bug in ckptfix" not in res.stderr, res.stderr
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("torch_free", [True, False], ids=["torch-free", "torch"])
+@pytest.mark.parametrize("name", TORCH_ONLY)
+def test_torch_only_dtype_inspects_and_converts_to_pth(name: str, torch_free: bool, tmp_path: Path, cli_runner: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """bits8 and the other bit containers (no finfo/iinfo) and complex dtypes: inspect names them, .pth → .pth
+    keeps them bit for bit, with the torch-free path on and off (it declines them: torch's path writes them)."""
+    want = tensors(name)
+    torch.save(want, tmp_path / "src.pth")
+    monkeypatch.setenv(ENV_SWITCH, "1" if torch_free else "0")
+    res = cli_runner.invoke(cli, ["inspect", str(tmp_path / "src.pth"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["dtypes"] == {name: 3}
+    res, _ = convert(tmp_path / "src.pth", tmp_path / "out.pth", torch_free, cli_runner, monkeypatch)
+    assert res.exit_code == 0, res.output
+    assert_bits_equal(torch.load(tmp_path / "out.pth", weights_only=True), want)
 
 
 @pytest.mark.parametrize("command", ["inspect", "convert"])

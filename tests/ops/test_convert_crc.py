@@ -2,12 +2,14 @@
 longer match the CRC-32 its zip records (the file was damaged after it was written) is refused, one
 ``Error:`` line naming the file and the record, exit 1, nothing written. Every streamed copy is covered:
 the torch-free writers and the streamed ones (``CKPTFIX_TORCH_FREE=0``), to a torch zip, to safetensors,
-sharded, and with a dtype cast. torch.load itself reads the damaged bytes without a word, which is how
+sharded, and with a dtype cast; and every read of a sharded .bin directory or a DeepSpeed checkpoint,
+torch.load's included. torch.load itself reads the damaged bytes without a word, which is how
 the damage was laundered into a file that passed ``verify --exact``.
 """
 
 from __future__ import annotations
 
+import json
 import struct
 import zipfile
 from pathlib import Path
@@ -100,3 +102,71 @@ def test_the_loaded_path_checks_too(tmp_path: Path, flags: list[str], cli_runner
     res = cli_runner.invoke(cli, ["convert", str(bad), str(out), "-q", *flags])
     assert res.exit_code == 1 and res.output.startswith(f"Error: {bad}: record data/0 "), res.output
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def _flip(path: Path, member_suffix: str = "data/0") -> None:
+    """One byte of ``path``'s record ``…/member_suffix`` flipped: torch.load still reads the file."""
+    with zipfile.ZipFile(path) as z:
+        member = next(n for n in z.namelist() if n.endswith(f"/{member_suffix}"))
+    raw = bytearray(path.read_bytes())
+    raw[_data_start(path, member) + 1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def sharded_pth(tmp_path: Path) -> Path:
+    """A Hugging Face sharded .bin directory as transformers writes it (torch.save per shard + the index),
+    its second shard's first record damaged."""
+    torch.manual_seed(0)
+    sd = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).state_dict()
+    keys = list(sd)
+    shards = {"pytorch_model-00001-of-00002.bin": keys[:2], "pytorch_model-00002-of-00002.bin": keys[2:]}
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    for name, part in shards.items():
+        torch.save({k: sd[k] for k in part}, directory / name)
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
+             "weight_map": {k: name for name, part in shards.items() for k in part}}
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    _flip(directory / "pytorch_model-00002-of-00002.bin")
+    return directory
+
+
+SHARDED_FLAGS = [("out.pth", []), ("out.safetensors", []), ("out.pth", ["--trust"]), ("dcp", ["--format", "dcp"]),
+                 ("out.pth", ["--map-location", "cpu=cpu", "--dtype", "fp16"])]
+
+
+@pytest.mark.parametrize("torch_free", [True, False], ids=["torch-free", "streamed"])
+@pytest.mark.parametrize(("name", "flags"), SHARDED_FLAGS, ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_a_damaged_shard_is_refused(tmp_path: Path, name: str, flags: list[str], torch_free: bool, cli_runner: Any,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sharded .pth source on every read (torch-free, streamed, torch.load's for --trust and DCP output)."""
+    src = sharded_pth(tmp_path)
+    monkeypatch.setenv(ENV_SWITCH, "1" if torch_free else "0")
+    out = tmp_path / "out" / name
+    out.parent.mkdir()
+    res = cli_runner.invoke(cli, ["convert", str(src), str(out), "-q", *flags])
+    assert res.exit_code == 1, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), res.output
+    assert "pytorch_model-00002-of-00002.bin" in lines[0] and "data/0" in lines[0] and "CRC-32" in lines[0], lines[0]
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize("damaged", ["model_states", "optim_states"])
+@pytest.mark.parametrize("flags", [[], ["--trust"], ["--select", "module"]], ids=["fp32", "trust", "module"])
+def test_a_damaged_deepspeed_file_is_refused(tmp_path: Path, damaged: str, flags: list[str], train: Any,
+                                             cli_runner: Any) -> None:
+    """A DeepSpeed ZeRO-2 checkpoint (fixtures/deepspeed_layouts.py) with a record of one file it reads damaged."""
+    if damaged == "optim_states" and "module" in flags:
+        pytest.skip("--select module reads the model_states file alone")
+    train._layouts()._deepspeed_layouts().save_deepspeed(train, "zeronet", tmp_path / "ds", 2, "fp32")
+    target = sorted((tmp_path / "ds" / "global_step5").glob(f"*{damaged}.pt"))[-1]
+    _flip(target)
+    out = tmp_path / "out"
+    out.mkdir()
+    res = cli_runner.invoke(cli, ["convert", str(tmp_path / "ds"), str(out / "o.pth"), "-q", *flags])
+    assert res.exit_code == 1, res.output
+    lines = [line for line in res.output.splitlines() if line.strip() and "[real_accelerator.py" not in line]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), res.output
+    assert target.name in lines[0] and "data/0" in lines[0] and "CRC-32" in lines[0], lines[0]
+    assert list(out.iterdir()) == []

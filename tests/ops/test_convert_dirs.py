@@ -62,3 +62,30 @@ def test_plain_directory_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"x")
     with pytest.raises(FormatError, match="neither a torch.distributed.checkpoint.*give the file inside it"):
         ckptfix.inspect(tmp_path)
+
+
+@pytest.mark.parametrize("dst, flags, named", [
+    ("out.safetensors", ["--max-shard-size", "1KB"], "--max-shard-size"),
+    ("out.pth", ["--max-shard-size", "1KB", "--format", "pth"], "--max-shard-size"),
+    ("out.bin", ["--format", "dcp"], "--format dcp"),
+], ids=["shards-safetensors", "shards-pth", "dcp-bin"])
+def test_directory_output_named_like_a_file_is_refused(dst: str, flags: list[str], named: str, tmp_path: Path,
+                                                        fixtures_dir: Path, cli_runner) -> None:
+    """A directory output under a one-file name (``x.safetensors``) would be a directory called that: refused
+    before anything is read, naming the flag and a directory name to use instead."""
+    res = cli_runner.invoke(cli, ["convert", str(fixtures_dir / "mlp_ddp.pth"), str(tmp_path / dst), *flags])
+    assert res.exit_code == 1, res.output
+    assert res.stderr.startswith("Error: ") and res.stderr.count("\n") == 1, res.stderr
+    assert named in res.stderr and f"{tmp_path / 'out'}/" in res.stderr and "directory" in res.stderr, res.stderr
+    assert not (tmp_path / dst).exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dst", ["out_dir/", "out_dir"])
+def test_directory_destination_without_format_names_the_directory_flags(dst: str, tmp_path: Path, fixtures_dir: Path,
+                                                                         cli_runner) -> None:
+    """``convert x.pth dir/``: the error names --max-shard-size and --format dcp (the directory outputs)."""
+    res = cli_runner.invoke(cli, ["convert", str(fixtures_dir / "mlp_ddp.pth"), str(tmp_path) + "/" + dst])
+    assert res.exit_code == 1, res.output
+    assert res.stderr.startswith("Error: ") and res.stderr.count("\n") == 1, res.stderr
+    assert "--max-shard-size" in res.stderr and "--format dcp" in res.stderr and ".safetensors" in res.stderr
+    assert list(tmp_path.iterdir()) == []

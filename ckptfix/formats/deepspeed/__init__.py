@@ -10,7 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from .. import RawRead, Reader
+from ...parse.format_registry import TORCH_ZIP
 from . import consolidate
+
+
+def recorded_members(path: str, fmt: str, select: str | None, part_members: Any) -> list[Any]:
+    """The zip records of every file the read of ``path`` with ``select`` opens (:func:`.consolidate.files_read`),
+    with their CRC-32s, for the torch read to be checked against."""
+    return [m for file in consolidate.files_read(path, select) for m in part_members(file, TORCH_ZIP, None)]
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:

@@ -150,6 +150,15 @@ def read(path: str, plan: Any, trust: bool, select: str | None = "auto") -> RawR
     return raw
 
 
+def files_read(path: str, select: str | None = "auto") -> list[str]:
+    """The files :func:`read` opens: every model_states and optim_states file when it consolidates, else the one
+    model_states file it reads as it is."""
+    layout = locate(path)
+    if select in ("auto", None) and layout.optim_files:
+        return [*layout.model_files, *layout.optim_files]
+    return [path if os.path.isfile(path) else layout.model_files[0]]
+
+
 def _consolidate(path: str, layout: Layout, plan: Any, trust: bool) -> RawRead | None:
     source = _Source(plan, trust)
     first = source.load(layout.model_files[0])

@@ -36,9 +36,10 @@ def read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     return torch_io.read(path, fmt, plan, trust)
 
 
-def recorded_members(path: str) -> list[Recorded]:
-    """Every ``data/KEY`` record with its recorded CRC-32 (:func:`.records.data_members`)."""
-    return records.data_members(path)
+def recorded_members(path: str, fmt: str, select: str | None, part_members: Any) -> list[Recorded]:
+    """Every ``data/KEY`` record of a torch zip with its recorded CRC-32 (:func:`.records.data_members`); none
+    for a legacy file (no CRC-32s)."""
+    return records.data_members(path) if get(fmt).zip else []
 
 
 def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead:

@@ -62,7 +62,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         if key in kept:  # as torch.load: the record's first typed storage, whatever class this id names
             return kept[key]
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        nbytes = int(numel) * torch._utils._element_size(dtype)
+        nbytes = int(numel) * dtype.itemsize
         if key not in storages or nbytes > 0:  # (an empty storage isn't kept: torch.load reads the record again)
             name = f"data/{key}"
             if not reader.has_record(name):

@@ -270,9 +270,11 @@ def ckptfix_objects() -> dict[str, Any]:
     return table
 
 
-@functools.lru_cache(maxsize=1)
-def torch_policy() -> Policy:
-    """The policy for torch checkpoints (zip, legacy and tar pickles, DCP records)."""
+@functools.lru_cache(maxsize=2)
+def torch_policy(placeholders: bool = False) -> Policy:
+    """The policy for torch checkpoints (zip, legacy and tar pickles, DCP records). ``placeholders``: a global
+    outside the allow-list becomes an inert placeholder (:mod:`ckptfix.parse.inert`) instead of a refusal,
+    for a torch file's own pickle, whose reader refuses placeholders inside the state dict."""
     import torch
     from torch._weights_only_unpickler import _get_allowed_globals
 
@@ -297,7 +299,8 @@ def torch_policy() -> Policy:
             made = obj if isinstance(obj, type) else torch.Tensor  # the rebuild functions make tensors
             build[made] = _BUILDS[r.build]
     return Policy(table, calls, newobj, build, append=(list, standins.Deque),
-                  setitem=(dict, collections.OrderedDict, collections.Counter), finish=_finish, inert=InertGlobal)
+                  setitem=(dict, collections.OrderedDict, collections.Counter), finish=_finish,
+                  inert=InertGlobal if placeholders else None)
 
 
 def _finish(obj: Any) -> Any:

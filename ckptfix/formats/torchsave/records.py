@@ -82,7 +82,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
             kept[key] = typed
         return typed
 
-    policy = policy or guards.torch_policy()
+    policy = policy or guards.torch_policy(placeholders=True)
     stream = io.BytesIO(data)
     unpickler = SafePickle(policy).Unpickler(stream, encoding="utf-8")
     unpickler.where = f"{path}: data.pkl"

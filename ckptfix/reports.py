@@ -13,6 +13,7 @@ from typing import Any
 from .core.devices import storage_id
 from .statedict.locate import common_prefix, detect_framework
 from .core.tensorinfo import TensorInfo, is_tensor, shape_and_dtype
+from .parse.inert import InertGlobal, InertObject
 from .statedict.wrappers import strip_wrappers
 
 
@@ -71,6 +72,8 @@ def describe_value(v: Any) -> str:
         return f"{type(v).__name__} {v!r}"
     if isinstance(v, str):
         return f"str {v[:40]!r}"
+    if isinstance(v, (InertObject, InertGlobal)):
+        return f"inert {v.name} (not imported)"
     return type(v).__name__
 
 
@@ -78,7 +81,7 @@ def _shape_row(key: str, t: Any) -> dict[str, Any]:
     if is_tensor(t):
         shape, dtype = shape_and_dtype(t)
         return {"key": key, "shape": shape, "dtype": dtype}
-    return {"key": key, "shape": None, "dtype": type(t).__name__}
+    return {"key": key, "shape": None, "dtype": describe_value(t) if isinstance(t, InertObject) else type(t).__name__}
 
 
 @dataclass

@@ -100,6 +100,12 @@ def scan_text(report: Any) -> str:
         lines.append("findings:")
         for f in report.findings:
             lines.append(f"  - {f.message}")
+    if report.inert_globals:
+        lines.append(f"read as inert data (keys and values; never imported): {', '.join(report.inert_globals)}")
+    if report.extractable:
+        lines.append("torch.load(weights_only=False) would import and run these globals; ckptfix can still extract "
+                     "the weights: it reads them as inert placeholders (never imported or called) and refuses "
+                     "them only inside the state dict")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ import click
 from .. import __version__
 from . import exits
 from .options import (
-    convert_kwargs, convert_options, dtype_option, input_options, json_option, map_location_option,
+    allow_option, convert_kwargs, convert_options, dtype_option, input_options, json_option, map_location_option,
     map_location_value, model_options, select_option, tolerance_options, trust_option,
 )
 from .output import render
@@ -54,14 +54,15 @@ def convert(src: str, dst: str, model_spec: str | None, model_args: tuple[str, .
                                                        "--json always lists every key).")
 @select_option
 @trust_option
+@allow_option
 @json_option
-def inspect(path: str, all_keys: bool, select: str, trust: bool, as_json: bool) -> None:
+def inspect(path: str, all_keys: bool, select: str, trust: bool, allow: tuple[str, ...], as_json: bool) -> None:
     """Summarise a checkpoint without reading its tensor data."""
     from .. import text
     from ..ops.api import describe, inspect as do_inspect
 
     # Without --trust, torch is imported only for files that need it (see ckptfix.formats.describe).
-    report = do_inspect(path, trust=True, select=select) if trust else describe(path, select=select)
+    report = do_inspect(path, trust=True, select=select) if trust else describe(path, select=select, allow=allow)
     render(report, as_json, lambda r: text.inspect_text(r.to_dict(), all_keys=all_keys))
 
 

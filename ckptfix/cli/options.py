@@ -39,6 +39,7 @@ def _field_option(f: Field) -> Decorator:
 json_option = flag_option(JSON, "as_json")
 select_option = _field_option(_FIELDS["select"])
 trust_option = _field_option(_FIELDS["trust"])
+allow_option = _field_option(_FIELDS["allow"])
 map_location_option = _field_option(_FIELDS["map_location"])
 
 

@@ -25,10 +25,11 @@ from ..core.atomic import DirOutput, atomic_dir
 from ..core.devices import storage_id
 from ..core.tensorinfo import TensorInfo
 from ..errors import ConversionError, FormatError
-from ..parse import format_registry as registry
+from ..parse import format_registry as registry, inert
 from ..parse.checkpoint_dirs import find_index, load_index, member_path
 from ..parse.safetensors_header import read_header
 from ..parse.sniff import sniff
+from ..safety.scanner import ensure_safe
 from . import RawRead, Reader, WritePlan
 
 
@@ -84,6 +85,8 @@ def _merge(index_path: str, read_part: Reader) -> RawRead:
     for shard, keys in by_shard.items():
         part = read_part(paths[shard], kinds[shard])
         sd = part.obj
+        if inert.find(sd):  # a shard is state dict through and through: no placeholder in it
+            ensure_safe(paths[shard], kinds[shard])  # (refuses, naming every global outside the allow-list)
         if not isinstance(sd, dict):
             raise FormatError(f"{index_path}: shard {shard} holds a {type(sd).__name__}, not a state dict")
         _check_shard(index_path, shard, keys, _stored_keys(paths[shard], kinds[shard], sd), sd, weight_map)

@@ -21,7 +21,8 @@ from .reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
 
 
-def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str = "auto") -> Checkpoint:
+def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str = "auto",
+         allow: tuple[str, ...] | list[str] = ()) -> Checkpoint:
     """The whole checkpoint: state dict (as saved, wrappers and all), the rest, and its summary.
 
     A DeepSpeed ZeRO checkpoint (its directory, a tag directory, or a model_states file with its
@@ -30,16 +31,20 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
 
     >>> ckpt = ckptfix.read("ddp.pth")   # doctest: +SKIP
     >>> ckpt.wrappers, ckpt.devices      # (['module'], {'cuda:0': 62})
+
+    Globals outside the allow-list beside the state dict (a project's config object) come back as inert
+    placeholders (:mod:`ckptfix.parse.inert`), never imported; inside it they are refused unless ``allow``
+    names them (``allow=('myproj.config.RunConfig',)``). OmegaConf configs come back as plain dicts and lists.
     """
-    return read_checkpoint(os.fspath(path), map_location, trust, select, refuse=True)
+    return read_checkpoint(os.fspath(path), map_location, trust, select, refuse=True, allow=allow)
 
 
-def inspect(path: Any, trust: bool = False, select: str = "auto") -> Checkpoint:
+def inspect(path: Any, trust: bool = False, select: str = "auto", allow: tuple[str, ...] | list[str] = ()) -> Checkpoint:
     """Summary of a checkpoint without reading tensor data (tensors come back on ``meta``)."""
-    return read_checkpoint(os.fspath(path), "meta", trust, select, refuse=False)
+    return read_checkpoint(os.fspath(path), "meta", trust, select, refuse=False, allow=allow)
 
 
-def describe(path: Any, select: str = "auto") -> Checkpoint:
+def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str] = ()) -> Checkpoint:
     """``inspect`` without importing torch where the file allows it: tensors come back as
     :class:`~ckptfix.core.tensorinfo.TensorInfo` (plain data: dtype, shape, stride, byte range); a file only
     torch can describe exactly (legacy, TorchScript, DeepSpeed, DCP values other than plain data and
@@ -53,8 +58,8 @@ def describe(path: Any, select: str = "auto") -> Checkpoint:
         except NeedsTorch:
             pass
         else:
-            return summarise(path, fmt, raw, select, refuse=False)
-    return inspect(path, select=select)
+            return summarise(path, fmt, raw, select, refuse=False, allow=allow)
+    return inspect(path, select=select, allow=allow)
 
 
 def load(
@@ -68,6 +73,7 @@ def load(
     rename: tuple[str, ...] | list[str] = (),
     dtype: str | None = None,
     allow_overflow: bool = False,
+    allow: tuple[str, ...] | list[str] = (),
 ) -> Any:
     """The model's state dict with wrapper segments normalised to ``to`` (default: none).
 
@@ -76,7 +82,7 @@ def load(
 
     >>> model.load_state_dict(ckptfix.load("ddp_compiled.pth"))   # doctest: +SKIP
     """
-    ckpt = read(path, map_location=map_location, trust=trust, select=select)
+    ckpt = read(path, map_location=map_location, trust=trust, select=select, allow=allow)
     sd, _notes = conversion.normalise_keys(ckpt, to, strip_prefix, add_prefix, rename)
     if dtype is not None:
         sd, _report = transforms.cast_floating(sd, dtype, allow_overflow)

@@ -34,7 +34,7 @@ from ..core.progress import Progress, peak_rss_bytes
 from ..core.units import parse_size
 from .convert_options import ConvertOptions
 from .reading import read_checkpoint, summarise
-from ..parse import format_registry as registry
+from ..parse import format_registry as registry, inert
 from ..reports import Checkpoint, ConvertReport, tensor_stats
 from ..safety.standins import contains_stand_ins
 from ..core.tensorinfo import TensorInfo
@@ -126,7 +126,7 @@ def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
             return ckpt, TORCH_FREE
     if req.plan.fixed is not None and req.plan.fixed != "cpu":  # every storage goes there: load once
         return _load(req), LOADED
-    ckpt = read_checkpoint(req.src, "meta", False, req.select, refuse=True, fmt=req.fmt_in)
+    ckpt = read_checkpoint(req.src, "meta", False, req.select, refuse=True, fmt=req.fmt_in, allow=req.allow)
     if not ckpt.refs or any(req.plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
         return _load(req), LOADED  # a device other than the CPU asked for: load the tensors for real
     _check_unrecorded(req, ckpt.refs)
@@ -137,7 +137,8 @@ def _load(req: Request) -> Checkpoint:
     """torch reads the file; a torch zip's records are checked against their CRC-32s meanwhile (torch doesn't)."""
     members = formats.recorded_members(req.src, req.fmt_in, req.select)
     with CrcCheck(members) as check:
-        ckpt = read_checkpoint(req.src, req.map_location, req.trust, req.select, refuse=True, fmt=req.fmt_in)
+        ckpt = read_checkpoint(req.src, req.map_location, req.trust, req.select, refuse=True, fmt=req.fmt_in,
+                               allow=req.allow)
         check.verify()
     return ckpt
 
@@ -168,7 +169,7 @@ def _describe(req: Request) -> Checkpoint | None:
         return None
     if not raw.tags or not all(_to_cpu(req.plan, tag) for tag in raw.tags.values()):
         return None  # no tensors, or one bound elsewhere (or nowhere): torch's path decides
-    return summarise(req.src, req.fmt_in, raw, req.select, refuse=True)
+    return summarise(req.src, req.fmt_in, raw, req.select, refuse=True, allow=req.allow)
 
 
 def _to_cpu(plan: DevicePlan, tag: str) -> bool:
@@ -250,6 +251,12 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
                      + ("; kept " + ", ".join(f"{k} ×{v}" for k, v in cast.kept.items()) if cast.kept else ""))
     kept = req.keep_extra and ckpt.state_dict_key not in (None, "<nn.Module>")
     obj = locate.put_back(ckpt.raw, ckpt.state_dict_key, sd) if kept else sd
+    held = inert.names(inert.find(obj))
+    if held:
+        raise ConversionError(
+            f"{req.src}: holds {', '.join(held)}, read as inert placeholders (never imported), which can't be "
+            "written back under their own names; " + ("drop --keep-extra to write the state dict alone" if kept else
+                                                       "drop --allow for them, or remove them from the state dict"))
     return Output(sd, obj, notes, cast, kept)
 
 

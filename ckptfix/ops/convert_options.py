@@ -102,12 +102,17 @@ class ConvertOptions:
                                         help="No progress line on stderr."))
     trust: bool = option(False, Flag(("--trust",), is_flag=True,
                                      help="Load with full unpickling (runs code from the file): only for files you trust."))
+    allow: tuple[str, ...] | list[str] = option((), Flag(
+        ("--allow",), multiple=True, metavar="MODULE.NAME",
+        help="Take this global as inert data inside the state dict too (never imported or called); outside it, "
+             "globals beyond the allow-list are inert placeholders anyway. Repeatable."))
     #: SRC's and DST's SHA-256 in the report. The command line has no flag of its own for it: --json turns it on.
     checksums: bool = option(False, replace(JSON, help="Print one JSON object on stdout; it includes SRC's and DST's "
                                                        "SHA-256 (sha256_in, sha256_out), which reads both files once more."))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rename", tuple(self.rename))
+        object.__setattr__(self, "allow", tuple(self.allow))
 
 
 P = ParamSpec("P")

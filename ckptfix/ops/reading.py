@@ -5,30 +5,35 @@ Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .. import formats
-from ..statedict import locate, wrappers
+from ..statedict import locate, placeholders, wrappers
 from ..core.devices import DevicePlan
 from ..parse.format_registry import get
 from ..reports import Checkpoint, tensor_stats
 
 
 def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refuse: bool,
-                    fmt: str | None = None) -> Checkpoint:
-    """``path`` read with ``map_location`` (``'meta'``: structure only); ``fmt`` when already sniffed."""
+                    fmt: str | None = None, allow: Iterable[str] = ()) -> Checkpoint:
+    """``path`` read with ``map_location`` (``'meta'``: structure only); ``fmt`` when already sniffed;
+    ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`)."""
     fmt = fmt or formats.sniff(path)
     plan = DevicePlan(map_location, source=path)
-    return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse)
+    return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow)
 
 
-def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool) -> Checkpoint:
+def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool,
+              allow: Iterable[str] = ()) -> Checkpoint:
     """The Checkpoint for what a reader returned: the state dict found, wrappers detected, stats."""
-    sel = locate.find_state_dict(raw.obj, select, source=path)
+    raw.obj, config_notes = placeholders.take_configs(raw.obj)
+    sel, inert_notes = placeholders.select(raw.obj, lambda obj: locate.find_state_dict(obj, select, source=path),
+                                           allow, path)
     sd = sel.state_dict
     keys = list(sd.keys())
     default_tag = get(fmt).default_device
-    notes = list(raw.notes) + locate.check_deepspeed(raw.obj, select, path, refuse=refuse)
+    notes = list(raw.notes) + config_notes + inert_notes + locate.check_deepspeed(raw.obj, select, path, refuse=refuse)
     if sel.ema_keys:
         notes.append(f"EMA weights also present at {', '.join(sel.ema_keys)} (take them with select=KEY)")
     return Checkpoint(

@@ -366,8 +366,8 @@ def _newobj_ex(u: Any) -> None:
 def _new(u: Any, cls: Any, args: Any, op: str) -> Any:
     if not isinstance(args, tuple):
         raise pickle.UnpicklingError(f"{op} args must be a tuple")
-    if id(cls) in u.policy.calls and id(cls) not in u.policy.newobj:
-        return u.call(cls, args, None, op)  # e.g. Parameter(data, requires_grad): through its guard
+    if u.is_placeholder(cls) or id(cls) in u.policy.calls and id(cls) not in u.policy.newobj:
+        return u.call(cls, args, None, op)  # e.g. Parameter(data, requires_grad): through its guard; a placeholder
     if id(cls) not in u.policy.newobj or not isinstance(cls, type):
         raise Refused(f"{op} creates a {type_name(cls)}, which ckptfix never creates from untrusted data",
                       type_name(cls))

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..core import limits as _limits
 from ..errors import LimitError
+from . import inert as _inert
 from .pickle_ops import DISPATCH, Refused, stop, type_name
 
 
@@ -41,12 +42,16 @@ class Policy:
     ``newobj``: ids of classes NEWOBJ may instantiate with ``cls.__new__(cls, *args)``;
     ``build``: type → handler ``(unpickler, inst, state)``; ``append``/``setitem``: container types
     APPEND / SETITEM may fill; ``persistent``: whether persistent ids (torch storages) may appear;
-    ``finish``: called with the loaded object (turns stand-ins into the real thing).
+    ``finish``: called with the loaded object (turns stand-ins into the real thing);
+    ``inert``: given the name of a global the table lacks, an :class:`~ckptfix.parse.inert.InertGlobal`
+    for it (or Refused): calls and BUILDs of it then make :class:`~ckptfix.parse.inert.InertObject`
+    placeholders, nothing imported or called; None: such a global is refused.
     """
 
     def __init__(self, globals_: dict[str, Any], calls: dict[int, Callable], newobj: set[int],
                  build: dict[type, Callable], append: tuple[type, ...], setitem: tuple[type, ...],
-                 persistent: bool = True, finish: Callable[[Any], Any] | None = None):
+                 persistent: bool = True, finish: Callable[[Any], Any] | None = None,
+                 inert: Callable[[str], Any] | None = None):
         self.globals = globals_
         self.calls = calls
         self.newobj = newobj
@@ -55,6 +60,11 @@ class Policy:
         self.setitem = setitem
         self.persistent = persistent
         self.finish = finish or (lambda obj: obj)
+        self.inert = inert
+        if inert is not None:  # placeholders take state and items as data, recorded, never applied
+            self.build = {**build, _inert.InertObject: _inert.build}
+            self.append = (*append, _inert.InertObject)
+            self.setitem = (*setitem, _inert.InertObject)
 
 
 class Unpickler:
@@ -81,6 +91,8 @@ class Unpickler:
     # -- what torch.load overrides ---------------------------------------------------------------
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"
+        if self.policy.inert is not None and full not in self.policy.globals:
+            return self.policy.inert(full)  # a name only: never looked up
         if "." in name or not module or full not in self.policy.globals:
             raise Refused(f"Unsupported global: GLOBAL {full} is not on ckptfix's safe allow-list", full)
         return self.policy.globals[full]
@@ -177,11 +189,19 @@ class Unpickler:
     def call(self, func: Any, args: Any, kwargs: Any, op: str) -> Any:
         if not isinstance(args, tuple) or kwargs is not None and not isinstance(kwargs, dict):
             raise pickle.UnpicklingError(f"{op}: arguments must be a tuple")
+        if isinstance(func, _inert.InertGlobal):
+            self.charge(len(args), f"{op} of {func.name}")
+            return _inert.call(func, args, op)  # recorded, never called
         guard = self.policy.calls.get(id(func))
         if guard is None:
             raise Refused(f"{op} calls {type_name(func)}, which ckptfix never calls on untrusted data "
                           "(it could allocate uninitialised memory or run code)", type_name(func))
         return guard(self, func, args, kwargs or {})
+
+    @staticmethod
+    def is_placeholder(obj: Any) -> bool:
+        """An inert global (:mod:`ckptfix.parse.inert`): calling or instantiating it makes a placeholder."""
+        return isinstance(obj, _inert.InertGlobal)
 
     def decode_string(self, value: bytes) -> Any:
         if self.encoding == "bytes":

@@ -27,6 +27,7 @@ from typing import Any
 from ..core.torch_tables import torch_safe_names
 
 SAFE, ALLOWED, UNSAFE = "safe", "allowed", "unsafe"
+INERT = "inert"  # a class read as inert data (its keys and values), never imported: OmegaConf's configs
 TORCH, CKPTFIX = "torch", "ckptfix"  # a rule's origin: torch's weights_only defaults, or ckptfix's additions
 NEW, GUARD = "new", "guard"  # how NEWOBJ may create a global (see Rule.new)
 
@@ -48,6 +49,9 @@ class Rule:
     of attributes), ``setstate`` (the stand-in's own checking ``__setstate__``), ``tensor`` (legacy
     ``set_`` inside the storage), ``numpy dtype``/``numpy array`` (numpy's stand-ins).
     ``refused``: one of torch's defaults that ckptfix never calls (no bounds checks, or not plain data).
+    A rule whose ``stand_in`` is :data:`INERT_DATA` names a class read as data: the unpickler gives an
+    inert placeholder for it (:mod:`ckptfix.parse.inert`), created only by NEWOBJ with no arguments
+    and given its state by BUILD, never imported; :func:`classify` calls it :data:`INERT`.
     """
 
     origin: str = CKPTFIX
@@ -77,10 +81,24 @@ NUMPY_DTYPE = "numpy.dtype"
 NUMPY_DTYPE_CLASSES = "numpy.dtypes."
 _NUMPY = "numpy."
 
+INERT_DATA = "inert data"
 _VIEW = Rule(TORCH, call="view", build="tensor")
 _PLAIN = Rule(call="plain")
 _FACTORY = Rule(stand_in="factory token")  # a defaultdict's default_factory: a token, never called
 _PATH = Rule(call="plain", stand_in="path")  # the other OS's concrete class loads as its pure counterpart
+_CONFIG = Rule(stand_in=INERT_DATA, new=NEW, build=INERT_DATA)  # NEWOBJ cls (), BUILD state: recorded only
+_TYPE_VALUE = Rule(stand_in=INERT_DATA)  # a type annotation in OmegaConf's metadata: a name, never called
+
+#: OmegaConf's containers and nodes (Hydra's configs, Lightning's hyper-parameters of a Hydra project), read as
+#: plain data by :mod:`ckptfix.safety.configs`: a container's ``_content``, a node's ``_val``
+OMEGACONF_CONTAINERS = ("omegaconf.dictconfig.DictConfig", "omegaconf.listconfig.ListConfig")
+OMEGACONF_BOXES = ("omegaconf.base.UnionNode",)  # holds one node in ``_content``
+OMEGACONF_NODES = ("omegaconf.nodes.AnyNode", "omegaconf.nodes.StringNode", "omegaconf.nodes.PathNode",
+                   "omegaconf.nodes.IntegerNode", "omegaconf.nodes.BytesNode", "omegaconf.nodes.FloatNode",
+                   "omegaconf.nodes.BooleanNode", "omegaconf.nodes.EnumNode", "omegaconf.nodes.LiteralNode",
+                   "omegaconf.nodes.NoneNode", "omegaconf.nodes.InterpolationResultNode", "omegaconf.nodes.ValueNode")
+_OMEGACONF_METADATA = ("omegaconf.base.Metadata", "omegaconf.base.ContainerMetadata")
+_TYPING = ("typing.Any", "typing.Dict", "typing.List", "typing.Tuple")  # ref_type/key_type/element_type values
 
 #: every global a pickle may name beyond torch's plain defaults (name as pickled: ``module.qualname``)
 RULES: dict[str, Rule] = {
@@ -149,6 +167,9 @@ RULES: dict[str, Rule] = {
     # 'min'|'max'|'current'|'mean') (a protocol-2 pickle of its statistics_methods): an inert token
     HISTORY_BUFFER: Rule(stand_in="history buffer", new=NEW, build="setstate"),
     "builtins.getattr": Rule(call="getattr", stand_in="getattr"),
+    # OmegaConf's DictConfig/ListConfig and their nodes and metadata: inert data, omegaconf never imported
+    **{name: _CONFIG for name in (*OMEGACONF_CONTAINERS, *OMEGACONF_BOXES, *OMEGACONF_NODES, *_OMEGACONF_METADATA)},
+    **{name: _TYPE_VALUE for name in _TYPING},
 }
 
 #: the rule of every allowed numpy DType class (:data:`NUMPY_DTYPE_CLASSES`): values, or called empty
@@ -237,7 +258,8 @@ def torch_names() -> frozenset[str]:
 
 
 def classify(module: str, name: str) -> str:
-    """``safe`` (torch's weights_only defaults), ``allowed`` (ckptfix's additions) or ``unsafe``.
+    """``safe`` (torch's weights_only defaults), ``allowed`` (ckptfix's additions), ``inert`` (read as
+    data, never imported: :data:`INERT_DATA`) or ``unsafe``.
 
     Only exact names count, and a dotted attribute path never does: ``pathlib PosixPath.touch``
     reaches a method through an allowed class, and ``torch _utils.x`` is not how torch pickles.
@@ -248,5 +270,6 @@ def classify(module: str, name: str) -> str:
     if full in torch_names():
         return SAFE
     if full in ckptfix_names() or full.startswith(_NUMPY) and full in numpy_names():
-        return ALLOWED
+        found = rule(full)
+        return INERT if found is not None and found.stand_in == INERT_DATA else ALLOWED
     return UNSAFE

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..core import limits as _limits
 from ..parse import pickle_walk, zipcheck
-from .allowlist import ALLOWED, UNSAFE, classify
+from .allowlist import ALLOWED, INERT, UNSAFE, classify
 from .static_checks import refused_build, refused_call, storage_itemsize
 from ..errors import FormatError, LimitError
 from ..parse.sniff import LEGACY_MAGIC, BoundedReader
@@ -52,10 +52,24 @@ class ScanReport:
     globals: list[GlobalRef] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     pickles: list[str] = field(default_factory=list)  # every pickle walked, by where it sits
+    main_pickle: str | None = None  # the pickle that holds the checkpoint (zip data.pkl, legacy pickle 4)
 
     @property
     def ok(self) -> bool:
         return not self.findings
+
+    @property
+    def extractable(self) -> bool:
+        """Unsafe only through globals outside the allow-list in the checkpoint's own pickle: ckptfix still
+        reads it, those globals as inert placeholders (never imported), refused only inside the state dict."""
+        return bool(self.findings) and all(f.kind == "unsafe-global" and f.where == self.main_pickle
+                                           for f in self.findings) and not any(
+            "EXT" in g.ops for g in self.globals)  # a copyreg extension is the loading process's, never a name
+
+    @property
+    def inert_globals(self) -> list[str]:
+        """The classes read as inert data (OmegaConf's configs): never imported, not a finding."""
+        return sorted({g.name for g in self.globals if g.category == INERT})
 
     @property
     def unsafe_globals(self) -> list[str]:
@@ -70,6 +84,8 @@ class ScanReport:
             "globals": [{"name": g.name, "class": g.category, "where": g.where, "ops": g.ops} for g in self.globals],
             "findings": [asdict(f) for f in self.findings],
             "pickles": self.pickles,
+            "extractable": self.extractable,
+            "inert_globals": self.inert_globals,
         }
 
 
@@ -80,6 +96,7 @@ class Collector:
         self.findings: list[Finding] = []
         self.errors: list[tuple[str, str, bool]] = []  # (where, message, a pickle broke): damage, not danger
         self.pickles: list[str] = []
+        self.main_pickle: str | None = None
 
     def find(self, kind: str, where: str, message: str) -> None:
         self.findings.append(Finding(kind, where, message))
@@ -93,8 +110,8 @@ class Collector:
         misused: dict[str, str] = {}
         for call in w.calls:
             name = call.func.full
-            if name in also:
-                continue
+            if name in also or classify(call.func.module, call.func.name) == UNSAFE:
+                continue  # (a global outside the allow-list is a finding by itself, whatever is done with it)
             reason = refused_call(name, call.args, call.op)
             if reason is None and call.built:
                 reason = refused_build(name, call.state)
@@ -144,7 +161,7 @@ class Collector:
         elif self.errors:
             more = f" (and {len(self.errors) - 1} more problems)" if len(self.errors) > 1 else ""
             raise FormatError(f"{self.path}: {self.errors[0][1]}{more}")
-        return ScanReport(self.path, self.fmt, list(self.globals.values()), findings, self.pickles)
+        return ScanReport(self.path, self.fmt, list(self.globals.values()), findings, self.pickles, self.main_pickle)
 
 
 def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bool,
@@ -169,6 +186,8 @@ def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bo
         if unpickled_by_caller and m.name == f"{layout.root}/{unpickled_by_caller}" and layout.unique(m.name) is m:
             continue  # the caller unpickles it with ckptfix's restricted unpickler and checks its end
         where = m.name if names.count(m.name) == 1 else f"{m.name} (entry {i + 1})"
+        if where == f"{layout.root}/data.pkl":
+            c.main_pickle = where
         try:
             data = zipcheck.read_member(m, buf)
         except LimitError as e:
@@ -199,6 +218,7 @@ def starts_with_magic(buf: Any) -> bool:
 def scan_legacy(c: Collector, buf: Any, size: int) -> None:
     """A legacy file is five stacked pickles, every one unpickled by torch, then raw storages."""
     pos, walks = 0, []
+    c.main_pickle = _LEGACY_PICKLES[3]
     for label in _LEGACY_PICKLES:
         w = pickle_walk.walk(buf, pos, label)
         c.add_walk(w)

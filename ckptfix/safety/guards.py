@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import numpy_policy, standins
-from .allowlist import (NEW, PICKLE_CODECS, RULES, ckptfix_names, numpy_dtype_classes, numpy_names, refused_names,
-                        rule)
+from .allowlist import (INERT_DATA, NEW, PICKLE_CODECS, RULES, ckptfix_names, numpy_dtype_classes, numpy_names,
+                        refused_names, rule)
+from ..parse.inert import InertGlobal, build as inert_build
 from ..parse.unpickler import Policy, Refused, Unpickler, build_attributes, build_setstate, type_name
 
 Guard = Callable[[Unpickler, Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -229,6 +230,7 @@ def _guards() -> dict[str, Guard]:
 #: ``Rule.build`` → how BUILD gives state (numpy's: :data:`ckptfix.safety.numpy_policy.BUILDS`)
 _BUILDS: dict[str, Callable[[Unpickler, Any, Any], None]] = {
     "attributes": build_attributes, "setstate": build_setstate, "tensor": _build_tensor,
+    INERT_DATA: inert_build,  # (the unpickler's own handler for every placeholder: state recorded, never applied)
 }
 
 
@@ -245,6 +247,7 @@ _STAND_INS: dict[str, Callable[[str], Any]] = {
     "path": standins.path_class,
     "getattr": _fixed(standins.getattr_method),
     "history buffer": _fixed(standins.HistoryBuffer),
+    INERT_DATA: InertGlobal,  # made into a placeholder by NEWOBJ and BUILD, never imported
     **{kind: _fixed(obj) for kind, obj in numpy_policy.STAND_INS.items()},
 }
 
@@ -267,9 +270,11 @@ def ckptfix_objects() -> dict[str, Any]:
     return table
 
 
-@functools.lru_cache(maxsize=1)
-def torch_policy() -> Policy:
-    """The policy for torch checkpoints (zip, legacy and tar pickles, DCP records)."""
+@functools.lru_cache(maxsize=2)
+def torch_policy(placeholders: bool = False) -> Policy:
+    """The policy for torch checkpoints (zip, legacy and tar pickles, DCP records). ``placeholders``: a global
+    outside the allow-list becomes an inert placeholder (:mod:`ckptfix.parse.inert`) instead of a refusal,
+    for a torch file's own pickle, whose reader refuses placeholders inside the state dict."""
     import torch
     from torch._weights_only_unpickler import _get_allowed_globals
 
@@ -282,8 +287,8 @@ def torch_policy() -> Policy:
     build: dict[type, Callable[..., Any]] = {}
     for name, obj in table.items():
         r = rule(name)
-        if r is None:
-            continue  # torch's values: classes, dtypes
+        if r is None or r.stand_in == INERT_DATA:
+            continue  # torch's values (classes, dtypes); inert data, which the unpickler makes placeholders of
         if r.call is not None:
             calls[id(obj)] = guards[r.call]
         if r.new == NEW:
@@ -294,7 +299,8 @@ def torch_policy() -> Policy:
             made = obj if isinstance(obj, type) else torch.Tensor  # the rebuild functions make tensors
             build[made] = _BUILDS[r.build]
     return Policy(table, calls, newobj, build, append=(list, standins.Deque),
-                  setitem=(dict, collections.OrderedDict, collections.Counter), finish=_finish)
+                  setitem=(dict, collections.OrderedDict, collections.Counter), finish=_finish,
+                  inert=InertGlobal if placeholders else None)
 
 
 def _finish(obj: Any) -> Any:

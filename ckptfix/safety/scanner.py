@@ -156,7 +156,8 @@ _SCANNERS = {"safetensors": _scan_safetensors, "torch-zip": _scan_zip, "torchscr
              "deepspeed": _scan_deepspeed}
 
 
-def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_caller: str | None = None) -> None:
+def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_caller: str | None = None,
+                placeholders: bool = False) -> None:
     """Raise UnsafeCheckpointError naming every unsafe global (sorted) and structural problem.
 
     Called before every untrusted torch load. ``structure_only`` checks just the zip structure,
@@ -166,13 +167,18 @@ def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_
     building it, checks that nothing follows its STOP, and calls ``ensure_safe`` again without the
     skip when anything fails, so the refusal still names every global. This halves the pure-Python
     pickle work of a streaming conversion of a checkpoint with many tensors.
+    ``placeholders``: the caller's unpickler makes globals outside the allow-list inert placeholders
+    (:mod:`ckptfix.parse.inert`) and refuses them inside the state dict, so those of the checkpoint's own
+    pickle are no finding here; every other finding (another pickle, the archive, a misused allowed
+    global, a call of a computed object) still is.
     """
     report = scan(path, fmt, check_crc=False, unpickled_by_caller=unpickled_by_caller)
-    findings = [f for f in report.findings if not (structure_only and f.kind in _CODE_KINDS)]
+    findings = [f for f in report.findings if not (structure_only and f.kind in _CODE_KINDS)
+                and not (placeholders and report.extractable)]
     if not findings:
         return
     if unpickled_by_caller:  # refused anyway: scan everything so the message names every global
-        return ensure_safe(path, fmt, structure_only)
+        return ensure_safe(path, fmt, structure_only, placeholders=placeholders)
     whole = None if structure_only else _whole_module_message(path, report, findings)
     if whole is not None:
         raise UnsafeCheckpointError(whole, report.unsafe_globals)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..core import limits as _limits
 from . import numpy_policy
-from .allowlist import HISTORY_BUFFER, PICKLE_CODECS, VALUE_ONLY, Rule, rule
+from .allowlist import HISTORY_BUFFER, INERT_DATA, PICKLE_CODECS, VALUE_ONLY, Rule, rule
 from .standins import FACTORY_TYPES, STATISTICS_METHODS, short_args
 
 _STORAGE_ITEMSIZE = {"Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
@@ -85,6 +85,14 @@ def _view(name: str, args: Any, op: str, r: Rule | None) -> str | None:
     return _refused_new(name, op, r)
 
 
+def _inert_data(name: str, args: Any, op: str, r: Rule | None) -> str | None:
+    if op in ("NEWOBJ", "NEWOBJ_EX") and args == () and r is not None and r.new is not None:
+        return None
+    return (f"{op} of {name}{short_args(args)}: ckptfix reads it as data only as pickle writes it "
+            "(NEWOBJ with no arguments, then BUILD)" if r is not None and r.new is not None
+            else f"{op} calls {name}, which ckptfix reads only as a value")
+
+
 def _numpy(name: str, args: Any, op: str, r: Rule | None) -> str | None:
     reason = _refused_new(name, op, r)
     if reason is None and r is not None:
@@ -96,7 +104,7 @@ def _numpy(name: str, args: Any, op: str, r: Rule | None) -> str | None:
 _CALLS: dict[str, Check] = {
     "empty bytes": _empty_bytes, "factory token": _factory_token, "getattr": _getattr,
     "defaultdict": _defaultdict, "bytearray": _bytearray, "codecs encode": _codecs_encode,
-    "view": _view, "view v1": _view, "view v3": _view, "qtensor": _view,
+    "view": _view, "view v1": _view, "view v3": _view, "qtensor": _view, INERT_DATA: _inert_data,
     **{kind: _numpy for kind in numpy_policy.STATIC_CALLS},
 }
 

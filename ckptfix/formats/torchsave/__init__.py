@@ -28,7 +28,7 @@ def read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     """A torch zip or legacy file as it is: on meta, a zip's structure record by record (tensors on meta,
     ``refs`` saying where each storage's bytes are), else through ``torch.load``."""
     if get(fmt).zip and plan.is_meta and not trust:
-        ensure_safe(path, fmt, unpickled_by_caller="data.pkl")  # read_structure checks data.pkl itself
+        ensure_safe(path, fmt, unpickled_by_caller="data.pkl", placeholders=True)  # read_structure checks data.pkl itself
         try:
             return records.read_structure(path)
         except NeedsTorch:

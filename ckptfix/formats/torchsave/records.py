@@ -84,7 +84,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
             kept[key] = typed
         return typed
 
-    policy = policy or guards.torch_policy()
+    policy = policy or guards.torch_policy(placeholders=True)
     stream = io.BytesIO(data)
     unpickler = SafePickle(policy).Unpickler(stream, encoding="utf-8")
     unpickler.where = f"{path}: data.pkl"
@@ -93,15 +93,15 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
     try:
         obj = policy.finish(unpickler.load())
         if stream.tell() != len(data):  # bytes after STOP: torch ignores them, a second pickle can hide there
-            scanner.ensure_safe(path, TORCH_ZIP)
+            scanner.ensure_safe(path, TORCH_ZIP, placeholders=True)
             raise UnsafeCheckpointError(f"{path}: refused: {len(data) - stream.tell()} bytes follow the pickle in data.pkl")
     except CkptfixError:
         raise
     except pickle.UnpicklingError as e:  # the restricted unpickler refused something
-        scanner.ensure_safe(path, TORCH_ZIP)  # the full static scan names every offending global
+        scanner.ensure_safe(path, TORCH_ZIP, placeholders=True)  # the full static scan names every offending global
         raise unpickling_error(path, e) from None
     except Exception as e:  # every failure of a hostile or broken pickle becomes a FormatError
-        scanner.ensure_safe(path, TORCH_ZIP)
+        scanner.ensure_safe(path, TORCH_ZIP, placeholders=True)
         raise translate_load_error(path, TORCH_ZIP, e) from None
     return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)
 

@@ -27,14 +27,14 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     a legacy file on meta without its tensor bytes)."""
     zipped = get(fmt).zip
     if not trust:
-        scanner.ensure_safe(path, fmt)
+        scanner.ensure_safe(path, fmt, placeholders=True)  # others: inert, refused in the state dict
     tags: dict[int, str] = {}
     # torch.load routes any path ending in .safetensors to safetensors: hand it a file object then.
     by_name = not path.endswith(".safetensors")
     try:
         with open(path, "rb") as f:
             obj = torch_load(path if by_name else f, plan.torch_map_location(tags), trust=trust,
-                             mmap=zipped and by_name, skip_data=not zipped and plan.is_meta)
+                             mmap=zipped and by_name, skip_data=not zipped and plan.is_meta, placeholders=True)
     except CkptfixError:
         raise
     except Exception as e:  # torch raises many types for bad files; all become FormatError
@@ -42,13 +42,16 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     return RawRead(obj=obj, format=fmt, tags=tags)
 
 
-def torch_load(source: Any, map_location: Any, trust: bool, mmap: bool = False, skip_data: bool = False) -> Any:
+def torch_load(source: Any, map_location: Any, trust: bool, mmap: bool = False, skip_data: bool = False,
+               placeholders: bool = False) -> Any:
     """``torch.load`` of a torch zip or legacy file (a path or file object), untrusted unless ``trust``.
 
     Untrusted, every pickle torch reads goes through ckptfix's restricted unpickler
     (:mod:`ckptfix.parse.unpickler` with :func:`ckptfix.safety.guards.torch_policy`); the stand-ins it makes
     are turned into the real objects before returning. ``skip_data`` reads a legacy file's structure
-    without its tensor bytes. Errors are torch's or the unpickler's; callers translate them.
+    without its tensor bytes; ``placeholders``: globals outside the allow-list become inert placeholders
+    (a torch file read whole, whose reader refuses them inside the state dict).
+    Errors are torch's or the unpickler's; callers translate them.
     """
     import torch
 
@@ -59,7 +62,7 @@ def torch_load(source: Any, map_location: Any, trust: bool, mmap: bool = False, 
         with _skipping_data(skip_data):
             return torch.load(source, weights_only=False, **kwargs)
     _refuse_torchscript(source)
-    policy = guards.torch_policy()
+    policy = guards.torch_policy(placeholders)
     guards.start_load()
     with _skipping_data(skip_data), _no_forced_weights_only(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected pickle protocol")

@@ -25,11 +25,13 @@ from ...core.torch_free import NeedsTorch
 from ...core.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
 from ...parse.format_registry import TORCH_ZIP
 from ...parse.sniff import zip_directory
+from ...parse.inert import InertGlobal, InertObject
+from ...parse.pickle_ops import Refused
 from ...parse.unpickler import Policy, SafePickle, build_attributes
 from ...parse.zipdir import data_start, fold, read_directory
 from ...safety.file_scanners import Collector, scan_zip
-from ...safety.allowlist import (BUILTIN_COMPLEX, BUILTIN_SET, ORDERED_DICT, REBUILD_PARAMETER, REBUILD_TENSOR_V2,
-                                 REBUILD_TENSOR_V3)
+from ...safety.allowlist import (BUILTIN_COMPLEX, BUILTIN_SET, INERT, ORDERED_DICT, REBUILD_PARAMETER,
+                                 REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, UNSAFE, classify)
 from ...safety.guards import plain
 from ...safety.scanner import ensure_safe
 from .. import RawRead
@@ -37,7 +39,7 @@ from .. import RawRead
 
 def read_torch_zip(path: str) -> RawRead:
     """``data.pkl`` unpickled into TensorInfo; the zip read with ckptfix's reader (torch's view of it)."""
-    ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl")  # what the torch path runs first
+    ensure_safe(path, TORCH_ZIP, unpickled_by_caller="data.pkl", placeholders=True)  # what the torch path runs first
     try:
         directory = zip_directory(path)
     except Exception as e:  # torch's reader gives the refusal
@@ -186,7 +188,17 @@ def _policy() -> Any:
     table[REBUILD_PARAMETER] = _rebuild_param = _Token("_rebuild_parameter")
     calls = {id(OrderedDict): plain, id(set): plain, id(complex): plain,
              id(_rebuild_v2): _guard_v2, id(_rebuild_v3): _guard_v3, id(_rebuild_param): _guard_parameter}
-    return Policy(table, calls, set(), {OrderedDict: build_attributes}, append=(list,), setitem=(dict, OrderedDict))
+    return Policy(table, calls, set(), {OrderedDict: build_attributes}, append=(list,), setitem=(dict, OrderedDict),
+                  inert=_placeholder)
+
+
+def _placeholder(name: str) -> InertGlobal:
+    """A global outside the allow-list, or read as inert data: a placeholder, as on the torch path; an allowed
+    one this policy lacks (torch's path builds it): refused, so the caller reads the file with torch."""
+    module, _, qualname = name.rpartition(".")
+    if classify(module, qualname) not in (UNSAFE, INERT):
+        raise Refused(f"{name}: read on torch's path")
+    return InertGlobal(name)
 
 
 def _view(u: Any, args: tuple, dtype_name: str) -> TensorInfo:
@@ -293,5 +305,7 @@ def _check_plain(obj: Any) -> None:
             stack.extend(extra.values())
         elif type(x) in (list, tuple, set):
             stack.extend(x)
-        else:
+        elif type(x) is InertObject:  # a placeholder: what its arguments and state hold must be plain too
+            stack.extend((*x.args, x.state, *x.listitems, *(v for kv in x.dictitems for v in kv)))
+        elif type(x) is not InertGlobal:
             raise NeedsTorch(f"a {type(x).__name__} value")

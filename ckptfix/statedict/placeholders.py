@@ -1,0 +1,76 @@
+"""Inert placeholders around the state dict: allowed beside it, refused inside it unless named by ``allow``.
+
+A checkpoint read without ``trust`` gives every global outside the allow-list as an inert placeholder
+(:mod:`ckptfix.parse.inert`: named, never imported or called). Beside the state dict (a project's
+``RunConfig``, an enum in the hyper-parameters) a placeholder is data the caller may look at, and the
+report names it; inside the selected state dict it is refused as before, unless ``allow`` names its
+global (``--allow myproj.config.RunConfig``). OmegaConf's configs become plain data first
+(:func:`ckptfix.safety.configs.plain_configs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..errors import SelectError, UnsafeCheckpointError, trust_advice
+from ..parse import inert
+from ..safety.configs import plain_configs
+
+
+def take_configs(obj: Any) -> tuple[Any, list[str]]:
+    """``obj`` with OmegaConf configs as plain data (a dict checkpoint: entry by entry, in place), and a note
+    per entry that held one."""
+    if not inert.any_made():
+        return obj, []
+    if type(obj) is not dict:
+        plain, found = plain_configs(obj)
+        return plain, [f"an OmegaConf {', '.join(found)} read as plain data (keys and values; omegaconf not "
+                       "imported)"] if found else []
+    notes = []
+    for key, value in obj.items():
+        plain, found = plain_configs(value)
+        if found:
+            obj[key] = plain
+            notes.append(f"{key}: an OmegaConf {' and '.join(n.rpartition('.')[2] for n in found)} read as plain "
+                         "data (keys and values; omegaconf not imported, interpolations left as written)")
+    return obj, notes
+
+
+def select(obj: Any, find: Callable[[Any], Any], allow: Iterable[str], source: str) -> tuple[Any, list[str]]:
+    """``find(obj)`` (the state dict's selection), refused where a placeholder sits inside the selected state
+    dict (unless ``allow`` names its global) or where no state dict is found outside them; with notes naming
+    the placeholders beside it."""
+    allowed = frozenset(allow)
+    try:
+        sel = find(obj)
+    except SelectError as e:
+        around = inert.find(obj)
+        if not around:
+            raise
+        raise _refusal(source, inert.names(around), f"no state dict outside them ({e})") from None
+    inside = [(where, name) for where, name in inert.find(sel.state_dict) if name not in allowed]
+    if inside:
+        where = f" (at {inside[0][0]!r})" if inside[0][0] else ""
+        names = inert.names(inside)
+        raise _refusal(source, names, f"the selected state dict holds them{where}; to take them as inert data "
+                       f"there, pass {' '.join(f'--allow {n}' for n in names)} (library: allow={tuple(names)!r})")
+    notes = []
+    beside = inert.find(sel.extra) if sel.key is not None else []
+    by_entry: dict[str, list[str]] = {}
+    for where, name in beside:
+        by_entry.setdefault(where.split(".")[0] or "?", []).append(name)
+    for entry, found in by_entry.items():
+        notes.append(f"{entry}: inert {', '.join(sorted(set(found)))} (not imported, never called; "
+                     "outside the state dict)")
+    allowed_inside = inert.names(inert.find(sel.state_dict)) if allowed else []
+    if allowed_inside:
+        notes.append(f"state dict: inert {', '.join(allowed_inside)} (allowed: read as data, not imported)")
+    return sel, notes
+
+
+def _refusal(source: str, names: list[str], why: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{source}: refused: it references globals outside the safe allow-list: {', '.join(names)}; read as inert "
+        f"placeholders (never imported), {why}. {trust_advice()}; `ckptfix scan {source}` lists everything it "
+        "references.", names)

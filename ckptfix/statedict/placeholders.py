@@ -10,12 +10,15 @@ global (``--allow myproj.config.RunConfig``). OmegaConf's configs become plain d
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import SelectError, UnsafeCheckpointError, trust_advice
 from ..parse import inert
+from ..parse.sniff import sniff
 from ..safety.configs import plain_configs
+from ..safety.scanner import ensure_safe
 
 
 def take_configs(obj: Any) -> tuple[Any, list[str]]:
@@ -48,6 +51,8 @@ def select(obj: Any, find: Callable[[Any], Any], allow: Iterable[str], source: s
         around = inert.find(obj)
         if not around:
             raise
+        if any(n.startswith("torch.nn.modules.") for n in inert.names(around)) and os.path.isfile(source):
+            ensure_safe(source, sniff(source))  # a whole pickled model: the scanner's short refusal names it
         raise _refusal(source, inert.names(around), f"no state dict outside them ({e})") from None
     inside = [(where, name) for where, name in inert.find(sel.state_dict) if name not in allowed]
     if inside:

@@ -20,8 +20,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from measure import measure  # bench/measure.py (this script's folder is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -74,36 +75,6 @@ def make_checkpoints(workdir: Path, size_gb: float, small: int) -> dict[str, Pat
     if not st.exists():
         subprocess.run([*CKPTFIX, "convert", str(big), str(st), "--to", "keep", "--quiet"], check=True)
     return {"big": big, "many": many, "st": st}
-
-
-def measure(cmd: list[str], env: dict[str, str] | None = None, settle: float = 0.0) -> tuple[float, int]:
-    """Wall seconds and peak RssAnon (bytes) of one command, sampled every 5 ms; a command that prints
-    ``call_s=SECONDS`` (:data:`API_CALL`) gives that instead of its wall time. ``settle``: seconds to
-    pause after a ``sync`` first, so the last command's writeback doesn't land on this one."""
-    if settle:
-        os.sync()
-        time.sleep(settle)
-    start = time.perf_counter()
-    stdout = tempfile.TemporaryFile()  # a file, not a pipe: a long output can't block the command
-    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, env=env)
-    peak = 0
-    status = f"/proc/{proc.pid}/status"
-    while proc.poll() is None:
-        try:
-            with open(status) as f:
-                for line in f:
-                    if line.startswith("RssAnon:"):
-                        peak = max(peak, int(line.split()[1]) * 1024)
-                        break
-        except OSError:
-            pass
-        time.sleep(0.005)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()}")
-    stdout.seek(0)
-    call = [line for line in stdout.read().decode().splitlines() if line.startswith("call_s=")]
-    return (float(call[0].split("=")[1]) if call else wall), peak
 
 
 def commands(files: dict[str, Path], out: Path) -> dict[str, list[str]]:

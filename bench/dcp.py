@@ -18,7 +18,6 @@ The outputs are checked bit for bit against torch's at the end. The checkpoint i
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shutil
 import statistics
@@ -26,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from measure import measure as _measure  # bench/measure.py (this script's folder is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -41,11 +42,8 @@ dcp_to_torch_save(sys.argv[1], sys.argv[2])
 
 
 def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """bench/convert.py's ``measure`` after a ``sync`` and a 1 s pause (wall seconds, peak RssAnon)."""
-    spec = importlib.util.spec_from_file_location("ckptfix_bench_convert", Path(__file__).parent / "convert.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.measure(cmd, env, settle=1.0)
+    """bench/measure.py's ``measure`` after a ``sync`` and a 1 s pause (wall seconds, peak RssAnon)."""
+    return _measure(cmd, env, settle=1.0)
 
 
 def check(out: Path) -> None:

@@ -3,7 +3,7 @@
 Not a test. Trains fixtures/deepspeed_train.py's ``big`` model (square Linear layers, about --size-gb
 of fp32 weights) for one step with real deepspeed (CPU, gloo, 2 ranks, bf16) and saves it, then runs
 each command side by side in alternating rounds: wall time and peak anonymous memory (RssAnon
-sampled from /proc/PID/status, as bench/convert.py measures), and checks every output holds the
+sampled from /proc/PID/status by bench/measure.py), and checks every output holds the
 same tensors bit for bit. Appends a section to bench/RESULTS.md (--results).
 
     python bench/deepspeed.py --size-gb 1 --rounds 3 --dir /tmp/ckptfix-ds-bench
@@ -15,7 +15,6 @@ zero_to_fp32.py imports it to unpickle the optim_states files. Without it nothin
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import shutil
@@ -25,18 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from measure import measure  # bench/measure.py (this script's folder is on sys.path)
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 CKPTFIX = [PY, "-m", "ckptfix"]
 TAG = "global_step3"
-
-
-def _measure() -> object:
-    """bench/convert.py's ``measure`` (wall seconds, peak RssAnon of one command)."""
-    spec = importlib.util.spec_from_file_location("ckptfix_bench_convert", HERE / "convert.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.measure
 
 
 def make_checkpoint(workdir: Path, size_gb: float) -> Path:
@@ -88,7 +81,6 @@ def main() -> None:
     probe = subprocess.run([PY, "-c", "import deepspeed"], capture_output=True, text=True)
     if probe.returncode:
         raise SystemExit(f"deepspeed can't be imported ({probe.stderr.strip().splitlines()[-1:]}): no checkpoint, no baseline")
-    measure = _measure()
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="ckptfix-ds-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "out"

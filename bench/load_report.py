@@ -1,0 +1,105 @@
+"""bench/load.py's results: per-row medians and ratios (plain data, its ``--json``) and the markdown table.
+
+Kept apart from the runs so it can be read without torch: ``summarise`` takes the rows as plain dicts and
+the runs as bench/load.py recorded them ({"seconds", "peak", "growth", "stayed_cached"} or {"error"}).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+MIB = 2**20
+MEM_TARGET_MIB = 64  # the issue's bound on peak RssAnon above the plain loader's
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarise(rows: list[dict[str, Any]], runs: dict[tuple[str, str], list[dict[str, Any]]],
+              setup: dict[str, Any]) -> dict[str, Any]:
+    """One entry per row: status, per mode the seconds of every round, their median and the median of the
+    per-round ratios to the row's anchor (``vs``), the peak RssAnon and its growth, the targets met."""
+    modes = setup["modes"]
+    out = []
+    for row in rows:
+        entry = dict(row)
+        mine = [run for mode in modes for run in runs.get((row["id"], mode), [])]
+        errors = [run for run in mine if run.get("error")]
+        entry["status"] = (f"skipped: {row['skip']}" if row.get("skip") else
+                           f"failed: {errors[0]['error']}" if errors else "ok")
+        if errors and errors[0].get("traceback"):
+            entry["traceback"] = errors[0]["traceback"]
+        for mode in modes:
+            secs = [run.get("seconds") for run in runs.get((row["id"], mode), [])]
+            anchor = [run.get("seconds") for run in runs.get((row["vs"], mode), [])]
+            ratios = [s / a for s, a in zip(secs, anchor) if s is not None and a]
+            ratio = _median(ratios)
+            entry[mode] = {"runs": secs, "median": _median([s for s in secs if s is not None]), "ratio": ratio,
+                           "ratio_met": None if row["target"] is None or ratio is None else ratio <= row["target"]}
+        ok = [run for run in mine if "peak" in run]
+        entry["peak_anon_mib"] = max(run["peak"] for run in ok) / MIB if ok else None
+        entry["growth_mib"] = max(run["growth"] for run in ok) / MIB if ok else None
+        entry["stayed_cached_mib"] = max((run["stayed_cached"] for run in ok), default=0) / MIB
+        out.append(entry)
+    peaks = {e["id"]: e["peak_anon_mib"] for e in out}
+    for e in out:
+        mine, theirs = peaks[e["id"]], peaks.get(e["vs"])
+        e["over_anchor_mib"] = None if mine is None or theirs is None else mine - theirs
+        e["mem_met"] = (None if not e["mem_target"] or e["over_anchor_mib"] is None
+                        else e["over_anchor_mib"] <= MEM_TARGET_MIB)
+    return {"setup": setup, "rows": out}
+
+
+def _mark(met: bool | None) -> str:
+    return "" if met is None else " ✓" if met else " ✗"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The tables, one per group of rows that share an anchor, under a line that says what was run where."""
+    s, rows = report["setup"], report["rows"]
+    modes = s["modes"]
+    width = "" if s["width"] == 2048 else f" --width {s['width']}"
+    lines = [
+        "## `ckptfix.load_into` against the plain loaders (issue 18)",
+        "",
+        f"`python bench/load.py --size-mib {s['size_mib_arg']:g}{width} --rounds {s['rounds']} --modes {' '.join(modes)}` on "
+        f"{s['machine']}; torch {s['torch']}, safetensors {s['safetensors']}. Model {s['layers']} × "
+        f"Linear({s['width']}, {s['width']}) fp32, {s['size_mib']:.0f} MiB file; `{s['load_into']}`. Each run a fresh "
+        f"process (forked from a server that imported torch and ckptfix), model built and the loader run once on a "
+        f"tiny file before the timer; median of {s['rounds']} alternating rounds; × = median of the per-round ratios "
+        f"to the anchor; peak RssAnon sampled every 5 ms during the load. Warm: the file read once before; cold: "
+        f"`os.sync()` + POSIX_FADV_DONTNEED on it first.",
+    ]
+    by_id = {r["id"]: r for r in rows}
+    for group in dict.fromkeys(r["group"] for r in rows):
+        members = [r for r in rows if r["group"] == group]
+        lines += ["", f"### {group} (anchor: {by_id[members[0]['vs']]['label']})", "",
+                  "| row | file | " + " | ".join(f"{m} (s) | {m} ×" for m in modes)
+                  + " | target | peak RssAnon growth (MiB) | peak − anchor's (MiB) |",
+                  "|---|---|" + "---:|---:|" * len(modes) + "---|---:|---:|"]
+        for r in members:
+            target = "" if r["target"] is None else f"≤ {r['target']:g}×"
+            if target and r["vs"] != members[0]["id"]:  # a ratio to another group's row
+                target += f" {by_id[r['vs']]['label']} ({by_id[r['vs']]['group']})"
+            if r["mem_target"]:
+                target += f", ≤ +{MEM_TARGET_MIB} MiB"
+            if r["status"] != "ok":
+                cells = [r["status"].replace("|", "\\|")] + ["–"] * (2 * len(modes) - 1)
+                lines.append(f"| {r['label']} | {r['file']} | " + " | ".join(cells) + f" | {target} | – | – |")
+                continue
+            cells = []
+            for m in modes:
+                ratio = r[m]["ratio"]
+                anchor_row = r["id"] == r["vs"]
+                cells += [f"{r[m]['median']:.3f}", "anchor" if anchor_row else
+                          "–" if ratio is None else f"{ratio:.2f}{_mark(r[m]['ratio_met'])}"]
+            over = "–" if r["over_anchor_mib"] is None else f"{r['over_anchor_mib']:+.0f}{_mark(r['mem_met'])}"
+            lines.append(f"| {r['label']} | {r['file']} | " + " | ".join(cells)
+                         + f" | {target} | {r['growth_mib']:.0f} | {over} |")
+    stayed = [r for r in rows if r.get("stayed_cached_mib")]
+    if stayed:
+        lines += ["", "Cold runs where part of the file stayed in the page cache (mapped elsewhere, or tmpfs): "
+                  + ", ".join(f"{r['id']} {r['stayed_cached_mib']:.0f} MiB" for r in stayed) + "."]
+    return "\n".join(lines) + "\n"

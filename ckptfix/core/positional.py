@@ -26,6 +26,7 @@ class PositionalReader:
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
         self.bytes_read = 0
 
     def __enter__(self) -> PositionalReader:
@@ -45,7 +46,10 @@ class PositionalReader:
         return fd
 
     def size(self, path: str) -> int:
-        return os.fstat(self.fd(path)).st_size
+        """The file's size when first asked (a file changing under a load is not a case this reads around)."""
+        if path not in self._sizes:
+            self._sizes[path] = os.fstat(self.fd(path)).st_size
+        return self._sizes[path]
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` (a writable byte view) with ``path[offset : offset + len(buf)]``; a file that ends

@@ -62,7 +62,8 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
     path = os.fspath(path)
     plan_devices = DevicePlan(map_location, source=path)
     ckpt = read_checkpoint(path, "meta", trust, select, refuse=True)
-    target = repair.describe_target(model)
+    model_sd = model.state_dict(keep_vars=True)
+    target = repair.describe_target(model, state_dict=model_sd)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
     if fit.shape_mismatch or fit.non_tensor or (strict and (fit.missing or fit.unexpected)):
         raise LoadError(short_report(ckpt.path, fit, chosen))
@@ -78,7 +79,7 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         local_bad: list[str] = []
         with distributed.step():  # no collectives inside: a rank that raises here makes every rank raise
             sources.check_bounds()
-            plan = _plan(model, fit.state_dict, sources, plan_devices, assign)
+            plan = _plan(model, model_sd, fit.state_dict, sources, plan_devices, assign)
             if strict_values:
                 _check_records(plan, sources, distributed)
                 local_bad = _precheck(plan, sources)
@@ -123,10 +124,19 @@ def _zero_filled(fit: repair.Fit) -> None:
             fit.state_dict[t["key"]] = torch.zeros((), dtype=torch.long)
 
 
-def _plan(model: Any, state_dict: Any, sources: Sources, devices: DevicePlan, assign: bool | None) -> Plan:
+def _plan(model: Any, model_sd: Any, state_dict: Any, sources: Sources, devices: DevicePlan,
+          assign: bool | None) -> Plan:
     """Sort every key into copy / assign / sharded / by-torch; refuse meta tensors nothing would fill."""
     plan = Plan()
-    slots = _slots(model, state_dict)
+    targets: dict[str, str] = {}  # saved device -> where it goes (asked once per device)
+
+    def target(src: Any) -> str:
+        tag = _tag(src, sources)
+        if tag not in targets:
+            targets[tag] = devices.target(tag)
+        return targets[tag]
+
+    slots = _slots(model, model_sd, state_dict)
     own = _own_loaders(model)
     for key, slot in slots.items():
         if key != slot.keys[0]:
@@ -140,14 +150,14 @@ def _plan(model: Any, state_dict: Any, sources: Sources, devices: DevicePlan, as
         elif module in own:  # torch's load_state_dict assigns as given: the model's dtype and device first
             view = sources.view(src)
             if slot.tensor.is_meta or assign:
-                view = view.to(dtype=slot.tensor.dtype, device=devices.target(_tag(src, sources)))
+                view = view.to(dtype=slot.tensor.dtype, device=target(src))
                 plan.torch_assigns = True
             plan.by_torch.update((k, view) for k in slot.keys)
         elif slot.tensor.is_meta or assign:
-            plan.assign.append((slot, sources.view(src), devices.target(_tag(src, sources))))
+            plan.assign.append((slot, sources.view(src), target(src)))
         else:
             plan.copy.append((slot, sources.view(src)))
-    _refuse_meta_left(model, slots, plan)
+    _refuse_meta_left(model, model_sd, slots, plan)
     return plan
 
 
@@ -156,9 +166,8 @@ def _tag(src: Any, sources: Sources) -> str:
     return str(sources.refs[storage_id(src)].location if src.is_meta else src.device)
 
 
-def _slots(model: Any, state_dict: Any) -> dict[str, Slot]:
+def _slots(model: Any, model_sd: Any, state_dict: Any) -> dict[str, Slot]:
     """Model key → its Slot, for the keys the (repaired) state dict fills; tied keys share one Slot."""
-    model_sd = model.state_dict(keep_vars=True)
     by_id: dict[int, Slot] = {}
     out: dict[str, Slot] = {}
     for key, value in model_sd.items():
@@ -196,11 +205,15 @@ def _own_loaders(model: Any) -> set[Any]:
     return out
 
 
-def _refuse_meta_left(model: Any, slots: dict[str, Slot], plan: Plan) -> None:
+def _refuse_meta_left(model: Any, model_sd: Any, slots: dict[str, Slot], plan: Plan) -> None:
+    """Every model tensor on meta has something filling it: the state dict's (``model_sd``) and the
+    non-persistent buffers, which no checkpoint holds."""
     filled = {id(s.tensor) for s, *_ in plan.assign} | {id(s.tensor) for s, _ in plan.sharded}
     filled |= {id(slots[k].tensor) for k in plan.by_torch if k in slots}
-    left = [name for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
-            if _on_meta(t) and id(t) not in filled]
+    tensors = [(k, t) for k, t in model_sd.items() if hasattr(t, "is_meta")]
+    tensors += [(f"{name}.{b}" if name else b, module._buffers[b]) for name, module in model.named_modules()
+                for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
+    left = [name for name, t in tensors if _on_meta(t) and id(t) not in filled]
     if left:
         few = ", ".join(left[:5]) + (f" … (+{len(left) - 5} more)" if len(left) > 5 else "")
         raise LoadError(f"{len(left)} tensor(s) of the model are on the meta device and the checkpoint doesn't fill them: "

@@ -12,6 +12,7 @@ node) is raised on all of them (:class:`Agreement`), so no rank is left half-loa
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,11 +22,9 @@ from .sources import Sources, byte_view
 
 
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    """A DTensor; no DTensor can exist before torch.distributed.tensor is imported (importing it costs ~1 s)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def is_fsdp_hook(hook: Any) -> bool:
@@ -36,6 +35,8 @@ def is_fsdp_hook(hook: Any) -> bool:
 
 def reshard(model: Any) -> None:
     """FSDP2 modules back in their sharded state (as their load pre-hook would put them)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return  # no FSDP module can exist
     for module in model.modules():
         if hasattr(module, "reshard") and type(module).__name__.startswith("FSDP"):
             module.reshard()

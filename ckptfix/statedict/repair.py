@@ -35,15 +35,16 @@ class Target:
     wrappers: list[str]
 
 
-def describe_target(model: Any, float_dtype: Any = None) -> Target:
-    """Read a model's expectations from ``state_dict(keep_vars=True)``; tied keys share one object.
+def describe_target(model: Any, float_dtype: Any = None, state_dict: Any = None) -> Target:
+    """Read a model's expectations from ``state_dict(keep_vars=True)`` (``state_dict``: that, when the caller
+    has it already); tied keys share one object.
 
     ``float_dtype`` (a torch dtype): the model as it will run after ``.to(float_dtype)``, every
     floating entry that dtype (integer and bool buffers keep theirs).
     """
     import torch
 
-    sd = model.state_dict(keep_vars=True)
+    sd = model.state_dict(keep_vars=True) if state_dict is None else state_dict
     groups: dict[int, list[str]] = {}
     shapes: dict[str, tuple[int, ...] | None] = {}
     dtypes: dict[str, str | None] = {}
@@ -145,6 +146,10 @@ def find_repair(state_dict: Mapping[str, Any], target: Target, source: str = "ch
     """The candidate that maximises (keys matching in shape, keys matching); simplest on ties."""
     keys = list(state_dict.keys())
     wrappers.check_no_flat_params(keys, source)
+    if len(keys) == len(target.shapes) and all(k in target.shapes and shape_of(v) == target.shapes[k]
+                                               for k, v in state_dict.items()):
+        n = len(keys)  # every key already the model's, every shape equal: nothing to search (a server's every start)
+        return Repair(matched=n, shape_ok=n, total=n)
     to_model = wrappers.match_to_target((), target.shapes.keys())
     best: Repair | None = None
     for strip, add in _candidates(keys, list(target.shapes)):

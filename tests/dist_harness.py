@@ -9,13 +9,16 @@ between choosing it and binding it. The rank calls ``function(rank, world, paylo
 module name: the test folders are on ``sys.path``) and writes the return value with ``torch.save``; an
 exception is written as its traceback instead, and :func:`run` fails with every failed rank's traceback
 (or the tail of its stderr). A rank still running after ``timeout`` seconds, or a few seconds after
-another rank failed (stuck in a collective its peer never joins), is killed and reported.
+another rank failed (stuck in a collective its peer never joins), is killed and reported with the
+Python stack it was stuck in.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -78,6 +81,10 @@ def run(target: str, world: int, workdir: Path, payload: Any = None, timeout: fl
             time.sleep(0.05)
     finally:
         hung = [rank for rank, p in enumerate(procs) if p.exitcode is None]
+        for rank in hung:  # each hung rank's Python stack into its stderr file (faulthandler), then kill it
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+        if hung:
+            time.sleep(1)
         for p in procs:
             if p.exitcode is None:
                 p.kill()
@@ -93,7 +100,7 @@ def run(target: str, world: int, workdir: Path, payload: Any = None, timeout: fl
 def _describe(workdir: Path, rank: int, how: str) -> str:
     err = workdir / f"rank{rank}.err"
     stderr = (workdir / f"rank{rank}.stderr").read_text(errors="replace")[-3000:]
-    body = err.read_text() if err.exists() else f"(no traceback written; stderr tail:)\n{stderr}"
+    body = err.read_text() if err.exists() else f"(no traceback written; the tail of its stderr:)\n{stderr}"
     return f"rank {rank}: {how}\n{body}"
 
 
@@ -102,6 +109,7 @@ def _rank_main(target: str, workdir: Path, rank: int, world: int, port: int, cwd
     with open(workdir / f"rank{rank}.stderr", "wb") as stderr:
         os.dup2(stderr.fileno(), 2)
     sys.stderr = open(2, "w", closefd=False)  # fd 2 stays open for the process
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     try:
         import importlib
 

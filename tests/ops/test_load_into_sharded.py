@@ -58,11 +58,14 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="ranks forked fr
 
 
 def ckptfix_load(model: Any, path: Any, **kwargs: Any) -> Any:
+    """The API under test, called on every rank of the default process group."""
     return ckptfix.load_into(model, path, **kwargs)
 
 
 @dataclass
 class ReferenceReport:
+    """The fields of ckptfix's LoadReport that the checks read."""
+
     fix: str | None
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
@@ -96,9 +99,8 @@ def reference_load(model: Any, path: Any, strict: bool = True, strict_values: bo
     """The naive sharded load: the whole file on every rank, keys repaired by hand, each rank's slice copied.
 
     Every check runs before the first copy and sees every tensor, so every rank decides alike."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     try:
         sd = read_whole(Path(path))
@@ -106,7 +108,7 @@ def reference_load(model: Any, path: Any, strict: bool = True, strict_values: bo
         raise LoadError(f"{path}: can't be read ({type(e).__name__}: {e})") from e
     own = model.state_dict()
     fix = None
-    if all(k.startswith("model.") for k in own) is False and any(k.startswith("model.") for k in sd):
+    if not all(k.startswith("model.") for k in own) and any(k.startswith("model.") for k in sd):
         sd, fix = {k[6:]: v for k, v in sd.items() if k.startswith("model.")}, "select model"
     if not any(k.startswith("module.") for k in own) and sd and all(k.startswith("module.") for k in sd):
         sd, fix = {k[7:]: v for k, v in sd.items()}, "strip module."

@@ -19,6 +19,8 @@ from .. import formats
 from . import spec as models
 from ..core.devices import DevicePlan
 from ..errors import GoldenError, InputError
+from ..parse import inert
+from ..safety.scanner import ensure_safe
 from .forward import INPUT_SEED, seeded_input
 from ..core.units import dtype_name
 from ..text import describe_recipe, number
@@ -129,6 +131,8 @@ def read_input_file(path: Any) -> Any:
     path = os.fspath(path)
     fmt = formats.sniff(path)
     obj = formats.read(path, fmt, DevicePlan("cpu", source=path), trust=False).obj
+    if inert.find(obj):  # a global outside the allow-list, read as a placeholder: no place for one in an input
+        ensure_safe(path, fmt)  # the refusal that names every such global
     return check_tensors(obj, path)
 
 

@@ -45,7 +45,7 @@ def read_torch_zip(path: str) -> RawRead:
     except Exception as e:  # torch's reader gives the refusal
         raise NeedsTorch(f"zip directory: {e}") from None
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        obj, tags = _describe_zip(_Archive(path, directory, buf), f"{path}: data.pkl")
+        obj, tags = _describe_zip(_Archive(path, directory, buf), f"{path}: data.pkl", placeholders=True)
     if isinstance(obj, dict) and isinstance(obj.get("module"), dict) and {"ds_config", "ds_version"} & set(obj):
         raise NeedsTorch("a DeepSpeed model_states file")  # (what layout.deepspeed_info recognises)
     return RawRead(obj=obj, format=TORCH_ZIP, tags=tags)
@@ -70,10 +70,11 @@ def read_torch_record(path: str, data: bytes, base: int, where: str) -> tuple[An
         raise NeedsTorch(f"{where}: {e}") from None
     if findings:
         raise NeedsTorch(f"{where}: {findings[0].message}")
-    return _describe_zip(_Archive(path, directory, data, base, loaded=True), f"{where}: data.pkl")
+    # a DCP record is read strictly, as the torch path reads it: no placeholders (only a file's own pickle has them)
+    return _describe_zip(_Archive(path, directory, data, base, loaded=True), f"{where}: data.pkl", placeholders=False)
 
 
-def _describe_zip(archive: _Archive, where: str) -> tuple[Any, dict[int, str]]:
+def _describe_zip(archive: _Archive, where: str, placeholders: bool) -> tuple[Any, dict[int, str]]:
     """The records torch reads before unpickling, then ``data.pkl``: (value, storage id → saved device)."""
     order = archive.read("byteorder", must_exist=False)
     if order is not None and order != b"little":
@@ -90,7 +91,7 @@ def _describe_zip(archive: _Archive, where: str) -> tuple[Any, dict[int, str]]:
     data = archive.read("data.pkl")
     if data is None:  # (read raises for a missing record it must find)
         raise NeedsTorch("no data.pkl")
-    return _unpickle(where, data, archive)
+    return _unpickle(where, data, archive, placeholders)
 
 
 class _Archive:
@@ -175,7 +176,7 @@ class _Typed:
         self.storage, self.dtype = storage, dtype_name
 
 
-def _policy() -> Any:
+def _policy(placeholders: bool) -> Any:
     table: dict[str, Any] = {ORDERED_DICT: OrderedDict, BUILTIN_SET: set, BUILTIN_COMPLEX: complex}
     for name in DTYPE_ITEMSIZE:
         table[f"torch.{name}"] = dtype(name)
@@ -189,7 +190,7 @@ def _policy() -> Any:
     calls = {id(OrderedDict): plain, id(set): plain, id(complex): plain,
              id(_rebuild_v2): _guard_v2, id(_rebuild_v3): _guard_v3, id(_rebuild_param): _guard_parameter}
     return Policy(table, calls, set(), {OrderedDict: build_attributes}, append=(list,), setitem=(dict, OrderedDict),
-                  inert=_placeholder)
+                  inert=_placeholder if placeholders else None)
 
 
 def _placeholder(name: str) -> InertGlobal:
@@ -248,7 +249,7 @@ def _guard_parameter(u: Any, f: Any, args: tuple, kwargs: dict) -> TensorInfo:
     return TensorInfo(data.dtype, data.shape, data.stride, data.storage_offset, data.storage, requires_grad, True)
 
 
-def _unpickle(where: str, data: bytes, archive: _Archive) -> tuple[Any, dict[int, str]]:
+def _unpickle(where: str, data: bytes, archive: _Archive, placeholders: bool) -> tuple[Any, dict[int, str]]:
     storages: dict[str, StorageInfo] = {}
     tags: dict[int, str] = {}
     kept: dict[str, tuple[str, int]] = {}  # record -> (dtype, nbytes) of the typed storage torch.load keeps for it
@@ -271,7 +272,7 @@ def _unpickle(where: str, data: bytes, archive: _Archive) -> tuple[Any, dict[int
         return _Typed(storages[key], dtype_name)
 
     stream = io.BytesIO(data)
-    unpickler = SafePickle(_policy()).Unpickler(stream, encoding="utf-8")
+    unpickler = SafePickle(_policy(placeholders)).Unpickler(stream, encoding="utf-8")
     unpickler.where = where
     unpickler.persistent_load = persistent_load
     try:

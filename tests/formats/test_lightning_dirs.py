@@ -247,12 +247,13 @@ def sharded_copy(sharded_run: ShardedRun, tmp_path: Path) -> Path:
 def test_meta_pt_is_read_under_the_safe_policy(sharded_copy: Path, tmp_path: Path, cli_runner: Any) -> None:
     canary = tmp_path / "canary"
     torch.save({"epoch": 2, "pytorch-lightning_version": "2.6.6", "callbacks": _Evil(canary)}, sharded_copy / "meta.pt")
+    # the call sits beside the state dict: an inert placeholder, named, never imported or called (issue 20)
     for run in (lambda: ckptfix.read(sharded_copy), lambda: ckptfix.inspect(sharded_copy),
                 lambda: ckptfix.describe(sharded_copy)):
-        with pytest.raises(UnsafeCheckpointError, match=r"meta\.pt: refused: .*system.*--trust"):
-            run()
+        ckpt = run()
+        assert any("inert posix.system" in n or "inert os.system" in n for n in ckpt.notes), ckpt.notes
     res = _ckptfix(cli_runner, "convert", sharded_copy, tmp_path / "out.ckpt", "--keep-extra", code=1)
-    assert "meta.pt: refused" in res.output and len(res.output.strip().splitlines()) == 1
+    assert "system" in res.output and len(res.output.strip().splitlines()) == 1  # a placeholder is never written
     assert not canary.exists() and not (tmp_path / "out.ckpt").exists()
     report = ckptfix.scan(sharded_copy)  # the directory's scan covers meta.pt too
     assert not report.ok and any(g.startswith("posix.") or g.startswith("os.") for g in report.unsafe_globals)

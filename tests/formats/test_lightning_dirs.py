@@ -29,7 +29,7 @@ import torch
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.errors import FormatError, UnsafeCheckpointError
+from ckptfix.errors import FormatError
 from ckptfix.formats.dcp.lightning import by_parameter_index
 from test_dcp_stream import ScratchSpy
 from test_real_libraries import assert_bit_equal, differences

@@ -52,3 +52,8 @@ def parse_size(text: str | int) -> int:
     if n <= 0:
         raise ConversionError(f"shard size {text!r} must be more than 0 bytes")
     return n
+
+
+def few(names: list[str], n: int = 5) -> str:
+    """The first ``n`` names and how many more: ``'a, b, c, d, e … (+3 more)'`` (for one-line messages)."""
+    return ", ".join(names[:n]) + (f" … (+{len(names) - n} more)" if len(names) > n else "")

@@ -31,7 +31,7 @@ from ..core.devices import DevicePlan, normalise_device, storage_id
 from ..core.torch_free import NeedsTorch
 from ..errors import ConversionError, DeviceError, WrapperError
 from ..core.progress import Progress, peak_rss_bytes
-from ..core.units import parse_size
+from ..core.units import few, parse_size
 from .convert_options import ConvertOptions
 from .reading import read_checkpoint, summarise
 from ..parse import format_registry as registry, inert
@@ -207,7 +207,7 @@ def normalise_keys(
             )
         left = [k for k in ckpt.state_dict if not wrappers.has_prefix(k, p)]
         if left:
-            notes.append(f"--strip-prefix {p}. left {len(left)} key(s) without that prefix unchanged: {_few(left)}")
+            notes.append(f"--strip-prefix {p}. left {len(left)} key(s) without that prefix unchanged: {few(left)}")
     inner = "keep" if to == "keep" else "single"
     sd = wrappers.rename_state_dict(ckpt.state_dict, wrappers.key_transform(inner, strip_prefix=strip_prefix),
                                     source=ckpt.path)
@@ -427,10 +427,6 @@ def _moved(plan: DevicePlan, devices: dict[str, int]) -> list[str]:
         if target != saved:
             moved.setdefault(target, []).append(f"{count} tensor(s) saved on {tag}")
     return [f"moved to {target}: {', '.join(parts)}" for target, parts in moved.items()]
-
-
-def _few(keys: list[str], n: int = 5) -> str:
-    return ", ".join(keys[:n]) + (f" … (+{len(keys) - n} more)" if len(keys) > n else "")
 
 
 def _size_on_disk(path: str) -> int:

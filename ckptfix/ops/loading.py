@@ -24,6 +24,7 @@ from typing import Any
 from ..core import bytecopy, tensorcopy
 from ..core.devices import DevicePlan, storage_id
 from ..core.positional import PositionalReader
+from ..core.units import few
 from ..errors import FormatError, LoadError
 from ..formats import source_record
 from ..reports import LoadReport
@@ -215,9 +216,8 @@ def _refuse_meta_left(model: Any, model_sd: Any, slots: dict[str, Slot], plan: P
                 for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
     left = [name for name, t in tensors if _on_meta(t) and id(t) not in filled]
     if left:
-        few = ", ".join(left[:5]) + (f" … (+{len(left) - 5} more)" if len(left) > 5 else "")
         raise LoadError(f"{len(left)} tensor(s) of the model are on the meta device and the checkpoint doesn't fill them: "
-                        f"{few}; nothing was loaded. Give them values first (model.to_empty(device=...) and their "
+                        f"{few(left)}; nothing was loaded. Give them values first (model.to_empty(device=...) and their "
                         "initialisation, e.g. non-persistent buffers), or load a checkpoint that holds them")
 
 
@@ -293,11 +293,6 @@ def _nbytes(t: Any) -> int:
 
 def _values(keys: list[str]) -> str:
     return f"{len(keys)} tensor(s) hold NaN/Inf values: {few(keys)}"
-
-
-def few(keys: list[str]) -> str:
-    """The first five keys, and how many more."""
-    return ", ".join(keys[:5]) + (f" … (+{len(keys) - 5} more)" if len(keys) > 5 else "")
 
 
 def short_report(path: str, fit: Any, chosen: Any) -> str:

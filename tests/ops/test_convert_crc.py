@@ -61,14 +61,19 @@ def test_convert_refuses_a_record_whose_crc_does_not_match(tmp_path: Path, name:
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     bad = damaged_checkpoint(tmp_path)
     monkeypatch.setenv(ENV_SWITCH, "1" if torch_free else "0")
-    out = tmp_path / "out" / name
-    out.parent.mkdir()
-    res = cli_runner.invoke(cli, ["convert", str(bad), str(out), "-q", *flags])
+    line = _refused_in_one_line(cli_runner, bad, tmp_path / "out", name, flags)
+    assert str(bad) in line and "data/0" in line and "CRC-32" in line, line
+
+
+def _refused_in_one_line(cli_runner: Any, src: Path, out_dir: Path, name: str, flags: list[str]) -> str:
+    """``convert src out_dir/name`` exits 1 with one Error line, and nothing is written (no temp file left)."""
+    out_dir.mkdir()
+    res = cli_runner.invoke(cli, ["convert", str(src), str(out_dir / name), "-q", *flags])
     assert res.exit_code == 1, res.output
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: "), res.output
-    assert str(bad) in lines[0] and "data/0" in lines[0] and "CRC-32" in lines[0], lines[0]
-    assert list((tmp_path / "out").iterdir()) == []  # nothing written, no temp file left
+    assert list(out_dir.iterdir()) == []
+    return lines[0]
 
 
 @pytest.mark.parametrize("torch_free", [True, False], ids=["torch-free", "streamed"])
@@ -142,14 +147,8 @@ def test_a_damaged_shard_is_refused(tmp_path: Path, name: str, flags: list[str],
     """A sharded .pth source on every read (torch-free, streamed, torch.load's for --trust and DCP output)."""
     src = sharded_pth(tmp_path)
     monkeypatch.setenv(ENV_SWITCH, "1" if torch_free else "0")
-    out = tmp_path / "out" / name
-    out.parent.mkdir()
-    res = cli_runner.invoke(cli, ["convert", str(src), str(out), "-q", *flags])
-    assert res.exit_code == 1, res.output
-    lines = [line for line in res.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: "), res.output
-    assert "pytorch_model-00002-of-00002.bin" in lines[0] and "data/0" in lines[0] and "CRC-32" in lines[0], lines[0]
-    assert list((tmp_path / "out").iterdir()) == []
+    line = _refused_in_one_line(cli_runner, src, tmp_path / "out", name, flags)
+    assert "pytorch_model-00002-of-00002.bin" in line and "data/0" in line and "CRC-32" in line, line
 
 
 @pytest.mark.parametrize("damaged", ["model_states", "optim_states"])

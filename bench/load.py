@@ -207,8 +207,9 @@ def make_files(folder: Path, width: int, layers: int) -> dict[str, str]:
             p.normal_(generator=g)
     save_model(net, paths["st"])
     torch.save(net.state_dict(), paths["pth"])
-    # the wrapper alone, `module.` keys; device_ids=[] keeps it on the CPU (with a GPU, DataParallel moves the module)
-    torch.save(nn.DataParallel(net, device_ids=[]).state_dict(), paths["ddp"])
+    # the wrapper alone, `module.` keys (with a GPU, DataParallel moves the module there: saved from, and put back on, the CPU)
+    torch.save({k: v.cpu() for k, v in nn.DataParallel(net).state_dict().items()}, paths["ddp"])
+    net.cpu()
     torch.save(torch.compile(net).state_dict(), paths["compiled"])  # not compiled until called: `_orig_mod.` keys
     rows = sorted({0, width // 2 - 1, width // 2, width - 1})
     torch.save({name: (rows, p.detach()[rows].clone()) for name, p in net.named_parameters()}, folder / "fingerprint.pt")

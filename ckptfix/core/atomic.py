@@ -55,12 +55,14 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def sha256_file(path: str) -> str:
-    """Hex SHA-256 of a file, read in bounded chunks."""
+def sha256_file(path: str, advance: Callable[[int], None] | None = None) -> str:
+    """Hex SHA-256 of a file, read in bounded chunks; ``advance(nbytes)`` after each (a progress line)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(16 * 2**20), b""):
             h.update(chunk)
+            if advance is not None:
+                advance(len(chunk))
     return h.hexdigest()
 
 

@@ -146,7 +146,7 @@ def verify(
     structure, is_fresh = source.structure(meta=not forward)
     target = repair.describe_target(structure, float_dtype=source.dtype)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
-    sha = sha256_file(path) if (checksum or forward) and os.path.isfile(path) else None  # a directory: no one hash
+    sha = _hash(path, progress) if (checksum or forward) and os.path.isfile(path) else None  # a directory: no one hash
     report = VerifyReport(
         ok=False, checkpoint=path, model=source.label, fix=chosen.description, missing=fit.missing,
         unexpected=fit.unexpected, shape_mismatch=fit.shape_mismatch, dtype_mismatch=fit.dtype_mismatch,
@@ -206,6 +206,14 @@ def _check_values(report: VerifyReport, fit: repair.Fit, target: repair.Target, 
         elif any(sd[k].shape != sd[present[0]].shape or not torch.equal(sd[k], sd[present[0]]) for k in present[1:]):
             report.shared_mismatch.append({"keys": present, "reason": "the model ties them but their values differ; "
                                                                       "only one survives loading"})
+
+
+def _hash(path: str, progress: bool) -> str:
+    """The file's SHA-256, with a progress line on a terminal (a multi-GB release takes seconds)."""
+    with Progress(os.path.getsize(path), 1, enabled=progress, label="verify: SHA-256") as bar:
+        digest = sha256_file(path, bar.advance)
+        bar.tensor_done()
+    return digest
 
 
 def _nonfinite(sd: Any, keys: list[str], progress: bool) -> list[str]:

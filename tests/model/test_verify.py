@@ -318,7 +318,7 @@ def test_no_forward_reads_on_meta(monkeypatch, fixtures_dir: Path) -> None:
 
 
 def test_text_no_forward_does_not_hash_the_file(monkeypatch, cli_runner, fixtures_dir: Path) -> None:
-    def refuse(path: str) -> str:
+    def refuse(path: str, *progress: Any) -> str:
         raise AssertionError(f"hashed {path}")
 
     monkeypatch.setattr(sys.modules["ckptfix.model.verify"], "sha256_file", refuse)

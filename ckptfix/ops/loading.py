@@ -61,24 +61,23 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
               assign: bool | None = None) -> LoadReport:
     """See :func:`ckptfix.load_into`."""
     path = os.fspath(path)
-    plan_devices = DevicePlan(map_location, source=path)
-    ckpt = read_checkpoint(path, "meta", trust, select, refuse=True)
-    model_sd = model.state_dict(keep_vars=True)
-    target = repair.describe_target(model, state_dict=model_sd)
-    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
-    if fit.shape_mismatch or fit.non_tensor or (strict and (fit.missing or fit.unexpected)):
-        raise LoadError(short_report(ckpt.path, fit, chosen))
+    distributed = shards.Agreement(model)
+    local_bad: list[str] = []
     with PositionalReader() as reader:
-        _zero_filled(fit)
-        sources = Sources(ckpt.refs, reader)
-        if not all(sources.has_bytes(t) for t in _tensors(fit.state_dict)):
-            # bytes only torch.load produces (legacy files, DeepSpeed, DCP values): read on the CPU, then fill
-            ckpt = read_checkpoint(path, "cpu", trust, select, refuse=True)
-            chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
-            sources = Sources({}, reader)
-        distributed = shards.Agreement(model)
-        local_bad: list[str] = []
-        with distributed.step():  # no collectives inside: a rank that raises here makes every rank raise
+        # everything that can fail, before anything is written; no collectives inside: a rank that raises
+        # here (a file missing on its node) makes every rank raise, so none waits forever
+        with distributed.step():
+            plan_devices = DevicePlan(map_location, source=path)
+            ckpt = read_checkpoint(path, "meta", trust, select, refuse=True)
+            model_sd = model.state_dict(keep_vars=True)
+            target = repair.describe_target(model, state_dict=model_sd)
+            chosen, fit = _fit(ckpt, target, strict)
+            sources = Sources(ckpt.refs, reader)
+            if not all(sources.has_bytes(t) for t in _tensors(fit.state_dict)):
+                # bytes only torch.load produces (legacy files, DeepSpeed, DCP values): read on the CPU, then fill
+                ckpt = read_checkpoint(path, "cpu", trust, select, refuse=True)
+                chosen, fit = _fit(ckpt, target, strict)
+                sources = Sources({}, reader)
             sources.check_bounds()
             plan = _plan(model, model_sd, fit.state_dict, sources, plan_devices, assign)
             if strict_values:
@@ -108,6 +107,15 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         sharded=sum(len(s.keys) for s, _ in plan.sharded),
         bytes_read=bytes_read,
     )
+
+
+def _fit(ckpt: Any, target: repair.Target, strict: bool) -> tuple[repair.Repair, repair.Fit]:
+    """The checkpoint's keys repaired against the model; a LoadError (the short report) where they don't fit."""
+    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
+    if fit.shape_mismatch or fit.non_tensor or (strict and (fit.missing or fit.unexpected)):
+        raise LoadError(short_report(ckpt.path, fit, chosen))
+    _zero_filled(fit)
+    return chosen, fit
 
 
 def _tensors(state_dict: Any) -> list[Any]:

@@ -12,13 +12,17 @@ client must survive. Needs nothing but the standard library (bench/remote.py imp
         server.delay["/model.safetensors"] = 5.0     # seconds before the status line: a client's read timeout
         server.redirect_loop.add("/loop")            # 302 to itself, for ever
         server.change_after("model.safetensors", 1, new_bytes)  # replaced (new ETag, Last-Modified) after 1 request
+
+``FileServer(root, tls=self_signed_cert(folder))`` serves https (that certificate needs ``cryptography``).
 """
 
 from __future__ import annotations
 
 import email.utils
+import ipaddress
 import os
 import re
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -98,8 +102,9 @@ class FileServer:
     """Serves ``root`` on 127.0.0.1 (a free port) from a thread; a context manager, or :meth:`start` /
     :meth:`stop`. The switches are plain attributes, read at each request."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], tls: tuple[Path, Path] | None = None) -> None:
         self.root = Path(root)
+        self.tls = tls  # (certificate, key) files: serve https (:func:`self_signed_cert` makes a pair)
         self.counts = Counts()
         self.ignore_range = False
         self.status: dict[str, int] = {}
@@ -114,9 +119,10 @@ class FileServer:
     # -- life -------------------------------------------------------------------------------------
     def start(self) -> FileServer:
         handler = type("Handler", (FileHandler,), {"server_state": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        self._httpd.block_on_close = False
+        self._httpd = _Server(("127.0.0.1", 0), handler)
+        if self.tls is not None:
+            self._httpd.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self._httpd.tls.load_cert_chain(*self.tls)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="file-server", daemon=True)
         self._thread.start()
         return self
@@ -139,7 +145,7 @@ class FileServer:
     def base_url(self) -> str:
         assert self._httpd is not None, "start() first"
         host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host!s}:{port}"
 
     def url(self, name: str = "") -> str:
         """The URL of ``name`` (a path relative to root, or a switch's path such as ``/loop``)."""
@@ -180,12 +186,58 @@ class FileServer:
         return False
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 64  # fsspec and huggingface_hub open several connections at once
+    tls: ssl.SSLContext | None = None
+
+    def get_request(self) -> tuple[Any, Any]:
+        sock, address = self.socket.accept()
+        if self.tls is not None:  # the handshake runs in the request's thread (FileHandler.setup), not here
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, address
+
+
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, its own CA (so it is also the CA bundle a client trusts:
+    SSL_CERT_FILE, REQUESTS_CA_BUNDLE), and its key, written to ``folder``; needs ``cryptography``."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                        x509.DNSName("localhost")]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "server.crt", folder / "server.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
 class FileHandler(BaseHTTPRequestHandler):
     """One request: the switches in order (delay, redirect loop, redirect, forced status), the subclass's
     routes, then the file (HEAD, or GET with or without Range)."""
 
     server_state: FileServer
     protocol_version = "HTTP/1.1"  # keep-alive, as the clients expect; every response has a Content-Length
+
+    def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.settimeout(30)
+            self.request.do_handshake()
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet in tests
         pass

@@ -3,12 +3,14 @@ library, each client talks to a real server over a socket. A test module registe
 (tests/conftest.py stays the only conftest), and names them once so that ruff sees the import used (else
 F811 flags each test's argument of the same name as a redefinition of an unused import):
 
-    from remote_servers import http_server, hub_server, s3_server
-    SERVERS = (http_server, hub_server, s3_server)
+    from remote_servers import http_server, https_server, hub_server, s3_server
+    SERVERS = (http_server, https_server, hub_server, s3_server)
 
 - ``http_server``: :class:`file_server.FileServer` on the test's own directory (``http_server.root``): Range,
   ETag/Last-Modified, HEAD, byte and request counts, and the switches (ignore Range, 404/403, delay, redirect
   loop, a file that changes after N requests).
+- ``https_server``: the same over TLS, with a self-signed certificate the clients trust through the
+  environment (SSL_CERT_FILE, REQUESTS_CA_BUNDLE).
 - ``hub_server``: :class:`hub_server.HubServer` (the Hub endpoints huggingface_hub uses) on its own
   directory as repo ``org/name``; ``HF_ENDPOINT`` and huggingface_hub's import-time copies of it point there,
   its cache is under the test's tmp_path.
@@ -42,6 +44,26 @@ def http_server(tmp_path: Path) -> Iterator[FileServer]:
     root = tmp_path / "http"
     root.mkdir()
     with FileServer(root) as server:
+        yield server
+
+
+@pytest.fixture
+def https_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FileServer]:
+    """:func:`http_server` over TLS (``https://127.0.0.1:PORT``), with a self-signed certificate made for the
+    test that SSL_CERT_FILE and REQUESTS_CA_BUNDLE name, so Python's ssl, requests, aiohttp and httpx trust
+    it with no argument (and nothing else: a test needs no other host). aiohttp (fsspec's HTTPFileSystem) makes
+    its default context once, at import: give it ``ssl=ssl.create_default_context(cafile=https_server.tls[0])``
+    when it may have been imported before the test."""
+    from file_server import self_signed_cert
+
+    root = tmp_path / "https"
+    root.mkdir()
+    (tmp_path / "tls").mkdir()
+    cert, key = self_signed_cert(tmp_path / "tls")
+    for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):
+        monkeypatch.setenv(name, str(cert))
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    with FileServer(root, tls=(cert, key)) as server:
         yield server
 
 

@@ -12,9 +12,9 @@ import pytest
 
 from file_server import FileServer
 from hub_server import COMMIT, HubServer
-from remote_servers import S3Server, http_server, hub_server, s3_server
+from remote_servers import S3Server, http_server, https_server, hub_server, s3_server
 
-SERVERS = (http_server, hub_server, s3_server)  # the fixtures, registered by being in this module's namespace
+SERVERS = (http_server, https_server, hub_server, s3_server)  # the fixtures, registered by being in this module's namespace
 
 
 def write_checkpoint(folder: Path, kind: str) -> Path:
@@ -134,6 +134,27 @@ def test_http_fsspec_reads_a_range(http_server: FileServer, kind: str) -> None:
         f.seek(-8, 2)
         assert f.read() == data[-8:]
     assert http_server.counts.bytes_sent[f"/{path.name}"] < len(data) // 10
+
+
+def test_https_trusted_through_the_environment(https_server: FileServer) -> None:
+    import ssl
+    import urllib.request
+
+    import requests
+    from fsspec.implementations.http import HTTPFileSystem
+
+    data = write_checkpoint(https_server.root, "safetensors").read_bytes()
+    url = https_server.url("model.safetensors")
+    assert url.startswith("https://127.0.0.1:")
+    assert requests.get(url, headers={"Range": "bytes=8-99"}, timeout=10).content == data[8:100]
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Range": "bytes=0-7"}), timeout=10) as r:
+        assert r.status == 206 and r.read() == data[:8]
+    trusted = ssl.create_default_context(cafile=str(https_server.tls[0]))  # aiohttp's default: made at its import
+    with HTTPFileSystem(skip_instance_cache=True, ssl=trusted).open(url, "rb", block_size=1 << 16, cache_type="none") as f:
+        f.seek(-16, 2)
+        assert f.read() == data[-16:]
+    with pytest.raises(requests.exceptions.SSLError):  # the server really speaks TLS with its own certificate
+        requests.get(url, timeout=10, verify=requests.certs.where())
 
 
 # -- s3_server -----------------------------------------------------------------------------------------

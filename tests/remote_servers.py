@@ -24,7 +24,9 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -99,13 +101,18 @@ def hub_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubS
 
 class S3Server:
     """moto's S3 server on 127.0.0.1 (a free port), its WSGI app wrapped to count the body bytes each
-    request's path was sent (``counts``, keyed ``/bucket/key``; :class:`file_server.Counts`)."""
+    request's path was sent (``counts``, keyed ``/bucket/key``; :class:`file_server.Counts`), with two
+    switches by path: ``status`` (403 → S3's AccessDenied, any other code → its own XML error) and ``delay``
+    (seconds before answering: a client's read timeout). A changed object: upload it again (new ETag)."""
 
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
 
         self.counts = Counts()
+        self.status: dict[str, int] = {}
+        self.delay: dict[str, float] = {}
         counts = self.counts
+        server = self
 
         class Counting(ThreadedMotoServer):
             def _server_entry(self) -> None:
@@ -114,7 +121,7 @@ class S3Server:
                                                            create_backend_app)
                 from werkzeug.serving import make_server
 
-                app = _count_bytes(DomainDispatcherApplication(create_backend_app), counts)
+                app = _count_bytes(DomainDispatcherApplication(create_backend_app), counts, server)
                 self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
                 self._server_ready_event.set()
                 self._server.serve_forever()
@@ -134,6 +141,8 @@ class S3Server:
 
         requests.post(f"{self.endpoint}/moto-api/reset", timeout=10).raise_for_status()
         self.counts.reset()
+        self.status.clear()
+        self.delay.clear()
 
     def client(self) -> Any:
         """A boto3 S3 client for this server."""
@@ -162,13 +171,28 @@ class S3Server:
         return sorted(keys)
 
 
-def _count_bytes(app: Any, counts: Counts) -> Any:
-    """A WSGI middleware: every request counted, and every body byte the app returns for it, by path."""
+_S3_ERRORS = {403: "AccessDenied", 404: "NoSuchKey", 500: "InternalError", 503: "SlowDown"}
+
+
+def _count_bytes(app: Any, counts: Counts, server: S3Server) -> Any:
+    """A WSGI middleware: every request counted, and every body byte the app returns for it, by path; the
+    server's ``delay`` and ``status`` switches applied first."""
 
     def counted(environ: dict[str, Any], start_response: Any) -> Iterator[bytes]:
         path = environ.get("PATH_INFO", "")
         counts._request(path, environ.get("HTTP_RANGE"))
-        for chunk in app(environ, start_response):
+        if (wait := server.delay.get(path)) is not None:
+            time.sleep(wait)
+        if (code := server.status.get(path)) is not None:
+            reason = _S3_ERRORS.get(code, "Error")
+            body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{reason}</Code>'
+                    f"<Message>{reason} (switch)</Message><Resource>{path}</Resource></Error>").encode()
+            start_response(f"{code} {HTTPStatus(code).phrase}", [("Content-Type", "application/xml"),
+                                                                ("Content-Length", str(len(body)))])
+            chunks: Iterable[bytes] = [body]
+        else:
+            chunks = app(environ, start_response)
+        for chunk in chunks:
             if environ.get("REQUEST_METHOD") != "HEAD":
                 counts._sent(path, len(chunk))
             yield chunk

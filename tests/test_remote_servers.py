@@ -193,6 +193,26 @@ def test_s3_s3fs_ls_and_range(s3_server: S3Server, tmp_path: Path) -> None:
     assert 0 < s3_server.counts.bytes_sent[f"/{s3_server.bucket}/run/model.safetensors"] < len(data) // 10
 
 
+@pytest.mark.parametrize("code", [403, 404])
+def test_s3_status_and_delay(s3_server: S3Server, tmp_path: Path, code: int) -> None:
+    import botocore.config
+    import botocore.exceptions
+
+    s3_server.upload(write_checkpoint(tmp_path, "pth"))
+    s3_server.status[f"/{s3_server.bucket}/model.pth"] = code
+    client = s3_server.client()
+    with pytest.raises(botocore.exceptions.ClientError) as caught:
+        client.get_object(Bucket=s3_server.bucket, Key="model.pth", Range="bytes=0-7")
+    assert caught.value.response["Error"]["Code"] == {403: "AccessDenied", 404: "NoSuchKey"}[code]
+    del s3_server.status[f"/{s3_server.bucket}/model.pth"]
+    s3_server.delay[f"/{s3_server.bucket}/model.pth"] = 1.0
+    import boto3
+
+    impatient = boto3.client("s3", config=botocore.config.Config(read_timeout=0.2, retries={"max_attempts": 1}))
+    with pytest.raises(botocore.exceptions.ReadTimeoutError):
+        impatient.get_object(Bucket=s3_server.bucket, Key="model.pth", Range="bytes=0-7")
+
+
 # -- hub_server ----------------------------------------------------------------------------------------
 def safetensors_header(path: Path) -> dict:
     raw = path.read_bytes()

@@ -271,3 +271,26 @@ def test_hub_filesystem_ls_info_and_range(hub_server: HubServer) -> None:
         f.seek(100)
         assert f.read(4096) == data[100:4196]
     assert 0 < hub_server.file_bytes("model.safetensors") < len(data) // 10
+
+
+def test_hub_switches(hub_server: HubServer) -> None:
+    """The file server's switches work on the Hub's resolve paths: a Hub that ignores Range costs the client
+    the whole file; 403; a file replaced after a request has a new ETag."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    path = write_checkpoint(hub_server.root, "safetensors")
+    hub_server.ignore_range = True
+    huggingface_hub.get_safetensors_metadata("org/name")
+    assert hub_server.file_bytes("model.safetensors") == path.stat().st_size
+    hub_server.ignore_range = False
+    url = hub_server.resolve_url("model.safetensors")
+    before = huggingface_hub.get_hf_file_metadata(url)
+    hub_server.change_after("model.safetensors", hub_server.counts.requests[hub_server.resolve_path("model.safetensors")],
+                            b"replaced")
+    after = huggingface_hub.get_hf_file_metadata(url)
+    assert (after.size, after.commit_hash) == (8, COMMIT) and after.etag != before.etag
+    hub_server.status[hub_server.resolve_path("model.safetensors")] = 403
+    with pytest.raises(HfHubHTTPError) as caught:
+        huggingface_hub.get_hf_file_metadata(url)
+    assert caught.value.response.status_code == 403

@@ -255,12 +255,17 @@ def test_hub_download_and_errors(hub_server: HubServer, tmp_path: Path, redirect
         huggingface_hub.hf_hub_download("org/name", "model.pth", revision="v9", cache_dir=tmp_path / "c4")
 
 
-def test_hub_filesystem_ls_info_and_range(hub_server: HubServer) -> None:
-    from huggingface_hub import HfFileSystem
+def test_hub_api_and_filesystem(hub_server: HubServer) -> None:
+    from huggingface_hub import HfApi, HfFileSystem
 
     (hub_server.root / "shards").mkdir()
     st = write_checkpoint(hub_server.root, "safetensors")
     pth = write_checkpoint(hub_server.root / "shards", "pth")
+    api = HfApi()
+    assert api.model_info("org/name", revision="main").sha == api.model_info("org/name").sha == COMMIT
+    assert api.list_repo_files("org/name") == ["model.safetensors", "shards/model.pth"]
+    assert [e.path for e in api.get_paths_info("org/name", ["shards", "absent", "model.safetensors"])] == [
+        "shards", "model.safetensors"]
     fs = HfFileSystem()
     assert fs.ls("org/name", detail=False) == ["org/name/model.safetensors", "org/name/shards"]
     assert fs.ls("org/name/shards", detail=False) == ["org/name/shards/model.pth"]

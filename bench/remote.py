@@ -1,0 +1,194 @@
+"""Benchmark: a remote checkpoint's header and contents (issue 19): bytes fetched and time of ``ckptfix inspect URL``
+against ``huggingface_hub.get_safetensors_metadata`` and against downloading the file; ``ckptfix convert URL``
+against download-then-convert.
+
+Not a test. Writes a --size-mib checkpoint (2 GiB by default; 100 fp32 tensors) twice under --workdir, as
+``model.safetensors`` (safetensors' ``save_file``) and ``model.pth`` (``torch.save``), and serves that folder on
+127.0.0.1 with tests/hub_server.py's ``HubServer``: as the Hub repo ``org/name`` (``HF_ENDPOINT`` points there)
+and as plain files (``http://127.0.0.1:PORT/model.pth``), both honouring Range. Rows, per file:
+
+- ``get_safetensors_metadata``: ``huggingface_hub.get_safetensors_metadata("org/name")`` (safetensors only);
+- ``hf_hub_download`` and ``GET``: the whole file, by huggingface_hub (into a fresh cache) and by requests
+  (streamed to a file, 8 MiB chunks);
+- ``ckptfix inspect http://…`` and ``ckptfix inspect hf://org/name/…``: the CLI, one process;
+- ``ckptfix convert URL`` (to safetensors) against ``GET`` then ``ckptfix convert`` of the downloaded file.
+
+Method. Every row runs in child processes (the server's threads have this process to themselves); the files
+are read once first, so the server reads them from the page cache (a warm run: the network path is what is
+measured, not this disk). Bytes fetched: the body bytes the server sent for the row (its own count, every
+path: API answers, redirects, the file), and the requests it answered. Time: wall seconds of the row's
+processes (Python start and imports included); a child that calls a library prints ``call_s=`` for the call
+alone (imports excluded), shown as "call". Rounds alternate the order of the rows; medians. A ckptfix row
+that fails with "no such file" (a ckptfix without remote sources) is skipped with a note, so the script
+runs before and after they land.
+
+    python bench/remote.py                            # 2 GiB, 3 rounds
+    python bench/remote.py --size-mib 64 --rounds 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the servers of the tests (standard library only)
+from hub_server import REPO, HubServer  # noqa: E402  (tests/hub_server.py)
+
+from measure import read_through  # noqa: E402  (bench/measure.py)
+
+PY = sys.executable
+FILES = {"safetensors": "model.safetensors", "pth": "model.pth"}
+TENSORS = 100
+NOT_YET = "no such file"  # what ckptfix without remote sources says of a URL
+
+
+def make_inputs(repo: Path, size_mib: int) -> None:
+    """The two files, written by a child process (so this one never imports torch)."""
+    code = f"""
+import torch
+from safetensors.torch import save_file
+per = {size_mib} * 2**20 // {TENSORS} // 4
+state = {{f"layers.{{i}}.weight": torch.empty(per).fill_(i) for i in range({TENSORS})}}
+save_file(state, {str(repo / FILES["safetensors"])!r}, metadata={{"format": "pt"}})
+torch.save(state, {str(repo / FILES["pth"])!r})
+"""
+    subprocess.run([PY, "-c", code], check=True)
+
+
+def timed_call(code: str) -> list[str]:
+    """A child that runs ``code`` (setup; then CALL) and prints the call's seconds as ``call_s=``."""
+    setup, _, call = code.partition("\nCALL\n")
+    body = f"{setup}\nimport time\n_t = time.perf_counter()\n{call}\nprint(f'call_s={{time.perf_counter() - _t}}')\n"
+    return [PY, "-c", body]
+
+
+def download_code(url: str, dst: Path) -> str:
+    return f"""import requests
+CALL
+with requests.get({url!r}, stream=True, timeout=60) as r, open({str(dst)!r}, "wb") as f:
+    r.raise_for_status()
+    for chunk in r.iter_content(8 << 20):
+        f.write(chunk)"""
+
+
+@dataclass
+class Row:
+    name: str
+    file: str  # a key of FILES
+    commands: list[list[str]]
+    ckptfix: bool = False  # skipped with a note if ckptfix has no remote sources
+    walls: list[float] = field(default_factory=list)
+    calls: list[float] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)
+    skipped: str | None = None
+
+
+def rows(hub: HubServer, work: Path) -> list[Row]:
+    out, dl, cache = work / "out", work / "download", work / "hf-cache"
+    ckptfix = [PY, "-m", "ckptfix"]
+    table = [Row("huggingface_hub.get_safetensors_metadata", "safetensors",
+                 [timed_call(f"import huggingface_hub\nCALL\nhuggingface_hub.get_safetensors_metadata({REPO!r})")])]
+    for kind, name in FILES.items():
+        local = dl / name
+        table += [
+            Row("hf_hub_download (whole file)", kind, [timed_call(
+                f"import huggingface_hub\nCALL\nhuggingface_hub.hf_hub_download({REPO!r}, {name!r}, cache_dir={str(cache)!r})")]),
+            Row("GET (whole file)", kind, [timed_call(download_code(hub.url(name), local))]),
+            Row("ckptfix inspect http://", kind, [[*ckptfix, "inspect", hub.url(name)]], ckptfix=True),
+            Row("ckptfix inspect hf://", kind, [[*ckptfix, "inspect", f"hf://{REPO}/{name}"]], ckptfix=True),
+            Row("ckptfix convert http:// → safetensors", kind,
+                [[*ckptfix, "convert", hub.url(name), str(out / "o.safetensors")]], ckptfix=True),
+            Row("GET, then ckptfix convert → safetensors", kind,
+                [timed_call(download_code(hub.url(name), local)), [*ckptfix, "convert", str(local), str(out / "o.safetensors")]]),
+        ]
+    return table
+
+
+def run_row(row: Row, hub: HubServer, work: Path, env: dict[str, str]) -> None:
+    for folder in ("out", "download", "hf-cache"):
+        shutil.rmtree(work / folder, ignore_errors=True)
+        (work / folder).mkdir()
+    subprocess.run(["sync"], check=True)
+    hub.counts.reset()
+    wall = call = 0.0
+    for cmd in row.commands:
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        wall += time.perf_counter() - start
+        if proc.returncode != 0:
+            if row.ckptfix and NOT_YET in proc.stderr:
+                row.skipped = proc.stderr.strip()
+                return
+            raise SystemExit(f"{row.name} ({row.file}) failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+        printed = [line for line in proc.stdout.splitlines() if line.startswith("call_s=")]
+        call += float(printed[0].split("=")[1]) if printed else float("nan")
+    row.walls.append(wall)
+    row.calls.append(call)
+    row.sent.append(hub.counts.total_bytes)
+    row.requests.append(hub.counts.total_requests)
+
+
+def render(table: list[Row], sizes: dict[str, int], args: argparse.Namespace) -> str:
+    lines = [f"`python bench/remote.py --size-mib {args.size_mib} --rounds {args.rounds}` on {os.uname().machine}, "
+             f"{os.cpu_count()} cores, Python {sys.version.split()[0]}; files: "
+             + ", ".join(f"{FILES[k]} {sizes[k] / 2**20:.1f} MiB" for k in FILES) + " (127.0.0.1, page cache warm).", "",
+             "| row | file | bytes fetched | % of file | requests | wall (s) | call (s) |", "|---|---|---:|---:|---:|---:|---:|"]
+    for row in table:
+        if row.skipped:
+            lines.append(f"| {row.name} | {row.file} | skipped¹ | | | | |")
+            continue
+        sent, call = max(row.sent), statistics.median(row.calls)
+        lines.append(f"| {row.name} | {row.file} | {sent:,} | {100 * sent / sizes[row.file]:.3f} | {max(row.requests)} | "
+                     f"{statistics.median(row.walls):.3f} | {'—' if call != call else f'{call:.3f}'} |")
+    skipped = [row for row in table if row.skipped]
+    if skipped:
+        lines += ["", f"¹ this ckptfix has no remote sources yet (`{skipped[0].skipped}`): run again once they land."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder, deleted after")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ckptfix-remote-")) if args.workdir is None else args.workdir
+    repo = work / "repo"
+    repo.mkdir(parents=True, exist_ok=True)
+    try:
+        make_inputs(repo, args.size_mib)
+        sizes = {kind: (repo / name).stat().st_size for kind, name in FILES.items()}
+        for name in FILES.values():
+            read_through(repo / name)
+        with HubServer(repo) as hub:
+            env = {**os.environ, "HF_ENDPOINT": hub.base_url, "HF_HUB_DISABLE_TELEMETRY": "1",
+                   "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            table = rows(hub, work)
+            for r in range(args.rounds):
+                for row in table if r % 2 == 0 else table[::-1]:
+                    if row.skipped is None:
+                        run_row(row, hub, work, env)
+        print(render(table, sizes, args))
+        if args.json is not None:
+            args.json.write_text(json.dumps([{k: v for k, v in vars(row).items() if k != "commands"} | {"size": sizes[row.file]}
+                                             for row in table], indent=1))
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""bench/remote.py runs end to end on a small file and produces every row, so it can't rot between the runs
+that fill bench/RESULTS.md: the server's counts say the header rows fetched a part of the file and the
+download rows all of it; a ckptfix row either ran or was skipped because ckptfix has no remote sources."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_bench_remote_produces_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "remote.py"), "--size-mib", "4", "--rounds", "1",
+                          "--workdir", str(tmp_path / "work"), "--json", str(out)], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())
+    names = {(row["name"], row["file"]) for row in rows}
+    for kind in ("safetensors", "pth"):
+        for name in ("hf_hub_download (whole file)", "GET (whole file)", "ckptfix inspect http://", "ckptfix inspect hf://",
+                     "ckptfix convert http:// → safetensors", "GET, then ckptfix convert → safetensors"):
+            assert (name, kind) in names
+    assert ("huggingface_hub.get_safetensors_metadata", "safetensors") in names
+    for row in rows:
+        if row["skipped"] is not None:
+            assert row["name"].startswith("ckptfix ") and "no such file" in row["skipped"], row
+            continue
+        assert len(row["walls"]) == 1 and row["walls"][0] > 0 and row["requests"][0] >= 1, row
+        sent, size = row["sent"][0], row["size"]
+        if row["name"] == "huggingface_hub.get_safetensors_metadata" or row["name"].startswith("ckptfix inspect"):
+            assert 0 < sent < size, row  # the header, not the file
+        else:
+            assert sent >= size, row  # the whole file (hf_hub_download: plus nothing else, GET: exactly it)
+    assert "| huggingface_hub.get_safetensors_metadata | safetensors |" in run.stdout

@@ -294,8 +294,8 @@ class FileHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD" and body:
-            self.wfile.write(body)
-            self.server_state.counts._sent(self.url_path, len(body))
+            self.server_state.counts._sent(self.url_path, len(body))  # before the write: a client that has read the
+            self.wfile.write(body)  # last byte may look at the count before this thread runs again
 
     def send_index(self, path: str, folder: Path) -> None:
         """A directory as an HTML page of links (what fsspec's HTTPFileSystem.ls reads)."""
@@ -336,7 +336,7 @@ class FileHandler(BaseHTTPRequestHandler):
                 chunk = f.read(min(CHUNK, left))
                 if not chunk:
                     break
+                state.counts._sent(path, len(chunk))  # (counted first: see above)
                 self.wfile.write(chunk)
-                state.counts._sent(path, len(chunk))
                 left -= len(chunk)
         return None

@@ -1,6 +1,6 @@
 """Positional reads: exactly the byte ranges asked for, straight into the caller's buffer (``os.preadv``), and
 the :class:`ByteSource` of one file (local here, remote in :mod:`ckptfix.core.remote`) with its block cache and the
-:class:`RangeBuffer` that stands in for a memory map (:mod:`ckptfix.core.sources` opens them).
+:class:`RangeBuffer` that stands in for a memory map (:mod:`ckptfix.core.locations` opens them).
 
 A loader that needs part of a file — one rank's shard of each tensor, a few records — reads those ranges
 and nothing else: the kernel's readahead is turned off for the descriptor (``POSIX_FADV_RANDOM``), so a

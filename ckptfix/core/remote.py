@@ -1,4 +1,4 @@
-"""The remote backends of :mod:`ckptfix.core.sources`: ``http(s)://`` (Range requests with the standard library's
+"""The remote backends of :mod:`ckptfix.core.locations`: ``http(s)://`` (Range requests with the standard library's
 client), ``s3://`` (boto3) and ``hf://`` (huggingface_hub), and the few directory questions a reader asks of them
 (list a prefix, is there such a file).
 

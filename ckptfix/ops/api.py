@@ -14,7 +14,7 @@ from . import convert as conversion
 from . import loading
 from .. import formats
 from ..statedict import transforms
-from ..core import sources, torch_free
+from ..core import locations, torch_free
 from ..errors import RemoteError
 from ..core.torch_free import NeedsTorch
 from .convert_options import ConvertOptions, takes
@@ -56,8 +56,8 @@ def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str]
     byte ranges its headers take (``bytes_fetched`` says how many); one only torch can describe raises RemoteError.
     """
     path = os.fspath(path)
-    remote = sources.is_remote(path)
-    with sources.session() as s, s.reporting():
+    remote = locations.is_remote(path)
+    with locations.session() as s, s.reporting():
         fmt = formats.sniff(path)
         if torch_free.enabled() or remote:
             try:

@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import formats
 from ..statedict import locate, placeholders, wrappers
-from ..core import sources
+from ..core import locations
 from ..core.devices import DevicePlan
 from ..errors import RemoteError
 from ..parse.format_registry import get
@@ -29,7 +29,7 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
 
 def refuse_remote(path: str, what: str) -> None:
     """A remote checkpoint is described and scanned from its headers; anything else reads a local copy (for now)."""
-    if sources.is_remote(path):
+    if locations.is_remote(path):
         raise RemoteError(f"{path}: {what} needs a local copy: remote checkpoints are inspected and scanned from "
                           "their headers only (ckptfix inspect / scan without --trust; ckptfix.describe / scan); "
                           "download it first")

@@ -19,7 +19,7 @@ import struct
 from collections import OrderedDict
 from typing import Any
 
-from ..core import sources
+from ..core import locations
 from .checkpoint_dirs import no_duplicate_keys
 from ..errors import FormatError
 from ..core.torch_tables import DTYPE_ITEMSIZE
@@ -76,7 +76,7 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
     Each entry is ``{"dtype", "shape", "data_offsets"}`` (the header's: F4 shapes count values, see
     :func:`torch_shape`), in the header's order.
     """
-    source = sources.open_source(path)  # (a remote file: two range reads, the header only)
+    source = locations.open_source(path)  # (a remote file: two range reads, the header only)
     try:
         size = source.size
         raw_len = source.read(0, 8)

@@ -12,7 +12,7 @@ import os
 import struct
 from typing import Any
 
-from ..core import limits, sources
+from ..core import limits, locations
 from .checkpoint_dirs import find_index, index_format, is_dcp_dir, is_deepspeed_dir
 from ..errors import FormatError, MissingFileError, RemoteError
 from .format_registry import DCP, DEEPSPEED, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT
@@ -25,15 +25,15 @@ _LFS_PREFIX = b"version https://git-lfs.github.com/spec/"
 
 
 def sniff(path: str) -> str:
-    """Name the format of ``path`` (a local path, or a URL :mod:`ckptfix.core.sources` reads) from its bytes,
+    """Name the format of ``path`` (a local path, or a URL :mod:`ckptfix.core.locations` reads) from its bytes,
     or raise a FormatError that says what it is."""
-    remote = sources.is_remote(path)
+    remote = locations.is_remote(path)
     if not remote and not os.path.exists(path):
         raise MissingFileError(f"{path}: no such file", path)
-    if (sources.is_dir(path) if remote else os.path.isdir(path)) or path.endswith(".index.json"):
+    if (locations.is_dir(path) if remote else os.path.isdir(path)) or path.endswith(".index.json"):
         return _sniff_dir(path)
     try:
-        head, size = sources.read_head(path, 4096)
+        head, size = locations.read_head(path, 4096)
     except OSError as e:
         if isinstance(e, (MissingFileError, RemoteError)):
             raise
@@ -165,14 +165,14 @@ def _sniff_dir(path: str) -> str:
     """A torch.distributed.checkpoint directory, a DeepSpeed one, or a Hugging Face sharded one (or its index)."""
     if is_dcp_dir(path):
         return DCP
-    if not sources.is_remote(path) and is_deepspeed_dir(path):
+    if not locations.is_remote(path) and is_deepspeed_dir(path):
         return DEEPSPEED
     index = find_index(path)
     if index is not None:
         return index_format(index)
-    if not sources.is_dir(path):
+    if not locations.is_dir(path):
         raise FormatError(f"{path}: is not a sharded-checkpoint index (expected a JSON file with a weight_map)")
-    if sources.is_remote(path):
+    if locations.is_remote(path):
         raise FormatError(f"{path}: is neither a torch.distributed.checkpoint (no .metadata) nor a sharded "
                           "checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json); give a file "
                           "inside it")
@@ -198,14 +198,14 @@ def zip_directory(path: str) -> Any:
     per file version: sniffing, the safety checks and the structure reader all need it, and for a
     checkpoint of 20,000 tensors parsing it costs a noticeable fraction of a second.
     Raises ``zipfmt.ZipFormatError`` (a ValueError) where torch's reader would fail."""
-    if sources.is_remote(path):
-        source = sources.open_source(path)  # (its fetches check the validator: the key is the source itself)
+    if locations.is_remote(path):
+        source = locations.open_source(path)  # (its fetches check the validator: the key is the source itself)
         key: tuple = (path, source, source.size)
     else:
         st = os.stat(path)
         key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
     if key not in _ZIP_CACHE:
-        with sources.open_buffer(path) as buf:
+        with locations.open_buffer(path) as buf:
             directory = read_directory(buf, len(buf))
         _ZIP_CACHE.clear()  # keep only the latest file: conversions read one source at a time
         _ZIP_CACHE[key] = directory
@@ -223,7 +223,7 @@ def _zip_kind(path: str) -> str:
         import zipfile
 
         try:  # torch can't read it; if Python's zipfile can, the safety check reports the disagreement
-            with sources.open_buffer(path) as buf, zipfile.ZipFile(_as_file(buf)) as z:
+            with locations.open_buffer(path) as buf, zipfile.ZipFile(_as_file(buf)) as z:
                 names = z.namelist()
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError):
             raise FormatError(f"{path}: is a truncated or corrupt zip archive ({e})") from None

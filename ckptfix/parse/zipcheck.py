@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import limits as _limits, sources
+from ..core import limits as _limits, locations
 from .zipdir import LOCAL_SIZE, Directory, Entry, RangeFile, ZipFormatError, data_start, fold, read_directory
 
 _DESCRIPTOR = b"PK\x07\x08"
@@ -94,7 +94,7 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     layout.root = directory.root
     if not layout.root:
         layout.errors.append(f"first member {directory.entries[0].name!r} is not inside a folder (torch can't read it)")
-    sources.prefetch(buf, [(e.header_offset, LOCAL_SIZE + len(e.raw_name) + _LOCAL_EXTRA) for e in directory.entries])
+    locations.prefetch(buf, [(e.header_offset, LOCAL_SIZE + len(e.raw_name) + _LOCAL_EXTRA) for e in directory.entries])
     for entry in directory.entries:
         member = _local_header(layout, buf, size, entry)
         if member is not None:

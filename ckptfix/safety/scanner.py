@@ -22,7 +22,7 @@ from typing import Any
 
 from . import dcp_policy
 from ..parse import pickle_walk
-from ..core import limits as _limits, sources
+from ..core import limits as _limits, locations
 from .allowlist import UNSAFE
 from ..parse.checkpoint_dirs import find_index, load_index, locate, member_path
 from .deepspeed_policy import optim_names
@@ -43,13 +43,13 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
 
     Raises FormatError when the file is unreadable (and nothing unsafe was seen before the
     damage). ``check_crc=False`` skips the CRC of tensor data (still checked for pickles).
-    A remote ``path`` (``https://``, ``s3://``, ``hf://``: :mod:`ckptfix.core.sources`) is scanned from the byte
+    A remote ``path`` (``https://``, ``s3://``, ``hf://``: :mod:`ckptfix.core.locations`) is scanned from the byte
     ranges the checks read, without the CRC of tensor data; its report's ``bytes_fetched`` says what that cost.
     """
     path = os.fspath(path)
     _limits.current()  # a malformed CKPTFIX_MAX_* variable is an error of its own, not a finding
-    with sources.session() as s, s.reporting():
-        remote = sources.is_remote(path)
+    with locations.session() as s, s.reporting():
+        remote = locations.is_remote(path)
         fmt = fmt or _scan_format(path)
         spec = FORMATS.get(fmt)
         if spec is None and fmt != PICKLE:
@@ -79,7 +79,7 @@ def _scan_zip(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
         directory = zip_directory(path)
     except (ValueError, OSError, struct.error):  # the scan parses it again and reports the damage
         directory = None
-    with sources.open_buffer(path, whole=check_crc) as buf:  # (without the CRCs: the pages it reads, no more)
+    with locations.open_buffer(path, whole=check_crc) as buf:  # (without the CRCs: the pages it reads, no more)
         scan_zip(c, buf, len(buf), code, check_crc, unpickled_by_caller, directory=directory)
     return c.finish()
 
@@ -112,10 +112,10 @@ def _scan_pickle(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str 
 def _scan_sharded(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
     """Every shard an index lists, scanned as a file of its own; ``where`` names the shard."""
     index = find_index(path) or path
-    root = sources.dirname(index)
+    root = locations.dirname(index)
     c = Collector(path, fmt)
     shards = list(dict.fromkeys(load_index(index).values()))
-    sources.warm([sources.join(root, shard) for shard in shards])  # remote shards: opened at once
+    locations.warm([locations.join(root, shard) for shard in shards])  # remote shards: opened at once
     for shard in shards:
         c.merge_report(shard, scan(member_path(root, shard, index), check_crc=check_crc))
     return c.finish()
@@ -141,7 +141,7 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
     with DCP's metadata classes allowed, then every record it lists (torch.save zips inside the
     ``.distcp`` files) checked and walked like a torch zip of its own."""
     c = Collector(path, DCP)
-    meta_path = sources.join(path, dcp_policy.METADATA)
+    meta_path = locations.join(path, dcp_policy.METADATA)
     data = dcp_policy.read_bytes(meta_path)
     also = dcp_policy.metadata_names()
     walks = pickle_walk.walk_stack(data, 0, len(data), ".metadata")
@@ -149,18 +149,18 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
         c.add_walk(w, also)
     if walks and walks[0].end is not None and walks[0].end < len(data):
         c.find("trailing-data", ".metadata", f"{len(data) - walks[0].end} bytes follow the pickle in .metadata")
-    meta_pt = sources.join(path, "meta.pt")  # Lightning's sharded checkpoints: everything but the weights
-    if sources.is_file(meta_pt):
+    meta_pt = locations.join(path, "meta.pt")  # Lightning's sharded checkpoints: everything but the weights
+    if locations.is_file(meta_pt):
         c.merge_report("meta.pt", scan(meta_pt, check_crc=check_crc))
     if c.findings or any(g.category == UNSAFE for g in c.globals.values()):
         return c.finish()  # the records' places come from .metadata: not read unless it is clean
     records = dcp_policy.record_ranges(path)
-    sources.warm(list(records))
+    locations.warm(list(records))
     for file, ranges in records.items():
-        with sources.open_buffer(file, whole=check_crc) as buf:
+        with locations.open_buffer(file, whole=check_crc) as buf:
             for what, start, length in ranges:
                 record = Collector(f"{os.path.basename(file)} [{what}]", TORCH_ZIP)
-                scan_zip(record, sources.window(buf, start, length), length, False, check_crc)
+                scan_zip(record, locations.window(buf, start, length), length, False, check_crc)
                 c.merge(record)
     return c.finish()
 
@@ -247,7 +247,7 @@ def _scan_format(path: str) -> str:
     try:
         return sniff(path)
     except FormatError as e:
-        if sources.is_remote(path):
+        if locations.is_remote(path):
             raise
         not_checkpoint = e
     try:

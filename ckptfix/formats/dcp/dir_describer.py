@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from ...core import limits, sources
+from ...core import limits, locations
 from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
 from ...errors import FormatError
@@ -45,7 +45,7 @@ def describe(path: str, describe_meta: Reader) -> RawRead:
     meta = load_inert(path)
     if meta is None:
         raise NeedsTorch("metadata the inert read doesn't model")
-    meta_path = sources.join(path, METADATA)
+    meta_path = locations.join(path, METADATA)
     records: dict[tuple[Any, Any], Any] = {}
     files: dict[Any, str] = {}
     try:
@@ -87,7 +87,7 @@ def _dcp_value(path: str, fqn: str, info: Any, files: dict[Any, str], tags: dict
         raise NeedsTorch(f"entry {fqn!r}: over max_pickle_bytes")  # torch's read: the LimitError
     file = files[info.relative_path]
     try:
-        source = sources.open_source(file)
+        source = locations.open_source(file)
         try:
             if offset + length > source.size:
                 raise NeedsTorch(f"entry {fqn!r}: its record lies outside {file}")
@@ -125,7 +125,7 @@ def _dcp_tensor(path: str, fqn: str, md: Any, records: dict[tuple[Any, Any], Any
         raise NeedsTorch(f"entry {fqn!r}: a chunk")
     problem = tiling_problem(fqn, size, [(c.offsets, c.sizes) for c in chunks])
     if problem is not None:
-        raise FormatError(f"{sources.join(path, METADATA)}: {problem}")
+        raise FormatError(f"{locations.join(path, METADATA)}: {problem}")
     for c in chunks:
         info = records.get((fqn, c.offsets))
         if info is None or info.transform_descriptors:

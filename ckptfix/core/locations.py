@@ -1,4 +1,5 @@
-"""Byte sources: a checkpoint's bytes by position, from a local file or a remote object, exactly the ranges asked.
+"""Locations: a local path or a remote URL, its bytes by position (exactly the ranges asked) and the few directory
+questions readers ask of it.
 
 ``open_source(location)`` picks the backend by scheme: a local path (``pread``, readahead off), ``http(s)://``
 (Range requests), ``s3://bucket/key`` (boto3: endpoint and credentials the standard AWS way, ``AWS_ENDPOINT_URL``

@@ -1,4 +1,4 @@
-"""ckptfix/core/sources.py and positional.py: header-only reads of local files, and the block cache's ranges."""
+"""ckptfix/core/locations.py and positional.py: header-only reads of local files, and the block cache's ranges."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.core import sources
+from ckptfix.core import locations
 from ckptfix.core.positional import BLOCK, ByteSource
 
 
@@ -84,20 +84,20 @@ class _Counting(ByteSource):
 def test_range_buffer_slices_like_bytes_and_fetches_each_block_once() -> None:
     data = bytes(range(256)) * (BLOCK // 64)  # 4 blocks
     source = _Counting(data)
-    buf = sources.RangeBuffer(source)
+    buf = locations.RangeBuffer(source)
     assert len(buf) == len(data)
     for a, b in [(0, 10), (BLOCK - 3, BLOCK + 5), (3 * BLOCK - 1, 4 * BLOCK + 99), (-20, None), (5, 5)]:
         assert buf[a:b] == data[a:b]
     assert buf[BLOCK + 7] == data[BLOCK + 7] and buf[-1] == data[-1]
     assert source.bytes_fetched == len(data)  # every block once, however often sliced
-    window = sources.window(buf, BLOCK + 10, 100)
+    window = locations.window(buf, BLOCK + 10, 100)
     assert len(window) == 100 and window[0:100] == data[BLOCK + 10 : BLOCK + 110] and window[99] == data[BLOCK + 109]
 
 
 def test_prefetch_fetches_runs_of_missing_blocks_once() -> None:
     data = os.urandom(10 * BLOCK)
     source = _Counting(data)
-    sources.prefetch(sources.RangeBuffer(source), [(0, 10), (BLOCK + 5, 10), (5 * BLOCK, 2 * BLOCK), (9 * BLOCK, 1)])
+    locations.prefetch(locations.RangeBuffer(source), [(0, 10), (BLOCK + 5, 10), (5 * BLOCK, 2 * BLOCK), (9 * BLOCK, 1)])
     assert sorted(source.fetches) == [(0, 2 * BLOCK), (5 * BLOCK, 2 * BLOCK), (9 * BLOCK, BLOCK)]
     source.fetches.clear()
     assert source.read(BLOCK, 10) == data[BLOCK : BLOCK + 10] and source.fetches == []

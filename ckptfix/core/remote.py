@@ -109,14 +109,15 @@ class HttpSource(ByteSource):
             raise _Transient(f"timed out or reset ({type(e).__name__}: {e})") from None
 
     def _status_error(self, code: int, reason: Any) -> Exception:
+        reason = " ".join(str(reason).split())  # (one line)
         if code == 404 or code == 410:
             return MissingFileError(f"{self.name}: no such file (HTTP {code})", self.name)
         if code in (401, 403):
             return RemoteError(f"{self.name}: access denied (HTTP {code} {reason}); check the URL, or give credentials "
                                "(HF_TOKEN for the Hub, AWS_* for S3)")
         if 300 <= code < 400:
-            return RemoteError(f"{self.name}: the server redirects in a loop (HTTP {code}: {reason}); "
-                               "check the URL in a browser")
+            return RemoteError(f"{self.name}: the server redirects in a loop (HTTP {code} back to a URL already "
+                               "visited, or more than 10 redirects); check the URL in a browser")
         if code == 412:
             return changed(self.name, self.validator, "a failed If-Match")
         if code == 416 and self.validator is None:

@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from test_remote import (ERRORS, HttpServer, S3Server, _moto, _Payload, http_server, s3_server,  # noqa: F401 (fixtures)
-                         write_checkpoints)
+import test_remote
+from test_remote import ERRORS, HttpServer, S3Server, _Payload, write_checkpoints
 
 from ckptfix.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
+http_server, s3_server, _moto = test_remote.http_server, test_remote.s3_server, test_remote._moto  # the fixtures
 
 
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded"])

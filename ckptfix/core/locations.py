@@ -31,7 +31,7 @@ from ..errors import MissingFileError
 from .positional import WORKERS, ByteSource, LocalSource, RangeBuffer, prefetch, window
 
 __all__ = ["ByteSource", "RangeBuffer", "Session", "dirname", "is_dir", "is_file", "is_remote", "join", "listdir",
-           "open_buffer", "open_source", "prefetch", "read_all", "read_head", "session", "size_of", "warm", "window"]
+           "open_buffer", "open_source", "opened", "prefetch", "read_all", "read_head", "session", "size_of", "warm", "window"]
 
 #: the schemes open_source reads remotely
 REMOTE_SCHEMES = ("http://", "https://", "s3://", "hf://")
@@ -121,14 +121,22 @@ def open_buffer(location: str, whole: bool = False) -> Iterator[Any]:
         yield buf
 
 
-def read_head(location: str, n: int) -> tuple[bytes, int]:
-    """The first ``n`` bytes of a file and its size (local: one small ``pread``, no readahead)."""
+@contextlib.contextmanager
+def opened(location: str) -> Iterator[ByteSource]:
+    """:func:`open_source` for one use: a local file's descriptor is closed after it (a remote source stays in the
+    session, its cache shared)."""
     source = open_source(location)
     try:
-        return source.read(0, n) if source.remote else source._fetch(0, n), source.size
+        yield source
     finally:
-        if not source.remote:
+        if not is_remote(location):
             source.close()
+
+
+def read_head(location: str, n: int) -> tuple[bytes, int]:
+    """The first ``n`` bytes of a file and its size (local: one small ``pread``, no readahead)."""
+    with opened(location) as source:
+        return source.read(0, n), source.size
 
 
 # -- directory questions, asked of a local path or a remote location ----------------------------------------

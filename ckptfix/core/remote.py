@@ -263,17 +263,27 @@ def split_hub(location: str) -> tuple[str, str | None, str]:
     return f"{parts[0]}/{repo}", revision or None, "/".join(parts[2:])
 
 
+def _hub_settings() -> tuple[str | None, str | None]:
+    """``HF_ENDPOINT`` and the HF cache directory as the environment says now (huggingface_hub reads them once,
+    when imported)."""
+    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME")
+                                                else None)
+    return os.environ.get("HF_ENDPOINT") or None, cache
+
+
 def hub_source(location: str) -> ByteSource:
     """A file on the Hub: from the local HF cache when it is there, else over HTTP, pinned to one commit."""
     hub = _client("huggingface_hub", "hf:// URLs")
+    endpoint, cache = _hub_settings()
     repo_id, revision, filename = split_hub(location)
-    cached = hub.try_to_load_from_cache(repo_id, filename, revision=revision)
+    cached = hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache, revision=revision)
     if isinstance(cached, str) and os.path.isfile(cached):
         local = LocalSource(cached)
         local.name = location
         return local
     try:
-        meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, filename, revision=revision))
+        meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint),
+                                        endpoint=endpoint, timeout=timeout())
     except hub.errors.EntryNotFoundError:
         raise MissingFileError(f"{location}: no such file in {repo_id}", location) from None
     except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
@@ -283,7 +293,7 @@ def hub_source(location: str) -> ByteSource:
         raise RemoteError(f"{location}: the Hub answered {e}") from None
     except OSError as e:
         raise RemoteError(f"{location}: can't reach the Hub ({e}); check HF_ENDPOINT and the network") from None
-    pinned = hub.hf_hub_url(repo_id, filename, revision=meta.commit_hash or revision)
+    pinned = hub.hf_hub_url(repo_id, filename, revision=meta.commit_hash or revision, endpoint=endpoint)
     return HttpSource(pinned, hub.utils.build_hf_headers(), name=location)
 
 
@@ -292,7 +302,7 @@ def hub_list(location: str) -> list[str]:
     hub = _client("huggingface_hub", "hf:// URLs")
     repo_id, revision, folder = split_hub(location)
     try:
-        items = hub.HfApi().list_repo_tree(repo_id, folder or None, revision=revision)
+        items = hub.HfApi(endpoint=_hub_settings()[0]).list_repo_tree(repo_id, folder or None, revision=revision)
         return [item.path.rsplit("/", 1)[-1] + ("/" if type(item).__name__ == "RepoFolder" else "") for item in items]
     except hub.errors.EntryNotFoundError:
         return []

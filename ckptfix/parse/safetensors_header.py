@@ -76,8 +76,7 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
     Each entry is ``{"dtype", "shape", "data_offsets"}`` (the header's: F4 shapes count values, see
     :func:`torch_shape`), in the header's order.
     """
-    source = locations.open_source(path)  # (a remote file: two range reads, the header only)
-    try:
+    with locations.opened(path) as source:  # (a remote file: two range reads, the header only)
         size = source.size
         raw_len = source.read(0, 8)
         if len(raw_len) < 8:
@@ -89,9 +88,6 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
         if n + 8 > size:
             raise FormatError(f"{path}: safetensors header length ({n}) runs past the end of the file ({size} bytes)")
         raw = source.read(8, n)
-    finally:
-        if not source.remote:
-            source.close()
     header = _parse_json(path, raw)
     meta = header.pop("__metadata__", None)
     if meta is None:

@@ -8,8 +8,10 @@ files in it uploaded under that prefix); tests/cli/test_cli_remote.py imports th
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -41,6 +43,7 @@ class HttpServer:
     bytes_sent: int = 0
     requests: int = 0
     delay: float = 2.0
+    listed: int = 0  # of bytes_sent: the Hub's tree listings (huggingface_hub's requests, not file bytes)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -90,13 +93,13 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in headers.items():
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
+        with self.state.lock:  # (counted first: the client may have everything before write() returns here)
+            self.state.bytes_sent += len(body)
         self.end_headers()
         try:
             self.wfile.write(body)
         except (BrokenPipeError, ConnectionResetError):
             return  # the client refused the body (a 200 to a Range request) or timed out
-        with self.state.lock:
-            self.state.bytes_sent += len(body)
 
     def _empty(self, status: int, headers: dict[str, str] | None = None) -> None:
         self._send(status, b"", headers or {})
@@ -117,6 +120,69 @@ def http_server(tmp_path: Path) -> Iterator[HttpServer]:
     server = _Quiet(("127.0.0.1", 0), handler)
     state = HttpServer(root, f"http://127.0.0.1:{server.server_address[1]}")
     handler.state = state
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield state
+    server.shutdown()
+    server.server_close()
+
+
+COMMIT = "c0ffee" * 6 + "abcd"  # the one commit the hub server has
+
+
+class _HubHandler(_Handler):
+    """The Hub's file and tree routes over ``root/ORG/REPO/…`` (one commit, any revision name):
+    ``/ORG/REPO/resolve/REV/PATH`` (HEAD: metadata; GET: Range) and ``/api/models/ORG/REPO/tree/REV[/PATH]``."""
+
+    def do_HEAD(self) -> None:
+        self._hub(head=True)
+
+    def do_GET(self) -> None:
+        self._hub(head=False)
+
+    def _hub(self, head: bool) -> None:
+        parts = self.path.split("?")[0].lstrip("/").split("/")
+        if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "tree":
+            folder = self.state.root.joinpath(parts[2], parts[3], *parts[6:])
+            if not folder.is_dir():
+                return self._empty(404, {"X-Error-Code": "EntryNotFound"})
+            items = [{"type": "directory" if p.is_dir() else "file", "oid": "0" * 40,
+                      "path": "/".join([*parts[6:], p.name]), **({} if p.is_dir() else {"size": p.stat().st_size})}
+                     for p in sorted(folder.iterdir())]
+            body = json.dumps(items).encode()
+            with self.state.lock:
+                self.state.listed += len(body)
+            return self._send(200, body, {"Content-Type": "application/json"})
+        if len(parts) < 5 or parts[2] != "resolve":
+            return self._empty(404, {"X-Error-Code": "RepoNotFound"})
+        file = self.state.root.joinpath(parts[0], parts[1], *parts[4:])
+        if not self.state.root.joinpath(parts[0], parts[1]).is_dir():
+            return self._empty(404, {"X-Error-Code": "RepoNotFound"})
+        if not file.is_file():
+            return self._empty(404, {"X-Error-Code": "EntryNotFound"})
+        extra = {"X-Repo-Commit": COMMIT}
+        if head:
+            self.send_response(200)
+            for k, v in {**extra, "ETag": f'"{file.stat().st_size:x}"', "Content-Length": str(file.stat().st_size)}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            return None
+        self.path = "/files/" + "/".join(parts[:2] + parts[4:])  # then served as a plain file, with Range
+        return _Handler.do_GET(self)
+
+
+@pytest.fixture
+def hub_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HttpServer]:
+    """``url`` is ``hf://`` (``HF_ENDPOINT`` points at the server); ``root/ORG/REPO`` are its repositories."""
+    root = tmp_path / "hub"
+    root.mkdir()
+    handler = type("HubHandler", (_HubHandler,), {})
+    server = _Quiet(("127.0.0.1", 0), handler)
+    state = HttpServer(root, f"http://127.0.0.1:{server.server_address[1]}")
+    handler.state = state
+    monkeypatch.setenv("HF_ENDPOINT", state.base)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield state
@@ -311,3 +377,46 @@ def test_remote_needs_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "boto3", None)  # (what an import of a package not installed raises)
     with pytest.raises(errors.RemoteError, match=re.escape("pip install 'ckptfix[remote]'")):
         ckptfix.describe("s3://bucket/model.pth")
+
+
+@pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded"])
+def test_hub_describe_and_scan_are_the_local_ones(hub_server: HttpServer, kind: str) -> None:
+    repo = hub_server.root / "org" / "repo"
+    repo.mkdir(parents=True)
+    names = write_checkpoints(repo)
+    name = "" if kind == "sharded" else names[kind]  # the repository itself: its sharded index found in it
+    local = repo / "sharded" if kind == "sharded" else repo / name
+    if kind == "sharded":
+        shutil.rmtree(repo / "legacy.pth", ignore_errors=True)
+        for f in (repo / "sharded").iterdir():
+            f.rename(repo / f.name)
+        local = repo
+    for url in (f"hf://org/repo/{name}".rstrip("/"), f"hf://org/repo@main/{name}".rstrip("/")):
+        info = ckptfix.describe(url)
+        assert 0 < info.bytes_fetched == hub_server.bytes_sent - hub_server.listed
+        got = info.to_dict()
+        got["notes"] = [n.replace(url, str(local)) for n in got["notes"]]
+        _same(got, ckptfix.describe(local).to_dict())
+        _same(scan(url).to_dict(), scan(local, check_crc=False).to_dict())
+        hub_server.bytes_sent = hub_server.listed = 0
+
+
+def test_hub_file_in_the_local_cache_is_read_from_there(hub_server: HttpServer) -> None:
+    from huggingface_hub import hf_hub_download
+
+    repo = hub_server.root / "org" / "repo"
+    repo.mkdir(parents=True)
+    names = write_checkpoints(repo)
+    hf_hub_download("org/repo", names["zip"], endpoint=hub_server.base, cache_dir=os.environ["HF_HUB_CACHE"])
+    before = hub_server.requests
+    info = ckptfix.describe(f"hf://org/repo/{names['zip']}")
+    assert info.bytes_fetched == 0 and hub_server.requests == before
+    assert info.to_dict()["keys"] == ckptfix.describe(repo / names["zip"]).to_dict()["keys"]
+
+
+def test_hub_missing_file_and_repo(hub_server: HttpServer) -> None:
+    (hub_server.root / "org" / "repo").mkdir(parents=True)
+    with pytest.raises(errors.MissingFileError, match="no such file in org/repo"):
+        ckptfix.describe("hf://org/repo/nope.safetensors")
+    with pytest.raises(errors.MissingFileError, match="no such repository"):
+        ckptfix.describe("hf://org/other/model.safetensors")

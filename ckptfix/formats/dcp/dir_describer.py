@@ -87,14 +87,10 @@ def _dcp_value(path: str, fqn: str, info: Any, files: dict[Any, str], tags: dict
         raise NeedsTorch(f"entry {fqn!r}: over max_pickle_bytes")  # torch's read: the LimitError
     file = files[info.relative_path]
     try:
-        source = locations.open_source(file)
-        try:
+        with locations.opened(file) as source:
             if offset + length > source.size:
                 raise NeedsTorch(f"entry {fqn!r}: its record lies outside {file}")
             data = source.read(offset, length)
-        finally:
-            if not source.remote:
-                source.close()
     except OSError as e:
         raise NeedsTorch(f"{file}: {e}") from None
     if len(data) != length:

@@ -223,6 +223,7 @@ class S3Source(ByteSource):
         client = s3_client()
         head = s3_call(location, lambda: client.head_object(Bucket=self.bucket, Key=self.key))
         self.size, self.etag = int(head["ContentLength"]), head.get("ETag", "")
+        self.validator = self.etag or None
 
     def _fetch(self, offset: int, n: int) -> bytes:
         client = s3_client()

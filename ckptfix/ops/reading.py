@@ -21,7 +21,7 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
                     fmt: str | None = None, allow: Iterable[str] = ()) -> Checkpoint:
     """``path`` read with ``map_location`` (``'meta'``: structure only); ``fmt`` when already sniffed;
     ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`)."""
-    refuse_remote(path, "reading its tensors")
+    refuse_remote(path, "reading it with torch (read, load, load_into, verify, diff, inspect --trust)")
     fmt = fmt or formats.sniff(path)
     plan = DevicePlan(map_location, source=path)
     return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow)

@@ -199,8 +199,11 @@ def zip_directory(path: str) -> Any:
     checkpoint of 20,000 tensors parsing it costs a noticeable fraction of a second.
     Raises ``zipfmt.ZipFormatError`` (a ValueError) where torch's reader would fail."""
     if locations.is_remote(path):
-        source = locations.open_source(path)  # (its fetches check the validator: the key is the source itself)
-        key: tuple = (path, source, source.size)
+        source = locations.open_source(path)
+        if source.validator is None:  # (a version can't be told: parsed again, from the session's cached blocks)
+            with locations.open_buffer(path) as buf:
+                return read_directory(buf, len(buf))
+        key: tuple = (path, source.size, source.validator)
     else:
         st = os.stat(path)
         key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)

@@ -105,6 +105,7 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     _check_open_records(layout, buf)
     _check_end(layout, size, directory)
     _check_gaps(layout, buf, directory.cd_offset)
+    locations.prefetch(buf, [(m.data_start, m.compress_size) for m in layout.members if is_pickle(m.name)])
     for m in layout.members:
         if m.crc and (check_crc or is_pickle(m.name)) and m.compress_type in (0, 8) and not m.flags & 1:
             crc = 0

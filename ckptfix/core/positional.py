@@ -230,6 +230,9 @@ def window(buf: Any, start: int, length: int) -> Any:
     return memoryview(buf)[start : start + length]
 
 
+_NEAR = 64 * 1024  # (a gap this small is cheaper read than asked around)
+
+
 def prefetch(buf: Any, ranges: list[tuple[int, int]]) -> None:
     """Announce the ``(offset, n)`` ranges a reader is about to visit: a remote buffer fetches their blocks
     concurrently, a memory map asks the kernel for their pages at once (``MADV_WILLNEED``: one batch of reads, not a
@@ -238,7 +241,12 @@ def prefetch(buf: Any, ranges: list[tuple[int, int]]) -> None:
     if hint is not None:
         hint(ranges)
     elif isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_WILLNEED"):
-        for offset, n in ranges:
-            start = offset - offset % mmap.PAGESIZE
-            if 0 <= start < len(buf) and n > 0:
-                buf.madvise(mmap.MADV_WILLNEED, start, min(offset + n, len(buf)) - start)
+        spans: list[list[int]] = []  # ranges less than _NEAR apart asked for as one span: one call, not thousands
+        for offset, n in sorted(r for r in ranges if r[1] > 0 and 0 <= r[0] < len(buf)):
+            if spans and offset - spans[-1][1] < _NEAR:
+                spans[-1][1] = max(spans[-1][1], offset + n)
+            else:
+                spans.append([offset, offset + n])
+        for start, end in spans:
+            start -= start % mmap.PAGESIZE
+            buf.madvise(mmap.MADV_WILLNEED, start, min(end, len(buf)) - start)

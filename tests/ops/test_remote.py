@@ -36,7 +36,8 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 class HttpServer:
     """``url``: the base URL of ``root``. Other behaviours under sibling prefixes of ``files/``: ``norange/``
     (ignores Range), ``loop/`` (redirects to itself), ``forbidden/`` (403), ``slow/`` (answers after
-    ``delay`` seconds), ``changing/`` (a new ETag on every response)."""
+    ``delay`` seconds), ``changing/`` (a new ETag on every response), ``flaky/`` (a 503 the first time each
+    range is asked for)."""
 
     root: Path
     base: str
@@ -45,6 +46,7 @@ class HttpServer:
     delay: float = 2.0
     listed: int = 0  # of bytes_sent: the Hub's tree listings (huggingface_hub's requests, not file bytes)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    asked: set = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -71,6 +73,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._empty(302, {"Location": self.path})
         if mode == "forbidden":
             return self._empty(403)
+        if mode == "flaky":
+            with s.lock:
+                first = (self.path, self.headers.get("Range")) not in s.asked
+                s.asked.add((self.path, self.headers.get("Range")))
+            if first:
+                return self._empty(503)
         if mode == "slow":
             time.sleep(s.delay)
         file = s.root / rel
@@ -267,12 +275,14 @@ def _same(remote: dict, local: dict) -> None:
     assert remote == local
 
 
-KINDS = ["zip", "safetensors", "sharded", "sharded index"]
+KINDS = ["zip", "safetensors", "sharded", "sharded index", "dcp"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_http_describe_is_the_local_describe_from_headers_only(http_server: HttpServer, kind: str) -> None:
     names = write_checkpoints(http_server.root)
+    if kind == "dcp":  # (a web server lists nothing: the directory's .metadata is asked for by name)
+        names["dcp"] = write_dcp(http_server.root)
     local = http_server.root / names[kind]
     info = ckptfix.describe(f"{http_server.url}/{names[kind]}")
     assert info.bytes_fetched == http_server.bytes_sent  # every byte the server sent is counted, none twice
@@ -281,9 +291,8 @@ def test_http_describe_is_the_local_describe_from_headers_only(http_server: Http
     assert info.bytes_fetched < size / 4, (info.bytes_fetched, size)
     want = ckptfix.describe(local).to_dict()
     got = info.to_dict()
-    if kind.startswith("sharded"):
-        got["notes"] = [n.replace(http_server.url + "/sharded", str(local.parent if local.is_file() else local))
-                        for n in got["notes"]]
+    got["notes"] = [n.replace(http_server.url + f"/{names[kind]}".removesuffix("/model.safetensors.index.json"),
+                              str(local.parent if kind == "sharded index" else local)) for n in got["notes"]]
     _same(got, want)
 
 
@@ -361,6 +370,14 @@ def test_http_failures_are_one_clear_error(http_server: HttpServer, monkeypatch:
     for call in (ckptfix.describe, scan):
         with pytest.raises(error, match=message):
             call(f"{http_server.mode(mode)}/{file}")
+
+
+def test_transient_server_errors_are_retried(http_server: HttpServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each range's first request fails with a 503: it is tried again (after 0.2 s) and the describe completes."""
+    monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "1")
+    names = write_checkpoints(http_server.root)
+    info = ckptfix.describe(f"{http_server.mode('flaky')}/{names['zip']}")
+    assert info.num_tensors == 12 and http_server.requests == 2 * len(http_server.asked)
 
 
 def test_s3_missing_object_and_bad_credentials(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:

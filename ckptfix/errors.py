@@ -7,7 +7,7 @@ argument or combination of options (FormatError, DeviceError, KeyCollisionError,
 ConversionError, ModelSpecError, DeepSpeedZeroError, InputError, GoldenError), a LookupError when
 the state dict to select isn't there (SelectError), a RuntimeError where torch raises one (LoadError,
 like ``load_state_dict``; ForwardError, a failing forward), a FileNotFoundError (MissingFileError)
-and an OSError (DestinationError). UnsafeCheckpointError and LimitError are none: no built-in means
+and an OSError (DestinationError, RemoteError). UnsafeCheckpointError and LimitError are none: no built-in means
 "refused" or "over a limit ckptfix sets" (a MemoryError or ValueError there would be caught as
 something else, inside ckptfix too).
 """
@@ -75,6 +75,15 @@ class WrapperError(CkptfixError, ValueError):
 
 class DestinationError(CkptfixError, OSError):
     """The output path can't be written: exists without force, is the source, or an I/O failure (also an OSError)."""
+
+
+class RemoteError(CkptfixError, OSError):
+    """A remote checkpoint (https://, s3://, hf://) can't be read as asked: access refused, a server error or
+    timeout, a redirect loop, a server that ignores Range requests, a file that changed between two requests,
+    or a verb that needs a local copy (also an OSError)."""
+
+    def __str__(self) -> str:  # the message alone, not OSError's "[Errno …]" form
+        return str(self.args[0]) if self.args else ""
 
 
 class ConversionError(CkptfixError, ValueError):

@@ -103,6 +103,7 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
     raw: Any = field(default=None, repr=False)  # the whole unpickled object, for keep_extra
     refs: dict = field(default_factory=dict, repr=False)  # storage id -> StorageRef (structure reads)
+    bytes_fetched: int | None = None  # a remote checkpoint: the bytes describing it fetched (None: a local one)
 
     @property
     def framework(self) -> str | None:
@@ -157,6 +158,7 @@ class Checkpoint:
             "keys": [_shape_row(k, self.state_dict[k]) for k in keys],
             "num_keys": len(keys),
             "notes": self.notes,
+            **({"bytes_fetched": self.bytes_fetched} if self.bytes_fetched is not None else {}),
         }
 
 

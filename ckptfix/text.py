@@ -51,6 +51,8 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
         ("dtypes", counts(info["dtypes"])),
         ("devices", counts(info["devices"]) + " (as saved)"),
     ]
+    if info.get("bytes_fetched") is not None:
+        rows.append(("fetched", f"{human_size(info['bytes_fetched'])} ({info['bytes_fetched']:,} bytes, headers only)"))
     if info["extra"]:
         rows.append(("other entries", "; ".join(f"{k}: {v}" for k, v in info["extra"].items())))
     if info["non_tensor_keys"]:

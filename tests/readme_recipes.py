@@ -113,6 +113,26 @@ def _fixture(name: str) -> Callable[[Path, Any], None]:
     return make
 
 
+def _on_s3(fixture: str, url: str) -> Callable[[Path, Any], None]:
+    """The fixture uploaded to ``url`` on an S3 server (moto's, on 127.0.0.1) that AWS_ENDPOINT_URL names for the run."""
+    def make(dst: Path, request: Any) -> None:
+        moto_server = pytest.importorskip("moto.server")
+        boto3 = pytest.importorskip("boto3")
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        request.addfinalizer(server.stop)
+        host, port = server.get_host_and_port()
+        env = request.getfixturevalue("monkeypatch")
+        for k, v in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                     "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            env.setenv(k, v)
+        bucket, _, key = url.removeprefix("s3://").partition("/")
+        client = boto3.session.Session().client("s3")
+        client.create_bucket(Bucket=bucket)
+        client.upload_file(str(ROOT / "fixtures" / fixture), bucket, key)
+    return make
+
+
 def _hf_dir(dst: Path, request: Any) -> None:
     ckptfix.convert(ROOT / "fixtures" / "mlp_single.pth", dst, max_shard_size=1000)  # 3 shards + index
     assert (dst / "model.safetensors.index.json").is_file()
@@ -150,6 +170,7 @@ MAKERS: dict[str, Callable[[Path, Any], None]] = {
     # builtins.exec and posix.system pickled by reference (GLOBAL), as the README's example names them
     "unsafe": _tensors(lambda: {"weight": torch.zeros(1), "run": exec, "shell": os.system}),
     "hf sharded": _hf_dir,
+    "on s3: mlp_ddp.pth": _on_s3("mlp_ddp.pth", "s3://my-bucket/runs/ddp_run.pth"),
     "deepspeed zero-2 bf16": _deepspeed,
     "lightning sharded": _sharded_lightning,
     "mlp, noisy": _tensors(_noisy_mlp),
@@ -265,6 +286,9 @@ RECIPES: dict[str, Entry] = {
     "ckptfix verify model.safetensors --model torchvision:resnet18 --arg num_classes=10 --reference run.pth": Entry(
         {"model.safetensors": "resnet18 10", "run.pth": "resnet18 10 ddp"}, check=_output_has("max abs diff 0")),
     "ckptfix scan downloaded.pth": Entry({"downloaded.pth": "unsafe"}, code=3, check=_output_has("builtins.exec")),
+    "ckptfix inspect s3://my-bucket/runs/ddp_run.pth --json": Entry(
+        {"s3": "on s3: mlp_ddp.pth"}, check=lambda tmp, res: json.loads(res.stdout)["wrappers"] == ["module"]
+        and 0 < json.loads(res.stdout)["bytes_fetched"] < 64 * 1024),
     'report = ckptfix.load_into(model, "ddp_run.pth")': Entry(
         {"ddp_run.pth": "fixture:mlp_ddp.pth", "ddp_compiled.pth": "fixture:mlp_ddp_compile.pth"},
         check=lambda tmp, ns: ns["report"].fix == "strip module." and list(ns["sd"])[0] == "0.weight"

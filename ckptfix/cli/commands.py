@@ -57,7 +57,7 @@ def convert(src: str, dst: str, model_spec: str | None, model_args: tuple[str, .
 @allow_option
 @json_option
 def inspect(path: str, all_keys: bool, select: str, trust: bool, allow: tuple[str, ...], as_json: bool) -> None:
-    """Summarise a checkpoint without reading its tensor data."""
+    """Summarise a checkpoint without reading its tensor data (PATH may be an https://, s3:// or hf:// URL)."""
     from .. import text
     from ..ops.api import describe, inspect as do_inspect
 
@@ -144,7 +144,8 @@ def diff(ctx: click.Context, a: str, b: str, raw: bool, atol: float, rtol: float
 @json_option
 @click.pass_context
 def scan(ctx: click.Context, path: str, as_json: bool) -> None:
-    """Statically check PATH for code it would run when loaded; nothing is executed (exit 3: unsafe)."""
+    """Statically check PATH (or an https://, s3:// or hf:// URL) for code it would run when loaded; nothing is
+    executed (exit 3: unsafe)."""
     from .. import text
     from ..safety.scanner import scan as do_scan
 

@@ -1,4 +1,6 @@
-"""Positional reads: exactly the byte ranges asked for, straight into the caller's buffer (``os.preadv``).
+"""Positional reads: exactly the byte ranges asked for, straight into the caller's buffer (``os.preadv``), and
+the :class:`ByteSource` of one file (local here, remote in :mod:`ckptfix.core.remote`) with its block cache and the
+:class:`RangeBuffer` that stands in for a memory map (:mod:`ckptfix.core.locations` opens them).
 
 A loader that needs part of a file — one rank's shard of each tensor, a few records — reads those ranges
 and nothing else: the kernel's readahead is turned off for the descriptor (``POSIX_FADV_RANDOM``), so a
@@ -12,10 +14,14 @@ memory map would. Each read lands in the destination's own memory (a tensor's by
 
 from __future__ import annotations
 
+import mmap
 import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import FormatError
+from ..errors import FormatError, MissingFileError
 
 #: bytes per preadv call (a bound on one syscall's latency, not on memory: reads land in the caller's buffer)
 _STEP = 64 * 2**20
@@ -67,3 +73,180 @@ class PositionalReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+#: bytes per cached block (a remote fetch is at least this long: a zip local header and its neighbours)
+BLOCK = 16 * 1024
+#: blocks kept per source (16 MiB)
+CACHED_BLOCKS = 1024
+#: concurrent fetches per source
+WORKERS = 16
+
+
+class ByteSource:
+    """One file's bytes by position: ``name`` (for messages), ``size``, ``read(offset, n)``, ``bytes_fetched``.
+
+    Subclasses implement ``_fetch(offset, n)``; this class adds the block cache and the accounting."""
+
+    name: str
+    size: int
+    remote = True
+    validator: object = None  # what identifies this version of the file (ETag …), where the backend has one
+
+    def __init__(self) -> None:
+        self.bytes_fetched = 0
+        self.failure: Exception | None = None  # the first failed fetch: what the verb reports, whoever caught it
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _fetch(self, offset: int, n: int) -> bytes:
+        raise NotImplementedError
+
+    def _get(self, offset: int, n: int) -> bytes:
+        try:
+            data = self._fetch(offset, n)
+        except Exception as e:
+            if self.failure is None:
+                self.failure = e
+            raise
+        with self._lock:
+            self.bytes_fetched += len(data)
+        return data
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes from ``offset`` (fewer at the end of the file), through the block cache."""
+        end = min(offset + max(n, 0), self.size)
+        if offset >= end:
+            return b""
+        if not self.remote:  # the page cache is the cache: one exact pread
+            return self._fetch(offset, end - offset)
+        first, last = offset // BLOCK, (end - 1) // BLOCK
+        self._fill(range(first, last + 1))
+        with self._lock:
+            parts = [self._blocks[b] for b in range(first, last + 1)]
+        data = b"".join(parts)
+        return data[offset - first * BLOCK : end - first * BLOCK]
+
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        """Fetch the blocks of many ``(offset, n)`` ranges at once (a reader about to visit them all)."""
+        wanted: set[int] = set()
+        for offset, n in ranges:
+            end = min(offset + n, self.size)
+            if offset < end:
+                wanted.update(range(offset // BLOCK, (end - 1) // BLOCK + 1))
+        self._fill(sorted(wanted))
+
+    def _fill(self, blocks: Any) -> None:
+        with self._lock:
+            missing = [b for b in blocks if b not in self._blocks]
+            for b in blocks:
+                if b in self._blocks:
+                    self._blocks.move_to_end(b)
+        runs: list[tuple[int, int]] = []  # (first block, count): adjacent missing blocks fetched as one range
+        for b in missing:
+            if runs and runs[-1][0] + runs[-1][1] == b:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((b, 1))
+        if not runs:
+            return
+        if len(runs) == 1 or not self.remote:
+            results = [self._get(b * BLOCK, k * BLOCK) for b, k in runs]
+        else:
+            with ThreadPoolExecutor(min(WORKERS, len(runs))) as pool:
+                results = list(pool.map(lambda run: self._get(run[0] * BLOCK, run[1] * BLOCK), runs))
+        with self._lock:
+            for (b, k), data in zip(runs, results):
+                for i in range(k):
+                    self._blocks[b + i] = data[i * BLOCK : (i + 1) * BLOCK]
+            while len(self._blocks) > max(CACHED_BLOCKS, len(missing)):
+                self._blocks.popitem(last=False)
+
+    def buffer(self) -> RangeBuffer:
+        return RangeBuffer(self)
+
+    def close(self) -> None:
+        """Release what the source holds (a descriptor)."""
+
+
+class LocalSource(ByteSource):
+    """A local file read with ``pread``, the kernel's readahead off (``POSIX_FADV_RANDOM``)."""
+
+    remote = False
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.name = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise MissingFileError(f"{path}: no such file", path) from None
+        except OSError as e:
+            raise FormatError(f"{path}: can't be read: {e.strerror or e}") from None
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self.size = os.fstat(self.fd).st_size
+
+    def _fetch(self, offset: int, n: int) -> bytes:
+        return os.pread(self.fd, min(n, self.size - offset), offset)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class RangeBuffer:
+    """A source as the readers' ``buf``: ``len()``, ``buf[i]`` (an int) and ``buf[a:b]`` (bytes), ``prefetch``;
+    ``base``/``length``: a window of it (a record inside a DCP file)."""
+
+    def __init__(self, source: ByteSource, base: int = 0, length: int | None = None):
+        self.source, self.base = source, base
+        self.length = source.size - base if length is None else length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.length)
+            if step != 1:
+                raise ValueError("a RangeBuffer slices with step 1 only")
+            return self.source.read(self.base + start, stop - start)
+        if key < 0:
+            key += self.length
+        if not 0 <= key < self.length:
+            raise IndexError(key)
+        return self.source.read(self.base + key, 1)[0]
+
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        self.source.prefetch([(self.base + offset, n) for offset, n in ranges])
+
+
+def window(buf: Any, start: int, length: int) -> Any:
+    """Bytes ``start..start+length`` of a reader's ``buf`` as a buffer of their own, without a copy."""
+    if isinstance(buf, RangeBuffer):
+        return RangeBuffer(buf.source, buf.base + start, length)
+    return memoryview(buf)[start : start + length]
+
+
+_NEAR = 64 * 1024  # (a gap this small is cheaper read than asked around)
+
+
+def prefetch(buf: Any, ranges: list[tuple[int, int]]) -> None:
+    """Announce the ``(offset, n)`` ranges a reader is about to visit: a remote buffer fetches their blocks
+    concurrently, a memory map asks the kernel for their pages at once (``MADV_WILLNEED``: one batch of reads, not a
+    fault per page under ``MADV_RANDOM``); a plain buffer has them already."""
+    hint = getattr(buf, "prefetch", None)
+    if hint is not None:
+        hint(ranges)
+    elif isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_WILLNEED"):
+        spans: list[list[int]] = []  # ranges less than _NEAR apart asked for as one span: one call, not thousands
+        for offset, n in sorted(r for r in ranges if r[1] > 0 and 0 <= r[0] < len(buf)):
+            if spans and offset - spans[-1][1] < _NEAR:
+                spans[-1][1] = max(spans[-1][1], offset + n)
+            else:
+                spans.append([offset, offset + n])
+        for start, end in spans:
+            start -= start % mmap.PAGESIZE
+            buf.madvise(mmap.MADV_WILLNEED, start, min(end, len(buf)) - start)

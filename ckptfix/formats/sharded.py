@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from ..core import locations
 from ..core.atomic import DirOutput, atomic_dir
 from ..core.devices import storage_id
 from ..core.tensorinfo import TensorInfo
@@ -65,11 +66,12 @@ def recorded_members(path: str, fmt: str, select: str | None, part_members: Any)
 
 
 def _merge(index_path: str, read_part: Reader) -> RawRead:
-    root = os.path.dirname(os.path.abspath(index_path))
+    root = locations.dirname(index_path)
     weight_map = load_index(index_path)
     by_shard: dict[str, list[str]] = {}
     for key, shard in weight_map.items():
         by_shard.setdefault(shard, []).append(key)
+    locations.warm([locations.join(root, shard) for shard in by_shard])  # remote shards: their headers fetched at once
     paths = {shard: member_path(root, shard, index_path) for shard in by_shard}
     kinds = {shard: sniff(path) for shard, path in paths.items()}
     sharded_as = {registry.get(k).shards_as for k in kinds.values()}
@@ -110,7 +112,7 @@ def _merge(index_path: str, read_part: Reader) -> RawRead:
     raw.notes.insert(0, f"{len(by_shard)} shard(s) listed by {os.path.basename(index_path)}")
     first, *others = (str(registry.get(fmt).index_name) for fmt in registry.SHARDED)
     for other in others:
-        if os.path.basename(index_path) == first and os.path.isfile(os.path.join(root, other)):
+        if os.path.basename(index_path) == first and locations.is_file(locations.join(root, other)):
             raw.notes.append(f"the directory also holds {other}; read the safetensors index (pass {other} to read that)")
     return raw
 

@@ -14,7 +14,8 @@ from . import convert as conversion
 from . import loading
 from .. import formats
 from ..statedict import transforms
-from ..core import torch_free
+from ..core import locations, torch_free
+from ..errors import RemoteError
 from ..core.torch_free import NeedsTorch
 from .convert_options import ConvertOptions, takes
 from .reading import read_checkpoint, summarise
@@ -49,16 +50,27 @@ def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str]
     :class:`~ckptfix.core.tensorinfo.TensorInfo` (plain data: dtype, shape, stride, byte range); a file only
     torch can describe exactly (legacy, TorchScript, DeepSpeed, DCP values other than plain data and
     tensors, tensor subclasses …) goes through ``inspect``, so the summary, and any refusal, is the same
-    either way."""
+    either way.
+
+    A remote ``path`` (``https://``, ``s3://bucket/key``, ``hf://org/repo[@revision]/path``) is described from the
+    byte ranges its headers take (``bytes_fetched`` says how many); one only torch can describe raises RemoteError.
+    """
     path = os.fspath(path)
-    fmt = formats.sniff(path)
-    if torch_free.enabled():
-        try:
-            raw = formats.describe(path, fmt, select)
-        except NeedsTorch:
-            pass
-        else:
-            return summarise(path, fmt, raw, select, refuse=False, allow=allow)
+    remote = locations.is_remote(path)
+    with locations.session() as s, s.reporting():
+        fmt = formats.sniff(path)
+        if torch_free.enabled() or remote:
+            try:
+                raw = formats.describe(path, fmt, select)
+            except NeedsTorch as e:
+                if remote:
+                    raise RemoteError(f"{path}: this {fmt} checkpoint is described by torch ({e}), which needs a local "
+                                      "copy for now; download it first") from None
+            else:
+                ckpt = summarise(path, fmt, raw, select, refuse=False, allow=allow)
+                if remote:
+                    ckpt.bytes_fetched = s.bytes_fetched
+                return ckpt
     return inspect(path, select=select, allow=allow)
 
 

@@ -33,7 +33,7 @@ from ..errors import ConversionError, DeviceError, WrapperError
 from ..core.progress import Progress, peak_rss_bytes
 from ..core.units import few, parse_size
 from .convert_options import ConvertOptions
-from .reading import read_checkpoint, summarise
+from .reading import read_checkpoint, refuse_remote, summarise
 from ..parse import format_registry as registry, inert
 from ..reports import Checkpoint, ConvertReport, tensor_stats
 from ..safety.standins import contains_stand_ins
@@ -56,6 +56,8 @@ class Request(ConvertOptions):
 
 def validate(src: str, dst: str, options: ConvertOptions) -> Request:
     """Check the request before anything is read: source format, destination, device, dtype."""
+    refuse_remote(src, "converting it")
+    refuse_remote(dst, "writing a remote destination")
     fmt_in = formats.sniff(src)
     shard_size, fmt_out = _plan_output(src, dst, options.format, options.max_shard_size, options.keep_extra,
                                        options.hash, options.force)

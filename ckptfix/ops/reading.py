@@ -10,7 +10,9 @@ from typing import Any
 
 from .. import formats
 from ..statedict import locate, placeholders, wrappers
+from ..core import locations
 from ..core.devices import DevicePlan
+from ..errors import RemoteError
 from ..parse.format_registry import get
 from ..reports import Checkpoint, tensor_stats
 
@@ -19,9 +21,18 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
                     fmt: str | None = None, allow: Iterable[str] = ()) -> Checkpoint:
     """``path`` read with ``map_location`` (``'meta'``: structure only); ``fmt`` when already sniffed;
     ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`)."""
+    refuse_remote(path, "reading it with torch (read, load, load_into, verify, diff, inspect --trust)")
     fmt = fmt or formats.sniff(path)
     plan = DevicePlan(map_location, source=path)
     return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow)
+
+
+def refuse_remote(path: str, what: str) -> None:
+    """A remote checkpoint is described and scanned from its headers; anything else reads a local copy (for now)."""
+    if locations.is_remote(path):
+        raise RemoteError(f"{path}: {what} needs a local copy: remote checkpoints are inspected and scanned from "
+                          "their headers only (ckptfix inspect / scan without --trust; ckptfix.describe / scan); "
+                          "download it first")
 
 
 def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool,

@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DeepSpeedZeroError, FormatError, MissingFileError
+from ..core import locations
+from ..errors import DeepSpeedZeroError, FormatError, MissingFileError, RemoteError
 from .format_registry import SHARDED, SHARDED_PTH, get
 
 #: the file torch.distributed.checkpoint writes its metadata to
@@ -41,6 +42,8 @@ def no_duplicate_keys(what: str) -> Any:
 def find_index(path: str) -> str | None:
     """The index json for ``path``: ``path`` itself if it is one (``*.index.json``), else the
     safetensors or torch index in the directory ``path`` (safetensors when both); else None."""
+    if locations.is_remote(path):
+        return _find_remote_index(path)
     if os.path.isfile(path):
         return path if path.endswith(".index.json") else None
     if not os.path.isdir(path):
@@ -49,6 +52,17 @@ def find_index(path: str) -> str | None:
         candidate = os.path.join(path, str(get(fmt).index_name))
         if os.path.isfile(candidate):
             return candidate
+    return None
+
+
+def _find_remote_index(path: str) -> str | None:
+    if path.endswith(".index.json"):
+        return path if locations.is_file(path) else None
+    names = locations.listdir(path)
+    for fmt in SHARDED:
+        name = str(get(fmt).index_name)
+        if name in names if names is not None else locations.is_file(locations.join(path, name)):
+            return locations.join(path, name)
     return None
 
 
@@ -71,6 +85,13 @@ def member_path(root: str, rel: Any, source: str, what: str = "shard") -> str:
         raise FormatError(f"{source}: {what} path {rel!r} is absolute; shards must sit inside {root}")
     if ".." in parts:
         raise FormatError(f"{source}: {what} path {rel!r} leaves the directory ('..'); shards must sit inside {root}")
+    if locations.is_remote(root):
+        if "\\" in rel or "://" in rel:
+            raise FormatError(f"{source}: {what} path {rel!r} is not a plain name; shards must sit inside {root}")
+        path = locations.join(root, rel)
+        if not locations.is_file(path):
+            raise MissingFileError(f"{source}: {what} {rel!r} is missing from {root}", path)
+        return path
     path = os.path.join(root, rel)
     real_root = os.path.realpath(root)
     if not os.path.realpath(path).startswith(real_root.rstrip(os.sep) + os.sep):
@@ -87,8 +108,9 @@ def member_path(root: str, rel: Any, source: str, what: str = "shard") -> str:
 def load_index(index_path: str) -> dict[str, str]:
     """The validated ``weight_map`` (key → shard file name, in file order) of an index json."""
     try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f, object_pairs_hook=no_duplicate_keys(index_path))
+        index = json.loads(locations.read_all(index_path).decode("utf-8"), object_pairs_hook=no_duplicate_keys(index_path))
+    except (MissingFileError, RemoteError):
+        raise
     except OSError as e:
         raise FormatError(f"{index_path}: can't be read: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -106,6 +128,9 @@ def load_index(index_path: str) -> dict[str, str]:
 
 def is_dcp_dir(path: str) -> bool:
     """A directory holding a DCP ``.metadata`` file."""
+    if locations.is_remote(path):
+        names = locations.listdir(path)
+        return METADATA in names if names is not None else locations.is_file(locations.join(path, METADATA))
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
 
 

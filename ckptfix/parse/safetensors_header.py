@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 from collections import OrderedDict
 from typing import Any
 
+from ..core import locations
 from .checkpoint_dirs import no_duplicate_keys
 from ..errors import FormatError
 from ..core.torch_tables import DTYPE_ITEMSIZE
@@ -76,9 +76,9 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
     Each entry is ``{"dtype", "shape", "data_offsets"}`` (the header's: F4 shapes count values, see
     :func:`torch_shape`), in the header's order.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw_len = f.read(8)
+    with locations.opened(path) as source:  # (a remote file: two range reads, the header only)
+        size = source.size
+        raw_len = source.read(0, 8)
         if len(raw_len) < 8:
             raise FormatError(f"{path}: truncated safetensors file ({size} bytes)")
         n = struct.unpack("<Q", raw_len)[0]
@@ -87,7 +87,7 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
                               f"({MAX_HEADER_BYTES} bytes): not a safetensors file, or a damaged one")
         if n + 8 > size:
             raise FormatError(f"{path}: safetensors header length ({n}) runs past the end of the file ({size} bytes)")
-        raw = f.read(n)
+        raw = source.read(8, n)
     header = _parse_json(path, raw)
     meta = header.pop("__metadata__", None)
     if meta is None:

@@ -8,17 +8,16 @@ readers (:mod:`ckptfix.formats`) before they read. The names it gives are the re
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import struct
 from typing import Any
 
-from ..core import limits
+from ..core import limits, locations
 from .checkpoint_dirs import find_index, index_format, is_dcp_dir, is_deepspeed_dir
-from ..errors import FormatError, MissingFileError
+from ..errors import FormatError, MissingFileError, RemoteError
 from .format_registry import DCP, DEEPSPEED, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT
 from .pickle_walk import walk
-from .zipdir import read_directory
+from .zipdir import RangeFile, read_directory
 
 # torch.serialization.MAGIC_NUMBER: the first pickle of every legacy (non-zip) torch file.
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -26,16 +25,18 @@ _LFS_PREFIX = b"version https://git-lfs.github.com/spec/"
 
 
 def sniff(path: str) -> str:
-    """Name the format of ``path`` from its bytes, or raise a FormatError that says what it is."""
-    if not os.path.exists(path):
+    """Name the format of ``path`` (a local path, or a URL :mod:`ckptfix.core.locations` reads) from its bytes,
+    or raise a FormatError that says what it is."""
+    remote = locations.is_remote(path)
+    if not remote and not os.path.exists(path):
         raise MissingFileError(f"{path}: no such file", path)
-    if os.path.isdir(path) or path.endswith(".index.json"):
+    if (locations.is_dir(path) if remote else os.path.isdir(path)) or path.endswith(".index.json"):
         return _sniff_dir(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        head, size = locations.read_head(path, 4096)
     except OSError as e:
+        if isinstance(e, (MissingFileError, RemoteError)):
+            raise
         raise FormatError(f"{path}: can't be read: {e.strerror or e}") from None
     if size == 0:
         raise FormatError(f"{path}: is empty (0 bytes): the save or the download did not finish")
@@ -53,7 +54,9 @@ def sniff(path: str) -> str:
         return SAFETENSORS
     if head[:1] == b"\x80" and _first_pickle_is_magic(head):
         return TORCH_LEGACY
-    if opens_as_tar(path):
+    if remote and _tar_block(head):
+        raise RemoteError(f"{path}: is a tar archive: reading it needs a local copy; download it first")
+    if not remote and opens_as_tar(path):
         if not _tar_has_storages(path):
             raise FormatError(f"{path}: is a tar archive but not a torch checkpoint (no 'storages' member); "
                               "extract the checkpoint from it and give that file")
@@ -97,6 +100,17 @@ def opens_as_tar(path: str) -> bool:
             with tarfile.open(fileobj=f, mode="r:"):
                 return True
     except (tarfile.TarError, OSError, ValueError, EOFError):
+        return False
+
+
+def _tar_block(head: bytes) -> bool:
+    """Whether the first 512 bytes are a tar header tarfile takes."""
+    import tarfile
+
+    try:
+        return head[:512].count(0) < 512 and bool(tarfile.TarInfo.frombuf(head[:512], tarfile.ENCODING,
+                                                                           "surrogateescape"))
+    except (tarfile.HeaderError, ValueError):
         return False
 
 
@@ -149,15 +163,19 @@ def _tar_has_storages(path: str) -> bool:
 
 def _sniff_dir(path: str) -> str:
     """A torch.distributed.checkpoint directory, a DeepSpeed one, or a Hugging Face sharded one (or its index)."""
-    if os.path.isdir(path) and is_dcp_dir(path):
+    if is_dcp_dir(path):
         return DCP
-    if is_deepspeed_dir(path):
+    if not locations.is_remote(path) and is_deepspeed_dir(path):
         return DEEPSPEED
     index = find_index(path)
     if index is not None:
         return index_format(index)
-    if not os.path.isdir(path):
+    if not locations.is_dir(path):
         raise FormatError(f"{path}: is not a sharded-checkpoint index (expected a JSON file with a weight_map)")
+    if locations.is_remote(path):
+        raise FormatError(f"{path}: is neither a torch.distributed.checkpoint (no .metadata) nor a sharded "
+                          "checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json); give a file "
+                          "inside it")
     singles = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, n))]
     hint = f"; give the file inside it: {os.path.join(path, singles[0])}" if singles else ""
     raise FormatError(
@@ -180,14 +198,25 @@ def zip_directory(path: str) -> Any:
     per file version: sniffing, the safety checks and the structure reader all need it, and for a
     checkpoint of 20,000 tensors parsing it costs a noticeable fraction of a second.
     Raises ``zipfmt.ZipFormatError`` (a ValueError) where torch's reader would fail."""
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if locations.is_remote(path):
+        source = locations.open_source(path)
+        if source.validator is None:  # (a version can't be told: parsed again, from the session's cached blocks)
+            with locations.open_buffer(path) as buf:
+                return read_directory(buf, len(buf))
+        key: tuple = (path, source.size, source.validator)
+    else:
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
     if key not in _ZIP_CACHE:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        with locations.open_buffer(path) as buf:
             directory = read_directory(buf, len(buf))
         _ZIP_CACHE.clear()  # keep only the latest file: conversions read one source at a time
         _ZIP_CACHE[key] = directory
     return _ZIP_CACHE[key]
+
+
+def _as_file(buf: Any) -> Any:
+    return RangeFile(lambda pos, n: bytes(buf[pos : pos + n]), len(buf))
 
 
 def _zip_kind(path: str) -> str:
@@ -197,7 +226,7 @@ def _zip_kind(path: str) -> str:
         import zipfile
 
         try:  # torch can't read it; if Python's zipfile can, the safety check reports the disagreement
-            with zipfile.ZipFile(path) as z:
+            with locations.open_buffer(path) as buf, zipfile.ZipFile(_as_file(buf)) as z:
                 names = z.namelist()
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError):
             raise FormatError(f"{path}: is a truncated or corrupt zip archive ({e})") from None

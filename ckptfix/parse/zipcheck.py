@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import limits as _limits
-from .zipdir import Directory, Entry, RangeFile, ZipFormatError, data_start, fold, read_directory
+from ..core import limits as _limits, locations
+from .zipdir import LOCAL_SIZE, Directory, Entry, RangeFile, ZipFormatError, data_start, fold, read_directory
 
 _DESCRIPTOR = b"PK\x07\x08"
 #: the records torch's reader opens before it unpickles anything (inline_container.cc, torch/serialization.py)
@@ -31,6 +31,7 @@ _OPEN_RECORDS = (".data/version", "version", ".format_version", ".storage_alignm
 SUPPORTED_VERSIONS = (1, 10)
 _STOULL = re.compile(rb"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
 _CHUNK = 16 << 20
+_LOCAL_EXTRA = 128  # room for a local header's extra field (torch's pads data to 64 bytes) when prefetching
 
 
 @dataclass(slots=True)  # one per member: 20,000-tensor files hold 20,000
@@ -93,6 +94,7 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     layout.root = directory.root
     if not layout.root:
         layout.errors.append(f"first member {directory.entries[0].name!r} is not inside a folder (torch can't read it)")
+    locations.prefetch(buf, [(e.header_offset, LOCAL_SIZE + len(e.raw_name) + _LOCAL_EXTRA) for e in directory.entries])
     for entry in directory.entries:
         member = _local_header(layout, buf, size, entry)
         if member is not None:
@@ -103,6 +105,7 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     _check_open_records(layout, buf)
     _check_end(layout, size, directory)
     _check_gaps(layout, buf, directory.cd_offset)
+    locations.prefetch(buf, [(m.data_start, m.compress_size) for m in layout.members if is_pickle(m.name)])
     for m in layout.members:
         if m.crc and (check_crc or is_pickle(m.name)) and m.compress_type in (0, 8) and not m.flags & 1:
             crc = 0

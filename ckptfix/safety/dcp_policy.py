@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 from typing import Any
 
-from ..core import limits
+from ..core import limits, locations
 from ..core.torch_free import NeedsTorch  # what the inert read raises for what it doesn't model
 from ..parse.checkpoint_dirs import METADATA, member_path
-from ..errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
+from ..errors import CkptfixError, FormatError, MissingFileError, RemoteError, UnsafeCheckpointError, trust_advice
 from .allowlist import GET_LAYOUT, RULES, TORCH_SIZE
 from .guards import start_load, torch_policy
 from .standins import path_class
@@ -83,11 +82,12 @@ def metadata_policy() -> Any:
 def read_bytes(meta_path: str) -> bytes:
     """``.metadata``'s bytes, within the limit max_pickle_bytes."""
     try:
-        size = os.path.getsize(meta_path)
+        size = locations.size_of(meta_path)
         if size > limits.current().max_pickle_bytes:
             raise limits.exceeded("max_pickle_bytes", "the DCP metadata's size", size, meta_path)
-        with open(meta_path, "rb") as f:
-            return f.read()
+        return locations.read_all(meta_path)
+    except (MissingFileError, RemoteError):
+        raise
     except OSError as e:
         raise FormatError(f"{meta_path}: can't be read: {e.strerror or e}") from None
 
@@ -96,7 +96,7 @@ def load_metadata(path: str, trust: bool) -> Any:
     """The ``Metadata`` of the DCP directory ``path``, unpickled under the allow-list unless ``trust``."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    meta_path = os.path.join(path, METADATA)
+    meta_path = locations.join(path, METADATA)
     data = read_bytes(meta_path)
     try:
         if trust:
@@ -131,7 +131,7 @@ def record_ranges(path: str) -> dict[str, list[tuple[str, int, int]]]:
 
 
 def _ranges(path: str, meta: Any) -> dict[str, list[tuple[str, int, int]]]:
-    meta_path = os.path.join(path, METADATA)
+    meta_path = locations.join(path, METADATA)
     files: dict[Any, str] = {}
     for info in meta.storage_data.values():  # every chunk file checked before any record is
         rel = getattr(info, "relative_path", None)
@@ -140,7 +140,7 @@ def _ranges(path: str, meta: Any) -> dict[str, list[tuple[str, int, int]]]:
     out: dict[str, list[tuple[str, int, int]]] = {}
     for index, info in meta.storage_data.items():
         file = files[info.relative_path]
-        size = os.path.getsize(file)
+        size = locations.size_of(file)
         if not (isinstance(info.offset, int) and isinstance(info.length, int) and 0 <= info.offset
                 and 0 <= info.length and info.offset + info.length <= size):
             raise FormatError(f"{file}: a record of {getattr(index, 'fqn', '?')!r} lies outside the file")
@@ -265,7 +265,7 @@ def load_inert(path: str) -> Any:
     """The DCP directory's ``Metadata`` as :class:`Inert` stand-ins without importing torch, or None when
     the file holds anything else, is refused or is broken (the torch read, :func:`load_metadata`, then gives
     the answer or the error). Its storage data is checked the way :func:`record_ranges` reads it."""
-    meta_path = os.path.join(path, METADATA)
+    meta_path = locations.join(path, METADATA)
     data = read_bytes(meta_path)
     try:
         meta = loads(data, inert_policy(), where=meta_path)

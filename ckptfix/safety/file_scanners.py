@@ -53,6 +53,7 @@ class ScanReport:
     findings: list[Finding] = field(default_factory=list)
     pickles: list[str] = field(default_factory=list)  # every pickle walked, by where it sits
     main_pickle: str | None = None  # the pickle that holds the checkpoint (zip data.pkl, legacy pickle 4)
+    bytes_fetched: int | None = None  # a remote file: the bytes the scan fetched (None: a local one)
 
     @property
     def ok(self) -> bool:
@@ -86,6 +87,7 @@ class ScanReport:
             "pickles": self.pickles,
             "extractable": self.extractable,
             "inert_globals": self.inert_globals,
+            **({"bytes_fetched": self.bytes_fetched} if self.bytes_fetched is not None else {}),
         }
 
 

@@ -22,11 +22,11 @@ from typing import Any
 
 from . import dcp_policy
 from ..parse import pickle_walk
-from ..core import limits as _limits
+from ..core import limits as _limits, locations
 from .allowlist import UNSAFE
 from ..parse.checkpoint_dirs import find_index, load_index, locate, member_path
 from .deepspeed_policy import optim_names
-from ..errors import FormatError, UnsafeCheckpointError, trust_advice
+from ..errors import FormatError, RemoteError, UnsafeCheckpointError, trust_advice
 from ..parse.safetensors_header import check_file
 from .file_scanners import (PICKLE, Collector, Finding, GlobalRef, ScanReport, scan_legacy, scan_tar, scan_zip,
                             starts_with_magic)
@@ -43,15 +43,26 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
 
     Raises FormatError when the file is unreadable (and nothing unsafe was seen before the
     damage). ``check_crc=False`` skips the CRC of tensor data (still checked for pickles).
+    A remote ``path`` (``https://``, ``s3://``, ``hf://``: :mod:`ckptfix.core.locations`) is scanned from the byte
+    ranges the checks read, without the CRC of tensor data; its report's ``bytes_fetched`` says what that cost.
     """
     path = os.fspath(path)
     _limits.current()  # a malformed CKPTFIX_MAX_* variable is an error of its own, not a finding
-    fmt = fmt or _scan_format(path)
-    spec = FORMATS.get(fmt)
-    if spec is None and fmt != PICKLE:
-        raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors), "
-                          f"sharded checkpoints and DCP directories, not {fmt}")
-    return _SCANNERS[spec.scanner if spec is not None else PICKLE](path, fmt, check_crc, unpickled_by_caller)
+    with locations.session() as s, s.reporting():
+        remote = locations.is_remote(path)
+        fmt = fmt or _scan_format(path)
+        spec = FORMATS.get(fmt)
+        if spec is None and fmt != PICKLE:
+            raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors), "
+                              f"sharded checkpoints and DCP directories, not {fmt}")
+        scanner = spec.scanner if spec is not None else PICKLE
+        if remote and scanner not in _REMOTE_SCANNERS:
+            raise RemoteError(f"{path}: scanning a {fmt} file needs a local copy (a remote scan reads torch zips, "
+                              "safetensors files, sharded checkpoints and DCP directories); download it first")
+        report = _SCANNERS[scanner](path, fmt, check_crc and not remote, unpickled_by_caller)
+        if remote:
+            report.bytes_fetched = s.bytes_fetched
+        return report
 
 
 def _scan_safetensors(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
@@ -68,7 +79,7 @@ def _scan_zip(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
         directory = zip_directory(path)
     except (ValueError, OSError, struct.error):  # the scan parses it again and reports the damage
         directory = None
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with locations.open_buffer(path, whole=check_crc) as buf:  # (without the CRCs: the pages it reads, no more)
         scan_zip(c, buf, len(buf), code, check_crc, unpickled_by_caller, directory=directory)
     return c.finish()
 
@@ -101,9 +112,11 @@ def _scan_pickle(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str 
 def _scan_sharded(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
     """Every shard an index lists, scanned as a file of its own; ``where`` names the shard."""
     index = find_index(path) or path
-    root = os.path.dirname(os.path.abspath(index))
+    root = locations.dirname(index)
     c = Collector(path, fmt)
-    for shard in dict.fromkeys(load_index(index).values()):
+    shards = list(dict.fromkeys(load_index(index).values()))
+    locations.warm([locations.join(root, shard) for shard in shards])  # remote shards: opened at once
+    for shard in shards:
         c.merge_report(shard, scan(member_path(root, shard, index), check_crc=check_crc))
     return c.finish()
 
@@ -128,7 +141,7 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
     with DCP's metadata classes allowed, then every record it lists (torch.save zips inside the
     ``.distcp`` files) checked and walked like a torch zip of its own."""
     c = Collector(path, DCP)
-    meta_path = os.path.join(path, dcp_policy.METADATA)
+    meta_path = locations.join(path, dcp_policy.METADATA)
     data = dcp_policy.read_bytes(meta_path)
     also = dcp_policy.metadata_names()
     walks = pickle_walk.walk_stack(data, 0, len(data), ".metadata")
@@ -136,16 +149,18 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
         c.add_walk(w, also)
     if walks and walks[0].end is not None and walks[0].end < len(data):
         c.find("trailing-data", ".metadata", f"{len(data) - walks[0].end} bytes follow the pickle in .metadata")
-    meta_pt = os.path.join(path, "meta.pt")  # Lightning's sharded checkpoints: everything but the weights
-    if os.path.isfile(meta_pt):
+    meta_pt = locations.join(path, "meta.pt")  # Lightning's sharded checkpoints: everything but the weights
+    if locations.is_file(meta_pt):
         c.merge_report("meta.pt", scan(meta_pt, check_crc=check_crc))
     if c.findings or any(g.category == UNSAFE for g in c.globals.values()):
         return c.finish()  # the records' places come from .metadata: not read unless it is clean
-    for file, ranges in dcp_policy.record_ranges(path).items():
-        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    records = dcp_policy.record_ranges(path)
+    locations.warm(list(records))
+    for file, ranges in records.items():
+        with locations.open_buffer(file, whole=check_crc) as buf:
             for what, start, length in ranges:
                 record = Collector(f"{os.path.basename(file)} [{what}]", TORCH_ZIP)
-                scan_zip(record, memoryview(buf)[start : start + length], length, False, check_crc)
+                scan_zip(record, locations.window(buf, start, length), length, False, check_crc)
                 c.merge(record)
     return c.finish()
 
@@ -154,6 +169,8 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
 _SCANNERS = {"safetensors": _scan_safetensors, "torch-zip": _scan_zip, "torchscript": _scan_torchscript,
              "torch-legacy": _scan_legacy, PICKLE: _scan_pickle, "sharded": _scan_sharded, "dcp": _scan_dcp,
              "deepspeed": _scan_deepspeed}
+#: the scans that read only byte ranges (the others read a file from its start: a local copy)
+_REMOTE_SCANNERS = {"safetensors", "torch-zip", "torchscript", "sharded", "dcp"}
 
 
 def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_caller: str | None = None,
@@ -230,6 +247,8 @@ def _scan_format(path: str) -> str:
     try:
         return sniff(path)
     except FormatError as e:
+        if locations.is_remote(path):
+            raise
         not_checkpoint = e
     try:
         with open(path, "rb") as f:

@@ -7,11 +7,10 @@ torch read (:mod:`.directory`) would refuse or this doesn't model raises :class:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from ...core import limits
+from ...core import limits, locations
 from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
 from ...errors import FormatError
@@ -46,7 +45,7 @@ def describe(path: str, describe_meta: Reader) -> RawRead:
     meta = load_inert(path)
     if meta is None:
         raise NeedsTorch("metadata the inert read doesn't model")
-    meta_path = os.path.join(path, METADATA)
+    meta_path = locations.join(path, METADATA)
     records: dict[tuple[Any, Any], Any] = {}
     files: dict[Any, str] = {}
     try:
@@ -88,10 +87,10 @@ def _dcp_value(path: str, fqn: str, info: Any, files: dict[Any, str], tags: dict
         raise NeedsTorch(f"entry {fqn!r}: over max_pickle_bytes")  # torch's read: the LimitError
     file = files[info.relative_path]
     try:
-        with open(file, "rb") as f:
-            if offset + length > os.fstat(f.fileno()).st_size:
+        with locations.opened(file) as source:
+            if offset + length > source.size:
                 raise NeedsTorch(f"entry {fqn!r}: its record lies outside {file}")
-            data = os.pread(f.fileno(), length, offset)
+            data = source.read(offset, length)
     except OSError as e:
         raise NeedsTorch(f"{file}: {e}") from None
     if len(data) != length:
@@ -122,7 +121,7 @@ def _dcp_tensor(path: str, fqn: str, md: Any, records: dict[tuple[Any, Any], Any
         raise NeedsTorch(f"entry {fqn!r}: a chunk")
     problem = tiling_problem(fqn, size, [(c.offsets, c.sizes) for c in chunks])
     if problem is not None:
-        raise FormatError(f"{os.path.join(path, METADATA)}: {problem}")
+        raise FormatError(f"{locations.join(path, METADATA)}: {problem}")
     for c in chunks:
         info = records.get((fqn, c.offsets))
         if info is None or info.transform_descriptors:

@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ...core import locations
 from ...errors import FormatError
 from ...parse.format_registry import get
 from ...parse.sniff import sniff
@@ -34,8 +35,8 @@ _AFTER = {"state_dict": ("epoch", "global_step", *VERSION_KEYS), "optimizer_stat
 def with_meta(raw: RawRead, path: str, read_meta: Reader) -> RawRead:
     """``raw`` (a consolidated DCP directory) joined with the directory's ``meta.pt``, if it has one, read by
     ``read_meta(meta_path, fmt)`` (the registry's reader, or its describer for the torch-free read)."""
-    meta_path = os.path.join(path, META)
-    if not os.path.isfile(meta_path):
+    meta_path = locations.join(path, META)
+    if not locations.is_file(meta_path):
         return raw
 
     fmt = sniff(meta_path)

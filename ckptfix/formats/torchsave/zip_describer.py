@@ -14,11 +14,10 @@ found only while unpickling, so a refusal is always torch's own.
 from __future__ import annotations
 
 import io
-import mmap
 from collections import OrderedDict
 from typing import Any
 
-from ...core import limits
+from ...core import limits, locations
 from ...core.bytecopy import Recorded
 from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
@@ -44,7 +43,7 @@ def read_torch_zip(path: str) -> RawRead:
         directory = zip_directory(path)
     except Exception as e:  # torch's reader gives the refusal
         raise NeedsTorch(f"zip directory: {e}") from None
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with locations.open_buffer(path) as buf:  # (a header-only read: the records' local headers and data.pkl)
         obj, tags = _describe_zip(_Archive(path, directory, buf), f"{path}: data.pkl", placeholders=True)
     if isinstance(obj, dict) and isinstance(obj.get("module"), dict) and {"ds_config", "ds_version"} & set(obj):
         raise NeedsTorch("a DeepSpeed model_states file")  # (what layout.deepspeed_info recognises)

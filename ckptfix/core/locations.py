@@ -1,0 +1,217 @@
+"""Locations: a local path or a remote URL, its bytes by position (exactly the ranges asked) and the few directory
+questions readers ask of it.
+
+``open_source(location)`` picks the backend by scheme: a local path (``pread``, readahead off), ``http(s)://``
+(Range requests), ``s3://bucket/key`` (boto3: endpoint and credentials the standard AWS way, ``AWS_ENDPOINT_URL``
+included) or ``hf://org/repo[@revision]/path`` (huggingface_hub: ``HF_ENDPOINT``, ``HF_TOKEN``, a file already in
+the local HF cache read from there). The remote backends live in :mod:`ckptfix.core.remote`.
+
+A :class:`RangeBuffer` stands in for the memory map the format readers slice (``len()`` and ``buf[a:b]``): each
+slice is served from a small block cache that fetches what is missing, concurrently where a reader announces many
+ranges at once (``prefetch``: a zip's local headers). Every remote fetch is checked against the validator (ETag,
+Last-Modified, the Hub's commit) taken on the first one, so a file that changes mid-read is refused, not mixed.
+
+>>> with session() as s:                                     # doctest: +SKIP
+...     buf = open_source("s3://bucket/model.pth").buffer()
+...     head = buf[:4096]; s.bytes_fetched
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import mmap
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import remote
+from ..errors import MissingFileError
+from .positional import WORKERS, ByteSource, LocalSource, RangeBuffer, prefetch, window
+
+__all__ = ["ByteSource", "RangeBuffer", "Session", "dirname", "is_dir", "is_file", "is_remote", "join", "listdir",
+           "open_buffer", "open_source", "opened", "prefetch", "read_all", "read_head", "session", "size_of", "warm", "window"]
+
+#: the schemes open_source reads remotely
+REMOTE_SCHEMES = ("http://", "https://", "s3://", "hf://")
+
+
+def is_remote(location: Any) -> bool:
+    """Whether ``location`` names a remote object (a URL of a scheme :func:`open_source` reads)."""
+    return isinstance(location, str) and location.lower().startswith(REMOTE_SCHEMES)
+
+
+class Session:
+    """The sources one verb opens, each opened once (its cache shared by sniff, scan and describe)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, ByteSource] = {}
+
+    @property
+    def bytes_fetched(self) -> int:
+        return sum(s.bytes_fetched for s in self.sources.values() if s.remote)
+
+    @property
+    def remote(self) -> bool:
+        return any(s.remote for s in self.sources.values())
+
+    @property
+    def failure(self) -> Exception | None:
+        """The first failed remote fetch, which a reader may have caught as damage: the verb reports it instead."""
+        return next((s.failure for s in self.sources.values() if s.failure is not None), None)
+
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """Raise the first failed fetch (a 412, a timeout) in place of whatever a reader made of it."""
+        try:
+            yield
+        except Exception:
+            if self.failure is not None:
+                raise self.failure from None
+            raise
+        if self.failure is not None:
+            raise self.failure
+
+
+_SESSION: contextvars.ContextVar[Session | None] = contextvars.ContextVar("ckptfix_sources", default=None)
+
+
+@contextlib.contextmanager
+def session() -> Iterator[Session]:
+    """Share the remote sources opened inside (a nested call joins the outer session)."""
+    outer = _SESSION.get()
+    if outer is not None:
+        yield outer
+        return
+    s = Session()
+    token = _SESSION.set(s)
+    try:
+        yield s
+    finally:
+        _SESSION.reset(token)
+        for source in s.sources.values():
+            source.close()
+
+
+def open_source(location: str) -> ByteSource:
+    """The :class:`ByteSource` for a local path or a remote URL (inside a :func:`session`, opened once)."""
+    if not is_remote(location):
+        return LocalSource(location)
+    current = _SESSION.get()
+    if current is not None and location in current.sources:
+        return current.sources[location]
+    source = remote.open_remote(location)
+    if current is not None:
+        current.sources[location] = source
+    return source
+
+
+@contextlib.contextmanager
+def open_buffer(location: str, whole: bool = False) -> Iterator[Any]:
+    """``location``'s bytes as the readers' ``buf``: a local file mapped with ``MADV_RANDOM`` (a page fault
+    reads its page, not the readahead window around it, so a header-only read stays header-only; ``whole``:
+    the normal readahead, for a reader about to go through everything) or a remote file's RangeBuffer."""
+    if is_remote(location):
+        yield open_source(location).buffer()
+        return
+    with open(location, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if not whole and hasattr(buf, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+            buf.madvise(mmap.MADV_RANDOM)
+        yield buf
+
+
+@contextlib.contextmanager
+def opened(location: str) -> Iterator[ByteSource]:
+    """:func:`open_source` for one use: a local file's descriptor is closed after it (a remote source stays in the
+    session, its cache shared)."""
+    source = open_source(location)
+    try:
+        yield source
+    finally:
+        if not is_remote(location):
+            source.close()
+
+
+def read_head(location: str, n: int) -> tuple[bytes, int]:
+    """The first ``n`` bytes of a file and its size (local: one small ``pread``, no readahead)."""
+    with opened(location) as source:
+        return source.read(0, n), source.size
+
+
+# -- directory questions, asked of a local path or a remote location ----------------------------------------
+
+def join(location: str, name: str) -> str:
+    """``location/name`` (a remote one with ``/``)."""
+    return location.rstrip("/") + "/" + name if is_remote(location) else os.path.join(location, name)
+
+
+def listdir(location: str) -> list[str] | None:
+    """The names in a directory (folders end in ``/`` remotely); None where a URL can't be listed (https)."""
+    if not is_remote(location):
+        return sorted(os.listdir(location)) if os.path.isdir(location) else None
+    if location.lower().startswith("s3://"):
+        return remote.s3_list(location)
+    if location.lower().startswith("hf://"):
+        return remote.hub_list(location)
+    return None
+
+
+def is_dir(location: str) -> bool:
+    """A directory: locally one, remotely an S3 prefix or Hub folder with something in it, or an http(s) URL whose
+    last segment has no extension (a web server lists nothing: its files are asked for by name)."""
+    if not is_remote(location):
+        return os.path.isdir(location)
+    if location.lower().startswith(("http://", "https://")):
+        return "." not in location.rstrip("/").rsplit("/", 1)[-1] or location.endswith("/")
+    if location.lower().startswith("hf://") and not remote.split_hub(location)[2]:
+        return True  # the repository itself
+    return bool(listdir(location))
+
+
+def is_file(location: str) -> bool:
+    """A file that exists (remotely: one that opens)."""
+    if not is_remote(location):
+        return os.path.isfile(location)
+    try:
+        open_source(location)
+    except MissingFileError:
+        return False
+    return True
+
+
+def dirname(location: str) -> str:
+    """The directory holding ``location`` (absolute, locally)."""
+    return location.rstrip("/").rsplit("/", 1)[0] if is_remote(location) else os.path.dirname(os.path.abspath(location))
+
+
+def warm(locations: list[str]) -> None:
+    """Open many remote sources at once inside a :func:`session` (all the shards of a sharded checkpoint): their
+    first round trips overlap. Failures are left for the reader that opens the source to report."""
+    current = _SESSION.get()
+    wanted = [loc for loc in dict.fromkeys(locations) if is_remote(loc) and current and loc not in current.sources]
+    if len(wanted) < 2 or current is None:
+        return
+
+    def attempt(location: str) -> None:
+        try:
+            source = remote.open_remote(location)  # (the pool's threads don't see the session: registered here)
+        except Exception:  # (the reader opens it again and says what is wrong)
+            return
+        current.sources.setdefault(location, source)
+
+    with ThreadPoolExecutor(min(WORKERS, len(wanted))) as pool:
+        list(pool.map(attempt, wanted))
+
+
+def size_of(location: str) -> int:
+    return os.path.getsize(location) if not is_remote(location) else open_source(location).size
+
+
+def read_all(location: str) -> bytes:
+    """A small file's bytes (an index json, a DCP ``.metadata``: the caller checks the size first)."""
+    if not is_remote(location):
+        with open(location, "rb") as f:
+            return f.read()
+    source = open_source(location)
+    return source.read(0, source.size)

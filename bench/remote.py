@@ -19,8 +19,8 @@ measured, not this disk). Bytes fetched: the body bytes the server sent for the 
 path: API answers, redirects, the file), and the requests it answered. Time: wall seconds of the row's
 processes (Python start and imports included); a child that calls a library prints ``call_s=`` for the call
 alone (imports excluded), shown as "call". Rounds alternate the order of the rows; medians. A ckptfix row
-that fails with "no such file" (a ckptfix without remote sources) is skipped with a note, so the script
-runs before and after they land.
+that fails with "no such file" or "needs a local copy" (a ckptfix without remote sources, or without them for
+that verb: convert) is skipped with a note, so the script runs before and after they land.
 
     python bench/remote.py                            # 2 GiB, 3 rounds
     python bench/remote.py --size-mib 64 --rounds 2 --json out.json
@@ -49,7 +49,8 @@ from measure import read_through  # noqa: E402  (bench/measure.py)
 PY = sys.executable
 FILES = {"safetensors": "model.safetensors", "pth": "model.pth"}
 TENSORS = 100
-NOT_YET = "no such file"  # what ckptfix without remote sources says of a URL
+#: what a ckptfix says of a URL it can't read yet: no remote sources at all, or not for this verb (convert)
+NOT_YET = ("no such file", "needs a local copy")
 
 
 def make_inputs(repo: Path, size_mib: int) -> None:
@@ -127,7 +128,7 @@ def run_row(row: Row, hub: HubServer, work: Path, env: dict[str, str]) -> None:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall += time.perf_counter() - start
         if proc.returncode != 0:
-            if row.ckptfix and NOT_YET in proc.stderr:
+            if row.ckptfix and any(text in proc.stderr for text in NOT_YET):
                 row.skipped = proc.stderr.strip()
                 return
             raise SystemExit(f"{row.name} ({row.file}) failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
@@ -153,7 +154,7 @@ def render(table: list[Row], sizes: dict[str, int], args: argparse.Namespace) ->
                      f"{statistics.median(row.walls):.3f} | {'—' if call != call else f'{call:.3f}'} |")
     skipped = [row for row in table if row.skipped]
     if skipped:
-        lines += ["", f"¹ this ckptfix has no remote sources yet (`{skipped[0].skipped}`): run again once they land."]
+        lines += ["", f"¹ this ckptfix can't do this from a URL yet (`{skipped[0].skipped}`): run again once it can."]
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """bench/remote.py runs end to end on a small file and produces every row, so it can't rot between the runs
 that fill bench/RESULTS.md: the server's counts say the header rows fetched a part of the file and the
-download rows all of it; a ckptfix row either ran or was skipped because ckptfix has no remote sources."""
+download rows all of it; ckptfix's inspect rows ran, its convert rows are skipped until convert reads URLs."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def test_bench_remote_produces_every_row(tmp_path: Path) -> None:
             assert (name, kind) in names
     assert ("huggingface_hub.get_safetensors_metadata", "safetensors") in names
     for row in rows:
-        if row["skipped"] is not None:
-            assert row["name"].startswith("ckptfix ") and "no such file" in row["skipped"], row
+        if row["skipped"] is not None:  # convert from a URL is not built yet (issue 19); inspect is, and must run
+            assert row["name"].startswith("ckptfix convert") and "needs a local copy" in row["skipped"], row
             continue
         assert len(row["walls"]) == 1 and row["walls"][0] > 0 and row["requests"][0] >= 1, row
         sent, size = row["sent"][0], row["size"]

@@ -11,6 +11,7 @@ client must survive. Needs nothing but the standard library (bench/remote.py imp
         server.status["/model.safetensors"] = 403    # or 404
         server.delay["/model.safetensors"] = 5.0     # seconds before the status line: a client's read timeout
         server.redirect_loop.add("/loop")            # 302 to itself, for ever
+        server.flaky["/model.safetensors"] = 2       # each (path, Range) asked for: 503 twice, then answered
         server.change_after("model.safetensors", 1, new_bytes)  # replaced (new ETag, Last-Modified) after 1 request
 
 ``FileServer(root, tls=self_signed_cert(folder))`` serves https (that certificate needs ``cryptography``).
@@ -111,6 +112,8 @@ class FileServer:
         self.delay: dict[str, float] = {}
         self.redirect_loop: set[str] = set()
         self.redirects: dict[str, str] = {}
+        self.flaky: dict[str, int] = {}  # path → N: the first N requests for each of its Ranges get a 503
+        self._flaky_seen: dict[tuple[str, str | None], int] = {}
         self._changes: dict[str, tuple[int, bytes]] = {}
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
@@ -158,6 +161,16 @@ class FileServer:
         client's requests."""
         with self._lock:
             self._changes[name.lstrip("/")] = (requests, content)
+
+    def flaky_fails(self, path: str, range_header: str | None) -> bool:
+        """Whether this request for ``path`` (with this Range, or None) is one of the ``flaky[path]`` that fail."""
+        fails = self.flaky.get(path)
+        if fails is None:
+            return False
+        with self._lock:
+            seen = self._flaky_seen.get((path, range_header), 0)
+            self._flaky_seen[(path, range_header)] = seen + 1
+        return seen < fails
 
     def apply_change(self, name: str, served: int) -> None:
         """Called before a request for the file ``name`` (relative to root) is answered, the ``served``-th."""
@@ -227,7 +240,7 @@ def self_signed_cert(folder: Path) -> tuple[Path, Path]:
 
 
 class FileHandler(BaseHTTPRequestHandler):
-    """One request: the switches in order (delay, redirect loop, redirect, forced status), the subclass's
+    """One request: the switches in order (delay, flaky 503, redirect loop, redirect, forced status), the subclass's
     routes, then the file (HEAD, or GET with or without Range)."""
 
     server_state: FileServer
@@ -267,6 +280,8 @@ class FileHandler(BaseHTTPRequestHandler):
         served = state.counts._request(path, self.headers.get("Range"))
         if (wait := state.delay.get(path)) is not None:
             time.sleep(wait)
+        if state.flaky_fails(path, self.headers.get("Range")):
+            return self.send_simple(HTTPStatus.SERVICE_UNAVAILABLE, f"503 for {path} (flaky)\n".encode())
         if path in state.redirect_loop:
             return self.send_simple(HTTPStatus.FOUND, headers={"Location": path})
         if path in state.redirects:

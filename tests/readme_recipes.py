@@ -114,20 +114,12 @@ def _fixture(name: str) -> Callable[[Path, Any], None]:
 
 
 def _on_s3(fixture: str, url: str) -> Callable[[Path, Any], None]:
-    """The fixture uploaded to ``url`` on an S3 server (moto's, on 127.0.0.1) that AWS_ENDPOINT_URL names for the run."""
+    """The fixture uploaded to ``url`` on tests/remote_servers.py's S3 server (moto's, on 127.0.0.1; the
+    ``s3_server`` fixture, which points AWS_ENDPOINT_URL and the keys at it for the run)."""
     def make(dst: Path, request: Any) -> None:
-        moto_server = pytest.importorskip("moto.server")
-        boto3 = pytest.importorskip("boto3")
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        request.addfinalizer(server.stop)
-        host, port = server.get_host_and_port()
-        env = request.getfixturevalue("monkeypatch")
-        for k, v in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                     "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-            env.setenv(k, v)
+        server = request.getfixturevalue("s3_server")
         bucket, _, key = url.removeprefix("s3://").partition("/")
-        client = boto3.session.Session().client("s3")
+        client = server.client()
         client.create_bucket(Bucket=bucket)
         client.upload_file(str(ROOT / "fixtures" / fixture), bucket, key)
     return make

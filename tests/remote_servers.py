@@ -7,8 +7,8 @@ F811 flags each test's argument of the same name as a redefinition of an unused 
     SERVERS = (http_server, https_server, hub_server, s3_server)
 
 - ``http_server``: :class:`file_server.FileServer` on the test's own directory (``http_server.root``): Range,
-  ETag/Last-Modified, HEAD, byte and request counts, and the switches (ignore Range, 404/403, delay, redirect
-  loop, a file that changes after N requests).
+  ETag/Last-Modified, HEAD, byte and request counts, and the switches (ignore Range, 404/403, delay, 503 N times
+  per Range, redirect loop, a file that changes after N requests).
 - ``https_server``: the same over TLS, with a self-signed certificate the clients trust through the
   environment (SSL_CERT_FILE, REQUESTS_CA_BUNDLE).
 - ``hub_server``: :class:`hub_server.HubServer` (the Hub endpoints huggingface_hub uses) on its own

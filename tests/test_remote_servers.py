@@ -95,6 +95,30 @@ def test_http_delay_times_a_client_out(http_server: FileServer) -> None:
         requests.get(http_server.url("model.pth"), timeout=0.2)
 
 
+@pytest.mark.parametrize("fails", [1, 2])
+def test_http_flaky_fails_each_range_n_times(http_server: FileServer, fails: int) -> None:
+    """``flaky[path] = N``: the first N requests for each Range of the path are 503s; a client that retries
+    (requests with urllib3's Retry) gets the bytes, and one that does not gets the 503."""
+    import requests
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
+
+    data = write_checkpoint(http_server.root, "safetensors").read_bytes()
+    url = http_server.url("model.safetensors")
+    http_server.flaky["/model.safetensors"] = fails
+    assert requests.get(url, headers={"Range": "bytes=0-7"}, timeout=10).status_code == 503
+    with requests.Session() as session:
+        session.mount("http://", HTTPAdapter(max_retries=Retry(total=fails, status_forcelist=[503], backoff_factor=0)))
+        for first, last in SPANS:
+            r = session.get(url, headers={"Range": f"bytes={first}-{last}"}, timeout=10)
+            assert r.status_code == 206 and r.content == data[first:last + 1]
+    # (the first request's 503 was one of bytes=0-7's: each Range failed N times, then was answered once)
+    assert http_server.counts.requests["/model.safetensors"] == (fails + 1) * len(SPANS)
+    error = len(b"503 for /model.safetensors (flaky)\n")
+    assert http_server.counts.bytes_sent["/model.safetensors"] == sum(b - a + 1 for a, b in SPANS) + error * fails * len(SPANS)
+    assert requests.get(http_server.url("absent.pth"), timeout=10).status_code == 404  # other paths unaffected
+
+
 def test_http_redirect_loop(http_server: FileServer) -> None:
     import requests
 

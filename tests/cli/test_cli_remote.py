@@ -1,5 +1,6 @@
 """``ckptfix inspect`` and ``scan`` of https:// and s3:// URLs: --json's bytes_fetched, exit codes, and each failure
-of issue 19 as one ``Error:`` line, exit 1, nothing on stdout. The servers are tests/ops/test_remote.py's."""
+of issue 19 as one ``Error:`` line, exit 1, nothing on stdout. The servers are tests/remote_servers.py's, the
+failures tests/ops/test_remote.py's ERRORS (each a switch of the HTTP server)."""
 
 from __future__ import annotations
 
@@ -12,67 +13,66 @@ from typing import Any
 
 import pytest
 import torch
-import test_remote
-from test_remote import ERRORS, HttpServer, S3Server, _Payload, write_checkpoints
+from file_server import FileServer
+from remote_servers import S3Server, http_server, s3_server
+from test_remote import ERRORS, _file_bytes, _Payload, failing, write_checkpoints
 
 from ckptfix.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
-http_server, s3_server, _moto = test_remote.http_server, test_remote.s3_server, test_remote._moto  # the fixtures
+SERVERS = (http_server, s3_server)  # the fixtures, registered by being in this module's namespace
 
 
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded"])
-def test_inspect_json_reports_bytes_fetched(cli_runner: Any, http_server: HttpServer, kind: str) -> None:
+def test_inspect_json_reports_bytes_fetched(cli_runner: Any, http_server: FileServer, kind: str) -> None:
     names = write_checkpoints(http_server.root)
-    res = cli_runner.invoke(cli, ["inspect", "--json", f"{http_server.url}/{names[kind]}"])
+    res = cli_runner.invoke(cli, ["inspect", "--json", http_server.url(names[kind])])
     assert res.exit_code == 0, res.output
     got = json.loads(res.stdout)
-    assert got["bytes_fetched"] == http_server.bytes_sent > 0
+    assert got["bytes_fetched"] == _file_bytes(http_server) > 0
     local = json.loads(cli_runner.invoke(cli, ["inspect", "--json", str(http_server.root / names[kind])]).stdout)
     assert "bytes_fetched" not in local  # a local file's object is as it was
     assert got["keys"] == local["keys"] and got["num_params"] == local["num_params"]
-    text = cli_runner.invoke(cli, ["inspect", f"{http_server.url}/{names[kind]}"]).stdout
+    text = cli_runner.invoke(cli, ["inspect", http_server.url(names[kind])]).stdout
     assert "fetched:" in text and "headers only" in text
 
 
-def test_scan_s3_exit_codes(cli_runner: Any, s3_server: S3Server) -> None:
-    write_checkpoints(s3_server.root)
-    torch.save({"hook": _Payload()}, s3_server.root / "evil.pth")
-    s3_server.upload()
-    ok = cli_runner.invoke(cli, ["scan", "--json", f"{s3_server.url}/model.pth"])
+def test_scan_s3_exit_codes(cli_runner: Any, s3_server: S3Server, tmp_path: Path) -> None:
+    root = tmp_path / "bucket"
+    root.mkdir()
+    write_checkpoints(root)
+    torch.save({"hook": _Payload()}, root / "evil.pth")
+    s3_server.upload(root, key="")
+    ok = cli_runner.invoke(cli, ["scan", "--json", s3_server.url("model.pth")])
     assert ok.exit_code == 0 and json.loads(ok.stdout)["bytes_fetched"] > 0, ok.output
-    bad = cli_runner.invoke(cli, ["scan", f"{s3_server.url}/evil.pth"])
+    bad = cli_runner.invoke(cli, ["scan", s3_server.url("evil.pth")])
     assert bad.exit_code == 3 and "posix.system" in bad.stdout, bad.output
 
 
 @pytest.mark.parametrize("command", ["inspect", "scan"])
 @pytest.mark.parametrize("mode, file, error, message", ERRORS, ids=[e[0] for e in ERRORS])
-def test_each_failure_is_one_error_line(cli_runner: Any, http_server: HttpServer, monkeypatch: pytest.MonkeyPatch,
+def test_each_failure_is_one_error_line(cli_runner: Any, http_server: FileServer, monkeypatch: pytest.MonkeyPatch,
                                         command: str, mode: str, file: str, error: type, message: str) -> None:
-    monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "0.3")
-    monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "1")
-    http_server.delay = 1.0
-    write_checkpoints(http_server.root)
-    url = f"{http_server.mode(mode)}/{file}"
+    url = failing(http_server, monkeypatch, mode, file)
     res = cli_runner.invoke(cli, [command, url])
     assert res.exit_code == 1 and res.stdout == "", res.output
     assert res.stderr.startswith(f"Error: {url}: ") and res.stderr.count("\n") == 1, res.stderr
 
 
-def test_convert_from_a_url_is_refused_with_nothing_written(cli_runner: Any, http_server: HttpServer,
+def test_convert_from_a_url_is_refused_with_nothing_written(cli_runner: Any, http_server: FileServer,
                                                             tmp_path: Path) -> None:
     names = write_checkpoints(http_server.root)
-    url = f"{http_server.url}/{names['zip']}"
+    url = http_server.url(names["zip"])
     res = cli_runner.invoke(cli, ["convert", url, str(tmp_path / "out.safetensors")])
     assert res.exit_code == 1 and "needs a local copy" in res.stderr and res.stderr.count("\n") == 1, res.output
-    assert not (tmp_path / "out.safetensors").exists() and http_server.requests == 0
+    assert not (tmp_path / "out.safetensors").exists() and http_server.counts.total_requests == 0
 
 
-def test_inspect_url_in_a_real_process(http_server: HttpServer) -> None:
+def test_inspect_url_in_a_real_process(http_server: FileServer) -> None:
     """The installed entry point's path: one real subprocess."""
     names = write_checkpoints(http_server.root)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "ckptfix", "inspect", "--json", f"{http_server.url}/{names['zip']}"],
+    out = subprocess.run([sys.executable, "-m", "ckptfix", "inspect", "--json", http_server.url(names["zip"])],
                          capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["bytes_fetched"] == http_server.bytes_sent
+    assert json.loads(out.stdout)["bytes_fetched"] == _file_bytes(http_server)

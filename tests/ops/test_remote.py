@@ -1,25 +1,17 @@
 """Remote checkpoints (issue 19): ``describe`` and ``scan`` of https:// and s3:// sources read header bytes only,
-through real servers started here on 127.0.0.1 (a Range-honouring HTTP server and moto's S3 server), and give
-exactly what the same calls give for the local file.
-
-The fixtures ``http_server`` and ``s3_server`` are each a base URL and the directory they serve (for S3: the
-files in it uploaded under that prefix); tests/cli/test_cli_remote.py imports them.
+through the real servers of tests/remote_servers.py on 127.0.0.1 (tests/file_server.py's Range-honouring HTTP
+server with its failure switches, tests/hub_server.py's Hub, moto's S3 server), and give exactly what the same
+calls give for the local file. tests/cli/test_cli_remote.py imports ERRORS and the checkpoint writers from here.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import sys
-import threading
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -28,215 +20,11 @@ from safetensors.torch import save_file
 import ckptfix
 from ckptfix import errors
 from ckptfix.safety.scanner import scan
+from file_server import FileServer
+from hub_server import COMMIT, REPO, HubServer
+from remote_servers import S3Server, http_server, hub_server, s3_server
 
-_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
-
-
-@dataclass
-class HttpServer:
-    """``url``: the base URL of ``root``. Other behaviours under sibling prefixes of ``files/``: ``norange/``
-    (ignores Range), ``loop/`` (redirects to itself), ``forbidden/`` (403), ``slow/`` (answers after
-    ``delay`` seconds), ``changing/`` (a new ETag on every response), ``flaky/`` (a 503 the first time each
-    range is asked for)."""
-
-    root: Path
-    base: str
-    bytes_sent: int = 0
-    requests: int = 0
-    delay: float = 2.0
-    listed: int = 0  # of bytes_sent: the Hub's tree listings (huggingface_hub's requests, not file bytes)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    asked: set = field(default_factory=set)
-
-    @property
-    def url(self) -> str:
-        return self.base + "/files"
-
-    def mode(self, name: str) -> str:
-        return f"{self.base}/{name}"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    state: HttpServer
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        s = self.state
-        with s.lock:
-            s.requests += 1
-            count = s.requests
-        mode, _, rel = self.path.lstrip("/").partition("/")
-        if mode == "loop":
-            return self._empty(302, {"Location": self.path})
-        if mode == "forbidden":
-            return self._empty(403)
-        if mode == "flaky":
-            with s.lock:
-                first = (self.path, self.headers.get("Range")) not in s.asked
-                s.asked.add((self.path, self.headers.get("Range")))
-            if first:
-                return self._empty(503)
-        if mode == "slow":
-            time.sleep(s.delay)
-        file = s.root / rel
-        if not rel or ".." in rel.split("/") or not file.is_file():
-            return self._empty(404)
-        data = file.read_bytes()
-        st = file.stat()
-        etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}' + (f"-{count}" if mode == "changing" else "") + '"'
-        m = _RANGE.fullmatch(self.headers.get("Range", ""))
-        if m is None or mode == "norange":
-            return self._send(200, data, {"ETag": etag})
-        start = int(m.group(1))
-        end = min(int(m.group(2)) if m.group(2) else len(data) - 1, len(data) - 1)
-        if start >= len(data):
-            return self._empty(416, {"Content-Range": f"bytes */{len(data)}"})
-        self._send(206, data[start : end + 1], {"ETag": etag, "Content-Range": f"bytes {start}-{end}/{len(data)}"})
-
-    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        with self.state.lock:  # (counted first: the client may have everything before write() returns here)
-            self.state.bytes_sent += len(body)
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):
-            return  # the client refused the body (a 200 to a Range request) or timed out
-
-    def _empty(self, status: int, headers: dict[str, str] | None = None) -> None:
-        self._send(status, b"", headers or {})
-
-
-class _Quiet(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a client that hangs up mid-answer is what the error tests do
-
-
-@pytest.fixture
-def http_server(tmp_path: Path) -> Iterator[HttpServer]:
-    root = tmp_path / "served"
-    root.mkdir()
-    handler = type("Handler", (_Handler,), {})
-    server = _Quiet(("127.0.0.1", 0), handler)
-    state = HttpServer(root, f"http://127.0.0.1:{server.server_address[1]}")
-    handler.state = state
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield state
-    server.shutdown()
-    server.server_close()
-
-
-COMMIT = "c0ffee" * 6 + "abcd"  # the one commit the hub server has
-
-
-class _HubHandler(_Handler):
-    """The Hub's file and tree routes over ``root/ORG/REPO/…`` (one commit, any revision name):
-    ``/ORG/REPO/resolve/REV/PATH`` (HEAD: metadata; GET: Range) and ``/api/models/ORG/REPO/tree/REV[/PATH]``."""
-
-    def do_HEAD(self) -> None:
-        self._hub(head=True)
-
-    def do_GET(self) -> None:
-        self._hub(head=False)
-
-    def _hub(self, head: bool) -> None:
-        parts = self.path.split("?")[0].lstrip("/").split("/")
-        if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "tree":
-            folder = self.state.root.joinpath(parts[2], parts[3], *parts[6:])
-            if not folder.is_dir():
-                return self._empty(404, {"X-Error-Code": "EntryNotFound"})
-            items = [{"type": "directory" if p.is_dir() else "file", "oid": "0" * 40,
-                      "path": "/".join([*parts[6:], p.name]), **({} if p.is_dir() else {"size": p.stat().st_size})}
-                     for p in sorted(folder.iterdir())]
-            body = json.dumps(items).encode()
-            with self.state.lock:
-                self.state.listed += len(body)
-            return self._send(200, body, {"Content-Type": "application/json"})
-        if len(parts) < 5 or parts[2] != "resolve":
-            return self._empty(404, {"X-Error-Code": "RepoNotFound"})
-        file = self.state.root.joinpath(parts[0], parts[1], *parts[4:])
-        if not self.state.root.joinpath(parts[0], parts[1]).is_dir():
-            return self._empty(404, {"X-Error-Code": "RepoNotFound"})
-        if not file.is_file():
-            return self._empty(404, {"X-Error-Code": "EntryNotFound"})
-        extra = {"X-Repo-Commit": COMMIT}
-        if head:
-            self.send_response(200)
-            for k, v in {**extra, "ETag": f'"{file.stat().st_size:x}"', "Content-Length": str(file.stat().st_size)}.items():
-                self.send_header(k, v)
-            self.end_headers()
-            return None
-        self.path = "/files/" + "/".join(parts[:2] + parts[4:])  # then served as a plain file, with Range
-        return _Handler.do_GET(self)
-
-
-@pytest.fixture
-def hub_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HttpServer]:
-    """``url`` is ``hf://`` (``HF_ENDPOINT`` points at the server); ``root/ORG/REPO`` are its repositories."""
-    root = tmp_path / "hub"
-    root.mkdir()
-    handler = type("HubHandler", (_HubHandler,), {})
-    server = _Quiet(("127.0.0.1", 0), handler)
-    state = HttpServer(root, f"http://127.0.0.1:{server.server_address[1]}")
-    handler.state = state
-    monkeypatch.setenv("HF_ENDPOINT", state.base)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield state
-    server.shutdown()
-    server.server_close()
-
-
-@dataclass
-class S3Server:
-    """``url`` (``s3://bucket``) holds what ``upload()`` copies from ``root``."""
-
-    root: Path
-    url: str
-    client: Any
-
-    def upload(self) -> None:
-        bucket = self.url[len("s3://"):]
-        for path in sorted(self.root.rglob("*")):
-            if path.is_file():
-                self.client.upload_file(str(path), bucket, path.relative_to(self.root).as_posix())
-
-
-@pytest.fixture(scope="module")
-def _moto() -> Iterator[str]:
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def s3_server(_moto: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    boto3 = pytest.importorskip("boto3")
-    for k, v in {"AWS_ENDPOINT_URL": _moto, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(k, raising=False)
-    client = boto3.session.Session().client("s3")
-    bucket = f"ckpt-{os.getpid()}-{time.monotonic_ns()}"
-    client.create_bucket(Bucket=bucket)
-    root = tmp_path / "bucket"
-    root.mkdir()
-    return S3Server(root, f"s3://{bucket}", client)
+SERVERS = (http_server, hub_server, s3_server)  # the fixtures, registered by being in this module's namespace
 
 
 # -- checkpoints, written by the real code paths ------------------------------------------------------------
@@ -275,42 +63,49 @@ def _same(remote: dict, local: dict) -> None:
     assert remote == local
 
 
+def _file_bytes(server: FileServer) -> int:
+    """Body bytes the server sent of its files: not the bodies of its 404s (a client's probes for files that
+    are not there, such as a directory's ``.metadata``), which no client counts as fetched."""
+    with server.counts.lock:
+        return sum(n for path, n in server.counts.bytes_sent.items() if server.file_for(path) is not None)
+
+
 KINDS = ["zip", "safetensors", "sharded", "sharded index", "dcp"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_http_describe_is_the_local_describe_from_headers_only(http_server: HttpServer, kind: str) -> None:
+def test_http_describe_is_the_local_describe_from_headers_only(http_server: FileServer, kind: str) -> None:
     names = write_checkpoints(http_server.root)
     if kind == "dcp":  # (a web server lists nothing: the directory's .metadata is asked for by name)
         names["dcp"] = write_dcp(http_server.root)
     local = http_server.root / names[kind]
-    info = ckptfix.describe(f"{http_server.url}/{names[kind]}")
-    assert info.bytes_fetched == http_server.bytes_sent  # every byte the server sent is counted, none twice
+    info = ckptfix.describe(http_server.url(names[kind]))
+    assert info.bytes_fetched == _file_bytes(http_server)  # every byte the server sent is counted, none twice
     whole = local.parent if kind == "sharded index" else local
     size = sum(p.stat().st_size for p in ([whole] if whole.is_file() else whole.iterdir()))
     assert info.bytes_fetched < size / 4, (info.bytes_fetched, size)
     want = ckptfix.describe(local).to_dict()
     got = info.to_dict()
-    got["notes"] = [n.replace(http_server.url + f"/{names[kind]}".removesuffix("/model.safetensors.index.json"),
+    got["notes"] = [n.replace(http_server.url(names[kind]).removesuffix("/model.safetensors.index.json"),
                               str(local.parent if kind == "sharded index" else local)) for n in got["notes"]]
     _same(got, want)
 
 
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded"])
-def test_http_scan_is_the_local_scan(http_server: HttpServer, kind: str) -> None:
+def test_http_scan_is_the_local_scan(http_server: FileServer, kind: str) -> None:
     names = write_checkpoints(http_server.root)
-    report = scan(f"{http_server.url}/{names[kind]}")
-    assert report.ok and report.bytes_fetched == http_server.bytes_sent
+    report = scan(http_server.url(names[kind]))
+    assert report.ok and report.bytes_fetched == _file_bytes(http_server)
     _same(report.to_dict(), scan(http_server.root / names[kind], check_crc=False).to_dict())
 
 
-def test_a_large_remote_zip_costs_kilobytes(http_server: HttpServer) -> None:
+def test_a_large_remote_zip_costs_kilobytes(http_server: FileServer) -> None:
     """A 100-tensor zip of 26 MiB: describe fetches under 2 MiB, one request per local header (sent 16 at a time),
     a few more for the end records, the central directory and data.pkl; each block once."""
     torch.save({f"w{i}": torch.full((65_536,), float(i)) for i in range(100)}, http_server.root / "big.pth")
-    info = ckptfix.describe(f"{http_server.url}/big.pth")
+    info = ckptfix.describe(http_server.url("big.pth"))
     assert info.num_tensors == 100 and info.bytes_fetched < 2 * 2**20
-    assert http_server.requests <= 100 + 5
+    assert http_server.counts.total_requests <= 100 + 5
 
 
 class _Payload:
@@ -318,39 +113,59 @@ class _Payload:
         return (os.system, ("echo pwned",))
 
 
-def test_remote_scan_finds_what_the_local_scan_finds(http_server: HttpServer) -> None:
+def test_remote_scan_finds_what_the_local_scan_finds(http_server: FileServer) -> None:
     """Safety unchanged: an unsafe global in a remote file is the same finding; nothing runs."""
     torch.save({"state_dict": _state_dict(2), "hook": _Payload()}, http_server.root / "evil.pth")
-    report = scan(f"{http_server.url}/evil.pth")
+    report = scan(http_server.url("evil.pth"))
     assert not report.ok and report.unsafe_globals == ["posix.system"]
     _same(report.to_dict(), scan(http_server.root / "evil.pth", check_crc=False).to_dict())
 
 
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded", "dcp"])
-def test_s3_describe_and_scan_are_the_local_ones(s3_server: S3Server, kind: str) -> None:
-    names = write_checkpoints(s3_server.root)
+def test_s3_describe_and_scan_are_the_local_ones(s3_server: S3Server, tmp_path: Path, kind: str) -> None:
+    root = tmp_path / "bucket"
+    root.mkdir()
+    names = write_checkpoints(root)
     if kind == "dcp":
-        names["dcp"] = write_dcp(s3_server.root)
-    s3_server.upload()
-    url, local = f"{s3_server.url}/{names[kind]}", s3_server.root / names[kind]
+        names["dcp"] = write_dcp(root)
+    objects = {f"/{s3_server.bucket}/{key}" for key in s3_server.upload(root, key="")}
+    url, local = s3_server.url(names[kind]), root / names[kind]
     info = ckptfix.describe(url).to_dict()
     want = ckptfix.describe(local).to_dict()
     info["notes"] = [n.replace(url, str(local)) for n in info["notes"]]
+    with s3_server.counts.lock:  # what moto sent of the objects (not its listings' XML), no more, no less
+        assert info["bytes_fetched"] == sum(n for path, n in s3_server.counts.bytes_sent.items() if path in objects)
     _same(info, want)
     _same(scan(url).to_dict(), scan(local, check_crc=False).to_dict())
 
 
-def test_remote_torch_path_is_refused_not_downloaded(http_server: HttpServer) -> None:
+def test_remote_torch_path_is_refused_not_downloaded(http_server: FileServer) -> None:
     names = write_checkpoints(http_server.root)
     with pytest.raises(errors.RemoteError, match="needs a local copy"):
-        ckptfix.describe(f"{http_server.url}/{names['legacy']}")
+        ckptfix.describe(http_server.url(names["legacy"]))
     for verb in (ckptfix.read, ckptfix.inspect, ckptfix.load):
         with pytest.raises(errors.RemoteError, match="needs a local copy"):
-            verb(f"{http_server.url}/{names['zip']}")
-    assert http_server.bytes_sent < 64 * 1024
+            verb(http_server.url(names["zip"]))
+    assert http_server.counts.total_bytes < 64 * 1024
 
 
-ERRORS = [  # (mode, file, error, message)
+def _changing(server: FileServer, file: str) -> None:
+    """The file replaced (same bytes, a later mtime: a new ETag and Last-Modified) once the next request for it
+    is answered."""
+    with server.counts.lock:
+        served = server.counts.requests.get(f"/{file}", 0)
+    server.change_after(file, served + 1, (server.root / file).read_bytes())
+
+
+SWITCHES: dict[str, Callable[[FileServer, str], None]] = {  # mode → how the http_server is set for it, per call
+    "files": lambda server, file: None,
+    "forbidden": lambda server, file: server.status.__setitem__(f"/{file}", 403),
+    "loop": lambda server, file: server.redirect_loop.add(f"/{file}"),
+    "norange": lambda server, file: setattr(server, "ignore_range", True),
+    "changing": _changing,
+    "slow": lambda server, file: server.delay.__setitem__(f"/{file}", 1.0),
+}
+ERRORS = [  # (mode, file, error, message); the mode is a switch of SWITCHES, set by failing()
     ("files", "nope.pth", errors.MissingFileError, "no such file \\(HTTP 404\\)"),
     ("forbidden", "model.pth", errors.RemoteError, "access denied \\(HTTP 403"),
     ("loop", "model.pth", errors.RemoteError, "redirects in a loop"),
@@ -360,33 +175,47 @@ ERRORS = [  # (mode, file, error, message)
 ]
 
 
-@pytest.mark.parametrize("mode, file, error, message", ERRORS, ids=[e[0] for e in ERRORS])
-def test_http_failures_are_one_clear_error(http_server: HttpServer, monkeypatch: pytest.MonkeyPatch, mode: str,
-                                           file: str, error: type, message: str) -> None:
+def failing(server: FileServer, monkeypatch: pytest.MonkeyPatch, mode: str, file: str) -> str:
+    """The checkpoints written, the client's timeout (0.3 s) and retries (1) set, ``mode``'s switch turned on
+    for ``file``: its URL."""
     monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "0.3")
     monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "1")
-    http_server.delay = 1.0
-    write_checkpoints(http_server.root)
+    if not (server.root / "model.pth").exists():
+        write_checkpoints(server.root)
+    SWITCHES[mode](server, file)
+    return server.url(file)
+
+
+@pytest.mark.parametrize("mode, file, error, message", ERRORS, ids=[e[0] for e in ERRORS])
+def test_http_failures_are_one_clear_error(http_server: FileServer, monkeypatch: pytest.MonkeyPatch, mode: str,
+                                           file: str, error: type, message: str) -> None:
     for call in (ckptfix.describe, scan):
+        url = failing(http_server, monkeypatch, mode, file)  # (again: a changing file changes once per arming)
         with pytest.raises(error, match=message):
-            call(f"{http_server.mode(mode)}/{file}")
+            call(url)
 
 
-def test_transient_server_errors_are_retried(http_server: HttpServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_transient_server_errors_are_retried(http_server: FileServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each range's first request fails with a 503: it is tried again (after 0.2 s) and the describe completes."""
     monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "1")
     names = write_checkpoints(http_server.root)
-    info = ckptfix.describe(f"{http_server.mode('flaky')}/{names['zip']}")
-    assert info.num_tensors == 12 and http_server.requests == 2 * len(http_server.asked)
+    path = "/" + names["zip"]
+    http_server.flaky[path] = 1
+    info = ckptfix.describe(http_server.url(names["zip"]))
+    asked = {r for p, r in http_server.counts.ranges if p == path}
+    assert info.num_tensors == 12 and http_server.counts.requests[path] == 2 * len(asked)
+    assert len(asked) > 1 and info.bytes_fetched == http_server.counts.total_bytes - len(asked) * len(
+        f"503 for {path} (flaky)\n")  # the 503s' bodies are the server's, not the checkpoint's
 
 
 def test_s3_missing_object_and_bad_credentials(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(errors.MissingFileError, match="no such object"):
-        ckptfix.describe(f"{s3_server.url}/nope.pth")
+        ckptfix.describe(s3_server.url("nope.pth"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:1")
     monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "0")
     with pytest.raises(errors.RemoteError, match="AWS_ENDPOINT_URL"):
-        ckptfix.describe(f"{s3_server.url}/model.pth")
+        ckptfix.describe(s3_server.url("model.pth"))
 
 
 def test_remote_needs_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,44 +225,54 @@ def test_remote_needs_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
         ckptfix.describe("s3://bucket/model.pth")
 
 
+def _hub_file(hub: HubServer, path: str) -> bool:
+    return path.startswith((f"/{hub.repo}/resolve/", f"/cdn/{COMMIT}/"))
+
+
+def _hub_file_bytes(hub: HubServer) -> int:
+    """Body bytes the Hub sent of its files (resolve and CDN paths): not its API's JSON (huggingface_hub's listings)."""
+    with hub.counts.lock:
+        return sum(n for path, n in hub.counts.bytes_sent.items() if _hub_file(hub, path))
+
+
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded"])
-def test_hub_describe_and_scan_are_the_local_ones(hub_server: HttpServer, kind: str) -> None:
-    repo = hub_server.root / "org" / "repo"
-    repo.mkdir(parents=True)
+def test_hub_describe_and_scan_are_the_local_ones(hub_server: HubServer, kind: str) -> None:
+    repo = hub_server.root  # the repository REPO
     names = write_checkpoints(repo)
     name = "" if kind == "sharded" else names[kind]  # the repository itself: its sharded index found in it
-    local = repo / "sharded" if kind == "sharded" else repo / name
+    local = repo / name
     if kind == "sharded":
         shutil.rmtree(repo / "legacy.pth", ignore_errors=True)
         for f in (repo / "sharded").iterdir():
             f.rename(repo / f.name)
         local = repo
-    for url in (f"hf://org/repo/{name}".rstrip("/"), f"hf://org/repo@main/{name}".rstrip("/")):
+    for url in (f"hf://{REPO}/{name}".rstrip("/"), f"hf://{REPO}@main/{name}".rstrip("/")):
         info = ckptfix.describe(url)
-        assert 0 < info.bytes_fetched == hub_server.bytes_sent - hub_server.listed
+        assert 0 < info.bytes_fetched == _hub_file_bytes(hub_server)
         got = info.to_dict()
         got["notes"] = [n.replace(url, str(local)) for n in got["notes"]]
         _same(got, ckptfix.describe(local).to_dict())
         _same(scan(url).to_dict(), scan(local, check_crc=False).to_dict())
-        hub_server.bytes_sent = hub_server.listed = 0
+        hub_server.counts.reset()
 
 
-def test_hub_file_in_the_local_cache_is_read_from_there(hub_server: HttpServer) -> None:
+def test_hub_file_in_the_local_cache_is_read_from_there(hub_server: HubServer) -> None:
     from huggingface_hub import hf_hub_download
 
-    repo = hub_server.root / "org" / "repo"
-    repo.mkdir(parents=True)
-    names = write_checkpoints(repo)
-    hf_hub_download("org/repo", names["zip"], endpoint=hub_server.base, cache_dir=os.environ["HF_HUB_CACHE"])
-    before = hub_server.requests
-    info = ckptfix.describe(f"hf://org/repo/{names['zip']}")
-    assert info.bytes_fetched == 0 and hub_server.requests == before
-    assert info.to_dict()["keys"] == ckptfix.describe(repo / names["zip"]).to_dict()["keys"]
+    names = write_checkpoints(hub_server.root)
+    hf_hub_download(REPO, names["zip"], endpoint=hub_server.base_url, cache_dir=os.environ["HF_HUB_CACHE"])
+    def file_requests() -> int:  # (the Hub's API, which huggingface_hub asks about the repo, is not the file)
+        with hub_server.counts.lock:
+            return sum(n for path, n in hub_server.counts.requests.items() if _hub_file(hub_server, path))
+
+    before = file_requests()
+    info = ckptfix.describe(f"hf://{REPO}/{names['zip']}")
+    assert before > 0 and info.bytes_fetched == 0 and file_requests() == before
+    assert info.to_dict()["keys"] == ckptfix.describe(hub_server.root / names["zip"]).to_dict()["keys"]
 
 
-def test_hub_missing_file_and_repo(hub_server: HttpServer) -> None:
-    (hub_server.root / "org" / "repo").mkdir(parents=True)
-    with pytest.raises(errors.MissingFileError, match="no such file in org/repo"):
-        ckptfix.describe("hf://org/repo/nope.safetensors")
+def test_hub_missing_file_and_repo(hub_server: HubServer) -> None:
+    with pytest.raises(errors.MissingFileError, match=f"no such file in {REPO}"):
+        ckptfix.describe(f"hf://{REPO}/nope.safetensors")
     with pytest.raises(errors.MissingFileError, match="no such repository"):
         ckptfix.describe("hf://org/other/model.safetensors")

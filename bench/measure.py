@@ -9,14 +9,16 @@ every 5 ms from outside the process, and a file's pages dropped from the page ca
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
+import sys
 import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # page_cache.py: standard library only
+from page_cache import drop_from_page_cache, resident_bytes  # noqa: E402,F401  (re-exported for the benches)
 
 INTERVAL = 0.005
 
@@ -114,39 +116,3 @@ def read_through(path: str | os.PathLike[str]) -> None:
             pass
 
 
-def resident_bytes(path: str | os.PathLike[str]) -> int:
-    """How many of the file's bytes sit in the page cache (mincore(2) over a mapping of it)."""
-    size = Path(path).stat().st_size
-    if size == 0:
-        return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap {path}")
-        pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-        try:
-            if libc.mincore(addr, size, pages) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore {path}")
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return sum(p & 1 for p in pages) * mmap.PAGESIZE
-
-
-def drop_from_page_cache(path: str | os.PathLike[str]) -> int:
-    """``os.sync()``, then POSIX_FADV_DONTNEED over the whole file (a cold run); returns the bytes that
-    stayed cached: 0 unless a process still maps them or the file system keeps files in memory (tmpfs)."""
-    os.sync()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return resident_bytes(path)

@@ -10,7 +10,6 @@ records, per case, what the loader did to this rank's shards; the test module ma
 from __future__ import annotations
 
 import functools
-import os
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckptfix.errors import CkptfixError, LoadError
+from page_cache import drop_from_page_cache
 
 #: model kind → the family of state dict its checkpoint holds (the kinds the load matrix runs)
 MODELS = {"fsdp2": "mixed", "fsdp2-meta": "mixed", "tp": "tp", "dtensor-1d": "placed", "dtensor-2d": "placed"}
@@ -160,16 +160,6 @@ def read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
-def drop_cached_pages(path: Path) -> None:
-    for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def bits(t: torch.Tensor) -> tuple[Any, ...]:
     """A tensor's identity bit for bit (NaN equal to itself): shape, dtype and raw bytes."""
     t = t.detach()
@@ -202,7 +192,7 @@ def run_case(case: dict[str, Any], meshes: dict[str, Any], loaders: dict[str, Ca
     before = {k: bits(v) for k, v in local_tensors(model).items() if v.device.type != "meta"}
     path = Path(case["path"])
     if case.get("cold"):
-        drop_cached_pages(path)
+        drop_from_page_cache(path)
         dist.barrier()
     start = read_bytes()
     out: dict[str, Any] = {"outcome": "ok", "message": "", "traceback": "", "path": str(path)}

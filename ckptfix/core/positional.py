@@ -28,11 +28,11 @@ _STEP = 64 * 2**20
 
 
 class PositionalReader:
-    """Open files by path once, read ranges into buffers, count the bytes; close with ``close()``/``with``."""
+    """Open files by path once (a :class:`LocalSource` each), read ranges into buffers with no cache, count the
+    bytes; close with ``close()``/``with``."""
 
     def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
-        self._sizes: dict[str, int] = {}
+        self._files: dict[str, LocalSource] = {}
         self.bytes_read = 0
 
     def __enter__(self) -> PositionalReader:
@@ -41,38 +41,29 @@ class PositionalReader:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def _file(self, path: str) -> LocalSource:
+        if path not in self._files:
+            self._files[path] = LocalSource(path)
+        return self._files[path]
+
     def fd(self, path: str) -> int:
         """A read-only descriptor for ``path`` with readahead off (opened once)."""
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            self._fds[path] = fd
-        return fd
+        return self._file(path).fd
 
     def size(self, path: str) -> int:
-        """The file's size when first asked (a file changing under a load is not a case this reads around)."""
-        if path not in self._sizes:
-            self._sizes[path] = os.fstat(self.fd(path)).st_size
-        return self._sizes[path]
+        """The file's size when first opened (a file changing under a load is not a case this reads around)."""
+        return self._file(path).size
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` (a writable byte view) with ``path[offset : offset + len(buf)]``; a file that ends
         first is a FormatError naming the range (a truncated checkpoint)."""
-        fd, done, total = self.fd(path), 0, buf.nbytes
-        while done < total:
-            n = os.preadv(fd, [buf[done : done + min(_STEP, total - done)]], offset + done)
-            if n <= 0:
-                raise FormatError(f"{path}: ends at byte {offset + done}, but bytes {offset}..{offset + total} "
-                                  "are needed (a truncated file?)")
-            done += n
-        self.bytes_read += total
+        self._file(path).read_into(offset, buf)
+        self.bytes_read += buf.nbytes
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for source in self._files.values():
+            source.close()
+        self._files.clear()
 
 
 #: bytes per cached block (a remote fetch is at least this long: a zip local header and its neighbours)
@@ -189,6 +180,17 @@ class LocalSource(ByteSource):
 
     def _fetch(self, offset: int, n: int) -> bytes:
         return os.pread(self.fd, min(n, self.size - offset), offset)
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with bytes ``offset ..`` straight from the file (no cache: a tensor's bytes land in the
+        tensor); a file that ends first is a FormatError naming the range."""
+        done, total = 0, buf.nbytes
+        while done < total:
+            n = os.preadv(self.fd, [buf[done : done + min(_STEP, total - done)]], offset + done)
+            if n <= 0:
+                raise FormatError(f"{self.name}: ends at byte {offset + done}, but bytes {offset}..{offset + total} "
+                                  "are needed (a truncated file?)")
+            done += n
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -87,7 +87,9 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         if bad:
             raise LoadError(f"{ckpt.path}: {_values(bad)}; nothing was loaded (a diverged run, or a damaged "
                             "file?); pass strict_values=False to load it anyway")
-        nonfinite = distributed.gather_keys(_commit(model, plan, fit.state_dict, sources, check_values and not strict_values))
+        committed = _commit(model, plan, fit.state_dict, sources, check_values and not strict_values)
+        nonfinite = distributed.gather_keys(committed)
+        _check_done(model, path)  # the postcondition (after the last collective): no tensor left on meta
         bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src in plan.copy) + sum(
             _nbytes(src) for _s, src, _d in plan.assign)
     notes = list(ckpt.notes)
@@ -227,6 +229,15 @@ def _refuse_meta_left(model: Any, model_sd: Any, slots: dict[str, Slot], plan: P
         raise LoadError(f"{len(left)} tensor(s) of the model are on the meta device and the checkpoint doesn't fill them: "
                         f"{few(left)}; nothing was loaded. Give them values first (model.to_empty(device=...) and their "
                         "initialisation, e.g. non-persistent buffers), or load a checkpoint that holds them")
+
+
+def _check_done(model: Any, path: str) -> None:
+    """After the commit, every parameter and buffer has real storage (the plan promised it; this proves it)."""
+    left = [n for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+            if _on_meta(t)]
+    if left:
+        raise LoadError(f"{path}: after loading, {len(left)} tensor(s) of the model are still on the meta device: "
+                        f"{few(left)} (a bug in ckptfix: please report it with CKPTFIX_DEBUG=1)")
 
 
 def _on_meta(t: Any) -> bool:

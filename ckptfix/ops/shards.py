@@ -35,10 +35,11 @@ def is_fsdp_hook(hook: Any) -> bool:
 
 def reshard(model: Any) -> None:
     """FSDP2 modules back in their sharded state (as their load pre-hook would put them)."""
-    if "torch.distributed.fsdp" not in sys.modules:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not hasattr(fsdp, "FSDPModule"):
         return  # no FSDP module can exist
     for module in model.modules():
-        if hasattr(module, "reshard") and type(module).__name__.startswith("FSDP"):
+        if isinstance(module, fsdp.FSDPModule):
             module.reshard()
 
 

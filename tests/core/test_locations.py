@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 from pathlib import Path
 
@@ -13,33 +11,7 @@ import torch
 import ckptfix
 from ckptfix.core import locations
 from ckptfix.core.positional import BLOCK, ByteSource
-
-
-def resident_bytes(path: Path) -> int:
-    """Bytes of ``path`` in the page cache, counted with mincore(2) on a private mapping (which faults nothing)."""
-    size = path.stat().st_size
-    page = mmap.PAGESIZE
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-        try:
-            anchor = ctypes.c_char.from_buffer(m)
-            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            assert libc.mincore(ctypes.addressof(anchor), size, vec) == 0, os.strerror(ctypes.get_errno())
-            del anchor
-        finally:
-            m.close()
-    return sum(v & 1 for v in vec) * page
-
-
-def drop_pages(path: Path) -> None:
-    os.sync()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from page_cache import drop_from_page_cache, resident_bytes
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +27,7 @@ def big_zip(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_cold_local_inspect_reads_headers_only(big_zip: Path, verb: str) -> None:
     """A cold inspect (and scan) of a 260 MiB zip pulls at most 2 MiB into the page cache (the mmap-based reading
     before pulled the whole file: 260 MiB)."""
-    drop_pages(big_zip)
+    drop_from_page_cache(big_zip)
     if resident_bytes(big_zip) > 64 * 1024:
         pytest.skip("this file system keeps the file's pages (DONTNEED ignored)")
     if verb == "describe":

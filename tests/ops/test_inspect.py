@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import io
 import mmap
 import os
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import ckptfix
+from page_cache import drop_from_page_cache, resident_bytes
 
 
 @pytest.mark.parametrize("name", ["mlp_ddp.pth", "mlp_compile_ddp.pth", "mlp_train_ckpt.pth", "mlp_legacy.pth",
@@ -39,44 +39,6 @@ def test_training_checkpoint_extras(fixtures_dir: Path) -> None:
     assert d["state_dict_key"] == "model_state_dict"
     assert set(d["extra"]) == {"optimizer_state_dict", "epoch", "loss"}
     assert d["extra"]["epoch"].startswith("int ")
-
-
-def _libc() -> Any:
-    """libc's mmap, munmap and mincore, typed for ctypes."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return libc
-
-
-def _resident_bytes(path: Path) -> int:
-    """Bytes of ``path`` in the page cache: mincore(2) over a mapping of our own, which reads nothing."""
-    libc, size = _libc(), path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-        try:
-            assert libc.mincore(ctypes.c_void_p(addr), size, pages) == 0, os.strerror(ctypes.get_errno())
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), size)
-    finally:
-        os.close(fd)
-    return sum(p & 1 for p in pages) * mmap.PAGESIZE
-
-
-def _drop_from_page_cache(path: Path) -> bool:
-    """Write back and drop the file's cached pages; False where they stay (tmpfs keeps files in it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return _resident_bytes(path) == 0
 
 
 class _SparseWriter(io.RawIOBase):
@@ -109,15 +71,15 @@ def test_inspect_reads_no_tensor_data(legacy: bool, tmp_path: Path) -> None:
         torch.save({f"module.layer{i}.weight": torch.zeros(2**25) for i in range(4)}, _SparseWriter(f),
                    _use_new_zipfile_serialization=not legacy)
         f.truncate()  # the file's size, past a trailing hole
-    if not _drop_from_page_cache(path):
+    if drop_from_page_cache(path):
         pytest.skip(f"{path.parent}: the file system keeps the file's pages cached (tmpfs?)")
     info = ckptfix.inspect(path)
     assert info.nbytes == tensor_bytes and info.wrappers == ["module"]
-    assert _resident_bytes(path) < tensor_bytes // 8, f"inspect brought {_resident_bytes(path)} bytes into the cache"
+    assert resident_bytes(path) < tensor_bytes // 8, f"inspect brought {resident_bytes(path)} bytes into the cache"
     # the measurement sees reads through a mapping: a zip's tensors are mapped, not read, until touched
-    assert _drop_from_page_cache(path)
+    assert drop_from_page_cache(path) == 0
     sd = ckptfix.read(path).state_dict
     if not legacy:
-        assert _resident_bytes(path) < tensor_bytes // 8
+        assert resident_bytes(path) < tensor_bytes // 8
     assert all(not t.any() for t in sd.values())
-    assert _resident_bytes(path) > tensor_bytes // 2
+    assert resident_bytes(path) > tensor_bytes // 2

@@ -366,3 +366,15 @@ def test_fsdp2_on_cuda_one_rank(tmp_path: Path) -> None:
         assert all(torch.equal(full[k], sd[k]) for k in sd)
     finally:
         dist.destroy_process_group()
+
+
+def test_success_is_reported_only_when_nothing_is_left_on_meta(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The postcondition is checked, not assumed: a commit that assigned nothing is an error, not a report."""
+    from ckptfix.ops import loading
+
+    torch.save(_random_state(Net(), torch.float32), tmp_path / "m.pth")
+    monkeypatch.setattr(loading, "_commit", lambda *args: [])
+    with torch.device("meta"):
+        model = Net()
+    with pytest.raises(LoadError, match=r"still on the meta device: emb\.weight"):
+        ckptfix.load_into(model, tmp_path / "m.pth")

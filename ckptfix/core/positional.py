@@ -72,6 +72,9 @@ BLOCK = 16 * 1024
 CACHED_BLOCKS = 1024
 #: concurrent fetches per source
 WORKERS = 16
+#: bytes per ranged fetch when a source fills a large buffer (a tensor, a copied range): few round trips, and
+#: WORKERS of them in flight
+PART = 8 * 2**20
 
 
 class ByteSource:
@@ -152,6 +155,31 @@ class ByteSource:
                     self._blocks[b + i] = data[i * BLOCK : (i + 1) * BLOCK]
             while len(self._blocks) > max(CACHED_BLOCKS, len(missing)):
                 self._blocks.popitem(last=False)
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with bytes ``offset ..`` (a tensor's, a copied range's): fetched in :data:`PART`-sized
+        ranges, concurrently, around the block cache (each byte is wanted once), each checked like every fetch;
+        a file that ends first is a FormatError naming the range."""
+        total = buf.nbytes
+        if offset + total > self.size:
+            raise FormatError(f"{self.name}: ends at byte {self.size}, but bytes {offset}..{offset + total} "
+                              "are needed (a truncated file?)")
+        parts = [(pos, min(PART, total - pos)) for pos in range(0, total, PART)]
+
+        def fill(part: tuple[int, int]) -> None:
+            pos, n = part
+            data = self._get(offset + pos, n)
+            if len(data) != n:
+                raise FormatError(f"{self.name}: {len(data)} bytes came back for bytes {offset + pos}.."
+                                  f"{offset + pos + n}")
+            buf[pos : pos + n] = data
+
+        if len(parts) <= 1:
+            for part in parts:
+                fill(part)
+            return
+        with ThreadPoolExecutor(min(WORKERS, len(parts))) as pool:
+            list(pool.map(fill, parts))
 
     def buffer(self) -> RangeBuffer:
         return RangeBuffer(self)

@@ -10,7 +10,9 @@ import torch
 
 import ckptfix
 from ckptfix.core import locations
+from ckptfix.core import positional
 from ckptfix.core.positional import BLOCK, ByteSource
+from ckptfix.errors import FormatError
 from page_cache import drop_from_page_cache, resident_bytes
 
 
@@ -73,3 +75,25 @@ def test_prefetch_fetches_runs_of_missing_blocks_once() -> None:
     assert sorted(source.fetches) == [(0, 2 * BLOCK), (5 * BLOCK, 2 * BLOCK), (9 * BLOCK, BLOCK)]
     source.fetches.clear()
     assert source.read(BLOCK, 10) == data[BLOCK : BLOCK + 10] and source.fetches == []
+
+
+PART = 4 * BLOCK
+
+
+@pytest.mark.parametrize("offset,n", [(0, 0), (3, 10), (0, 3 * PART + 5), (PART - 1, PART + 2)])
+def test_read_into_fills_the_buffer_in_parts_around_the_cache(offset: int, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(positional, "PART", PART)
+    data = os.urandom(4 * PART)
+    source = _Counting(data)
+    out = bytearray(n)
+    source.read_into(offset, memoryview(out))
+    assert bytes(out) == data[offset : offset + n]
+    assert source.bytes_fetched == n and not source._blocks  # each byte fetched once, nothing cached
+    assert all(size <= positional.PART for _o, size in source.fetches)
+
+
+def test_read_into_past_the_end_is_refused_before_fetching() -> None:
+    source = _Counting(os.urandom(100))
+    with pytest.raises(FormatError, match="truncated"):
+        source.read_into(50, memoryview(bytearray(51)))
+    assert source.fetches == []

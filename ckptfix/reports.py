@@ -189,9 +189,13 @@ class ConvertReport:
     dtype_cast: dict[str, int] | None = None
     notes: list[str] = field(default_factory=list)
     nbytes_in: int = 0  # tensor bytes in the source (differs from nbytes after a dtype cast)
+    bytes_fetched: int | None = None  # a remote source: the bytes fetched over the network (None: a local one)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["bytes_fetched"] is None:
+            del d["bytes_fetched"]
+        return d
 
 
 @dataclass

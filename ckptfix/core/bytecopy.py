@@ -1,8 +1,13 @@
 """Moving bytes between files without passing them through Python: copy_file_range, sendfile,
-and a bounded-buffer fallback; CRC-32 of a file range computed on the other core meanwhile."""
+and a bounded-buffer fallback; CRC-32 of a file range computed on the other core meanwhile.
+
+A source may also be a URL (:class:`Sources` opens it as a :class:`RemoteFile`): its copies are queued and run
+by :meth:`Sources.finish` (:mod:`ckptfix.core.rangecopy`: ranged GETs in bounded windows, written with ``pwrite``,
+each range's CRC-32 computed from the bytes as fetched)."""
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -11,7 +16,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from . import locations
 from ..errors import FormatError
+from .positional import ByteSource
+from .rangecopy import Batch, Span
 
 _CHUNK = 64 * 2**20
 
@@ -40,8 +48,67 @@ def _move(size: int, step: Callable[[int, int], int], what: str, whole: bool = T
         progress.tensor_done()
 
 
-def copy_segments(segments: list[tuple[int, int, int]], dst_fd: int, dst_offset: int) -> int:
-    """Copy ``[(src_fd, src_offset, size), …]`` one after another to ``dst_fd@dst_offset`` (one
+class RemoteFile:
+    """A remote file as a copy's source (what :class:`Sources` gives for a URL): copies from it are queued in the
+    batch of the write, and run when it finishes."""
+
+    def __init__(self, source: ByteSource, batch: Batch):
+        self.source, self.batch = source, batch
+
+    def crc_of(self, offset: int, size: int) -> Callable[[], int]:
+        """The CRC-32 of ``size`` bytes at ``offset``, once the batch has run (computed from the bytes a copy of
+        the same range fetches)."""
+        span = self.batch.check(self.source, offset, size)
+        return lambda: _crc(span)
+
+
+def _crc(span: Span) -> int:
+    if span.crc is None:
+        raise RuntimeError("internal: a remote range's CRC-32 asked for before its copy ran")
+    return span.crc
+
+
+Source = int | RemoteFile
+
+
+class Sources:
+    """The files a write copies from, each opened once: a local path as a read-only descriptor (copied in the
+    kernel at once), a URL as a :class:`RemoteFile` (its source from the verb's session; copies queued until
+    :meth:`finish`). ``with Sources() as sources: copy_range(sources(path), …); …; sources.finish()``."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+        self.remote: dict[str, RemoteFile] = {}
+        self.batch = Batch()
+
+    def __call__(self, path: str) -> Source:
+        if locations.is_remote(path):
+            if path not in self.remote:
+                self.remote[path] = RemoteFile(locations.open_source(path), self.batch)
+            return self.remote[path]
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def finish(self) -> None:
+        """Run the queued remote copies (each range fetched once, CRC-32s computed as it arrives)."""
+        if self.remote:
+            self.batch.run(progress)
+
+    def __enter__(self) -> Sources:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def copy_segments(segments: list[tuple[Source, int, int]], dst_fd: int, dst_offset: int) -> int:
+    """Copy ``[(src, src_offset, size), …]`` one after another to ``dst_fd@dst_offset`` (one
     tensor's bytes from several files); returns the bytes copied."""
     pos = dst_offset
     for src_fd, src_offset, size in segments:
@@ -52,8 +119,12 @@ def copy_segments(segments: list[tuple[int, int, int]], dst_fd: int, dst_offset:
     return pos - dst_offset
 
 
-def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, size: int, whole: bool = True) -> None:
-    """Copy ``size`` bytes from ``src_fd@src_offset`` to ``dst_fd@dst_offset``, in the kernel if it can."""
+def copy_range(src_fd: Source, dst_fd: int, src_offset: int, dst_offset: int, size: int, whole: bool = True) -> None:
+    """Copy ``size`` bytes from ``src_fd@src_offset`` to ``dst_fd@dst_offset``, in the kernel if it can (a
+    :class:`RemoteFile`: queued, copied when its :class:`Sources` finishes)."""
+    if isinstance(src_fd, RemoteFile):
+        src_fd.batch.copy(src_fd.source, src_offset, size, dst_fd, dst_offset, whole)
+        return
     kernel = [hasattr(os, "copy_file_range")]
 
     def step(done: int, n: int) -> int:
@@ -167,24 +238,41 @@ class Recorded:
 class CrcCheck:
     """The CRC-32 of each source member computed on another thread while the copy runs (no second pass
     over the file: the bytes are in the page cache), then compared with the one its zip records, so a
-    file damaged after it was written is refused, not laundered into a new file with fresh CRCs.
+    file damaged after it was written is refused, not laundered into a new file with fresh CRCs. A remote
+    member's CRC-32 is computed from the bytes its copy fetches (``sources``: the write's, whose queued copies
+    :meth:`verify` runs first; a member no copy covers exactly is fetched for it).
 
-    ``with CrcCheck(members) as check: …copy…; check.verify()``."""
+    ``with CrcCheck(members, sources) as check: …copy…; check.verify()``."""
 
-    def __init__(self, members: Iterable[Recorded | None]):
+    def __init__(self, members: Iterable[Recorded | None], sources: Sources | None = None):
         self.members = list(dict.fromkeys(m for m in members if m is not None))
+        self.sources = sources if sources is not None else Sources()
+        self._own_sources = sources is None
         self.fds: dict[str, int] = {}
+        self.crcs: list[Callable[[], int]] = []
+        local: list[tuple[tuple[int, int, int], ...]] = []
         for m in self.members:
+            if locations.is_remote(m.path):
+                remote = self.sources(m.path)
+                assert isinstance(remote, RemoteFile)
+                self.crcs.append(remote.crc_of(m.offset, m.size))
+                continue
             if m.path not in self.fds:
                 self.fds[m.path] = os.open(m.path, os.O_RDONLY)
-        self.jobs: list[tuple[tuple[int, int, int], ...]] = [((self.fds[m.path], m.offset, m.size),) for m in self.members]
-        self.worker = SegmentsCrcWorker(self.jobs) if self.jobs else None
+            job = ((self.fds[m.path], m.offset, m.size),)
+            local.append(job)
+            self.crcs.append(functools.partial(self._local, job))
+        self.worker = SegmentsCrcWorker(local) if local else None
+
+    def _local(self, job: tuple[tuple[int, int, int], ...]) -> int:
+        assert self.worker is not None
+        return self.worker.result(job)
 
     def verify(self) -> None:
         """Raise FormatError, naming the file and the record, for the first member whose bytes don't match."""
-        for m, job in zip(self.members, self.jobs):
-            assert self.worker is not None
-            crc = self.worker.result(job)
+        self.sources.finish()
+        for m, get in zip(self.members, self.crcs):
+            crc = get()
             if crc != m.crc:
                 raise FormatError(f"{m.path}: record {m.name} does not match the CRC-32 its zip records "
                                   f"({crc:08x}, recorded {m.crc:08x}): the file was damaged or altered after it "
@@ -201,3 +289,5 @@ class CrcCheck:
             self.worker.close()
         for fd in self.fds.values():
             os.close(fd)
+        if self._own_sources:
+            self.sources.close()

@@ -181,6 +181,19 @@ class ByteSource:
         with ThreadPoolExecutor(min(WORKERS, len(parts))) as pool:
             list(pool.map(fill, parts))
 
+    def cached(self, start: int, end: int) -> list[tuple[int, bytes]]:
+        """What the block cache holds of bytes ``start..end``, as ``(offset, bytes)`` runs in order: a copy of that
+        range takes them rather than fetch them again (a reader's header blocks)."""
+        with self._lock:
+            found = [(b * BLOCK, self._blocks[b]) for b in range(start // BLOCK, max(start, end - 1) // BLOCK + 1)
+                     if b in self._blocks]
+        runs = []
+        for offset, data in found:
+            lo, hi = max(offset, start), min(offset + len(data), end)
+            if lo < hi:
+                runs.append((lo, data[lo - offset : hi - offset]))
+        return runs
+
     def buffer(self) -> RangeBuffer:
         return RangeBuffer(self)
 

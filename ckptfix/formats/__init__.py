@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-from ..core import limits
+from ..core import limits, locations
 from ..core.atomic import DirOutput
 from ..core.bytecopy import Recorded
 from ..core.devices import storage_id
@@ -112,7 +112,7 @@ class CastRef:
 
         src = torch.empty(0, dtype=self.before.dtype)
         whole = (self.source.materialize().untyped_storage() if isinstance(self.source, (CastRef, PiecedRef))  # computed
-                 else mapped(self.source.path)[self.source.offset : self.source.offset + self.source.nbytes])
+                 else stored_bytes(self.source))
         src.set_(whole, self.before.storage_offset(), self.before.shape, self.before.stride())
         out = torch.empty_strided(self.after.shape, self.after.stride(), dtype=self.after.dtype)
         out.copy_(src)
@@ -123,8 +123,22 @@ class CastRef:
 _MAPPED: dict[str, Any] = {}
 
 
+def stored_bytes(ref: Any) -> Any:
+    """``ref.path[ref.offset : ref.offset + ref.nbytes]`` as a torch.UntypedStorage: a slice of the mapped file, or,
+    for a URL, that range fetched (ranged GETs in the verb's session, checked like every fetch) into memory."""
+    import torch
+
+    if not locations.is_remote(ref.path):
+        return mapped(ref.path)[ref.offset : ref.offset + ref.nbytes]
+    out = torch.empty(ref.nbytes, dtype=torch.uint8)
+    if ref.nbytes:
+        locations.open_source(ref.path).read_into(ref.offset, memoryview(cast(Any, out.numpy())))
+    return out.untyped_storage()
+
+
 def mapped(path: str) -> Any:
-    """The whole file as a private read-only-in-practice memory map (torch.UntypedStorage)."""
+    """The whole local file as a private read-only-in-practice memory map (torch.UntypedStorage); a URL's bytes
+    come from :func:`stored_bytes`, the range a ref needs."""
     import torch
 
     if path not in _MAPPED:

@@ -24,8 +24,8 @@ from ..errors import ConversionError
 from ..parse.format_registry import SAFETENSORS
 from ..parse.safetensors_header import (DTYPES, META_KEY, PACKED, assemble, ckptfix_meta, header_shape, read_header,
                                          torch_shape)
-from . import (CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides, mapped,
-               source_record)
+from . import (CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides,
+               source_record, stored_bytes)
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
@@ -195,38 +195,28 @@ def _versions_that_matter(meta: Any, keys: Any) -> list[str]:
     return found[:5] + ([f"… (+{len(found) - 5} more)"] if len(found) > 5 else [])
 
 
-def write_file(path: str, header: bytes, body: Callable[[int, Callable[[str], int], int], int]) -> None:
-    """The file: its header, then ``body(out_fd, source_fd, pos) -> end`` writes the data from ``pos``
-    (``source_fd(path)`` opens each source file once); the file ends at ``end``. Both writers use it."""
-    fds: dict[str, int] = {}
-
-    def source_fd(src: str) -> int:
-        if src not in fds:
-            fds[src] = os.open(src, os.O_RDONLY)
-        return fds[src]
-
-    try:
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(header)) + header)
-            f.flush()
-            end = body(f.fileno(), source_fd, 8 + len(header))
-            f.seek(end)
-            f.truncate(end)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+def write_file(path: str, header: bytes, body: Callable[[int, bytecopy.Sources, int], int]) -> None:
+    """The file: its header, then ``body(out_fd, sources, pos) -> end`` writes the data from ``pos``
+    (``sources(path)`` opens each source file once: a descriptor, or a URL's queued copies, run by the body's
+    ``CrcCheck.verify``); the file ends at ``end``. Both writers use it."""
+    with bytecopy.Sources() as sources, open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.flush()
+        end = body(f.fileno(), sources, 8 + len(header))
+        f.seek(end)
+        f.truncate(end)
 
 
 def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: dict) -> None:
     import torch
 
-    def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
-        with bytecopy.CrcCheck(source_record(refs.get(storage_id(t))) for _key, t in tensors) as check:
+    def body(out: int, source_fd: bytecopy.Sources, pos: int) -> int:
+        with bytecopy.CrcCheck((source_record(refs.get(storage_id(t))) for _key, t in tensors), source_fd) as check:
             pos = copy(out, source_fd, pos)
-            check.verify()
+            check.verify()  # (runs the queued remote copies first)
         return pos
 
-    def copy(out: int, source_fd: Callable[[str], int], pos: int) -> int:
+    def copy(out: int, source_fd: bytecopy.Sources, pos: int) -> int:
         for _key, t in tensors:
             n = t.numel() * t.element_size()
             ref = refs.get(storage_id(t))
@@ -247,7 +237,7 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
             else:
                 if ref is not None:  # a non-contiguous view of a storage still in the source file
                     real = torch.empty(0, dtype=t.dtype)
-                    real.set_(mapped(ref.path)[ref.offset : ref.offset + ref.nbytes], t.storage_offset(), t.shape, t.stride())
+                    real.set_(stored_bytes(ref), t.storage_offset(), t.shape, t.stride())
                     t = real
                 flat = t.detach().cpu().reshape(-1)
                 if flat.stride(0) != 1:  # contiguous() keeps a 1-element view's stride; view() needs 1
@@ -296,8 +286,8 @@ def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorI
 
 
 def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
-    def body(out: int, source_fd: Callable[[str], int], pos: int) -> int:
-        with bytecopy.CrcCheck(t.storage.record for _key, t in tensors) as check:
+    def body(out: int, source_fd: bytecopy.Sources, pos: int) -> int:
+        with bytecopy.CrcCheck((t.storage.record for _key, t in tensors), source_fd) as check:
             for _key, t in tensors:
                 st = t.storage
                 bytecopy.copy_range(source_fd(st.path), out, st.offset + t.storage_offset * t.element_size(), pos,

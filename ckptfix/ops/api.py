@@ -118,10 +118,18 @@ def convert(src: Any, dst: Any, **options: Any) -> ConvertReport:
     ``max_shard_size`` (bytes, or ``"5GB"``) writes a Hugging Face sharded directory at ``dst``;
     ``format="dcp"`` a torch.distributed.checkpoint directory. Into an existing directory (``force``)
     only the output's own files are replaced; the report's notes list what was kept and removed.
+
+    ``src`` may be a URL (``https://``, ``s3://``, ``hf://``) of a torch zip, safetensors file or sharded
+    checkpoint: its tensor bytes are fetched range by range straight into the output, each zip record's CRC-32
+    checked as they arrive (``bytes_fetched`` says how many); a request that needs torch raises RemoteError.
     """
     start = time.perf_counter()
-    req = conversion.validate(os.fspath(src), os.fspath(dst), ConvertOptions(**options))
-    return conversion.run(req, start)
+    with locations.session() as s, s.reporting():
+        req = conversion.validate(os.fspath(src), os.fspath(dst), ConvertOptions(**options))
+        report = conversion.run(req, start)
+    if s.remote:
+        report.bytes_fetched = s.bytes_fetched
+    return report
 
 
 def load_into(

@@ -32,6 +32,7 @@ from ..core.torch_free import NeedsTorch
 from ..errors import ConversionError, DeviceError, WrapperError
 from ..core.progress import Progress, peak_rss_bytes
 from ..core.units import few, parse_size
+from . import remote_convert
 from .convert_options import ConvertOptions
 from .reading import read_checkpoint, refuse_remote, summarise
 from ..parse import format_registry as registry, inert
@@ -56,7 +57,6 @@ class Request(ConvertOptions):
 
 def validate(src: str, dst: str, options: ConvertOptions) -> Request:
     """Check the request before anything is read: source format, destination, device, dtype."""
-    refuse_remote(src, "converting it")
     refuse_remote(dst, "writing a remote destination")
     fmt_in = formats.sniff(src)
     shard_size, fmt_out = _plan_output(src, dst, options.format, options.max_shard_size, options.keep_extra,
@@ -121,11 +121,13 @@ def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
     """The source read the cheapest way the request allows, and which way that was."""
     if req.trust or not registry.get(req.fmt_in).stream or not registry.get(req.fmt_out).writes_from_refs \
             or req.plan.user_fn is not None:
+        remote_convert.refuse_torch(req)
         return _load(req), LOADED
     if torch_free and _needs_no_torch(req):
         ckpt = _describe(req)
         if ckpt is not None:
             return ckpt, TORCH_FREE
+    remote_convert.refuse_torch(req)  # (a URL: the torch-free path or nothing, for now)
     if req.plan.fixed is not None and req.plan.fixed != "cpu":  # every storage goes there: load once
         return _load(req), LOADED
     ckpt = read_checkpoint(req.src, "meta", False, req.select, refuse=True, fmt=req.fmt_in, allow=req.allow)
@@ -367,7 +369,8 @@ def run(req: Request, start: float) -> ConvertReport:
             out = transform(req, ckpt)
             try:
                 written = write_torch_free(req, ckpt, out, final)
-            except NeedsTorch:
+            except NeedsTorch as e:
+                remote_convert.refuse_torch(req, str(e))
                 ckpt, mode = plan_read(req, torch_free=False)
             else:
                 return report(req, ckpt, out, written, final, True, start)

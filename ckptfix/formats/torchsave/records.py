@@ -10,14 +10,14 @@ multi-GB file costs about what ``cp`` does.
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from ...core.bytecopy import CrcCheck, CrcWorker, Recorded, SegmentsCrcWorker
+from ...core import locations
+from ...core.bytecopy import CrcCheck, CrcWorker, Recorded, RemoteFile, SegmentsCrcWorker, Source, Sources
 from ...core.devices import storage_id
 from ...core.torch_free import NeedsTorch
 from ...errors import CkptfixError, FormatError, UnsafeCheckpointError
@@ -111,7 +111,7 @@ def data_members(path: str) -> list[Recorded]:
     zip can't be read: the read then gives its own error), to check while torch reads them."""
     try:
         entries = [e for e in zip_directory(path).entries if e.name.split("/", 1)[-1].startswith("data/")]
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        with locations.open_buffer(path) as buf:
             return [Recorded(path, e.name.split("/", 1)[-1], data_start(buf, len(buf), e)[0], e.file_size, e.crc)
                     for e in entries if e.method == 0]
     except (OSError, ValueError):
@@ -120,19 +120,22 @@ def data_members(path: str) -> list[Recorded]:
 
 class _LazyCrcs:
     """CRCs for records whose source doesn't record one (safetensors): computed on another thread
-    while the kernel copies, so the copy and the checksum run on two cores."""
+    while the kernel copies, so the copy and the checksum run on two cores; a remote source's from the bytes
+    its copy fetches."""
 
-    def __init__(self, order: list[tuple[str, StorageRef]], fds: dict[str, int]):
+    def __init__(self, order: list[tuple[str, StorageRef]], sources: Sources):
         self.order = [ref for _, ref in order if ref.crc is None and not isinstance(ref, (CastRef, PiecedRef))]
-        self.fds = fds
+        self.sources = sources
         self.workers: dict[int, Any] = {}
 
-    def get(self, fd: int, offset: int, size: int) -> Callable[[], int]:
-        if fd not in self.workers:
-            path = next(p for p, f in self.fds.items() if f == fd)
+    def get(self, src: Source, offset: int, size: int) -> Callable[[], int]:
+        if isinstance(src, RemoteFile):
+            return src.crc_of(offset, size)
+        if src not in self.workers:
+            path = next(p for p, f in self.sources.fds.items() if f == src)
             ranges = [(r.offset, r.nbytes) for r in self.order if r.path == path]
-            self.workers[fd] = CrcWorker(os.open(path, os.O_RDONLY), ranges)
-        worker = self.workers[fd]
+            self.workers[src] = CrcWorker(os.open(path, os.O_RDONLY), ranges)
+        worker = self.workers[src]
         return lambda: worker.get(offset, size)
 
     def start_segments(self, jobs: list[tuple[tuple[int, int, int], ...]]) -> None:
@@ -233,43 +236,37 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
     copied from the ref's byte range (in the kernel) or computed (CastRef, PiecedRef); returns bytes copied."""
     archive = "".join(c if c.isalnum() or c in "_-" else "_" for c in archive) or "archive"
     copied = 0
-    fds: dict[str, int] = {}
-    crcs = _LazyCrcs(order, fds)
-    check = CrcCheck(source_record(ref) for _key, ref in order)
-    try:
-        pieces: dict[int, tuple[tuple[int, int, int], ...]] = {}  # id(PiecedRef) -> its (fd, offset, size)s
-        for _key, ref in order:
-            segments = ref.segments() if isinstance(ref, PiecedRef) else None
-            if segments is not None:
-                for path, _offset, _n in segments:
-                    if path not in fds:
-                        fds[path] = os.open(path, os.O_RDONLY)
-                pieces[id(ref)] = tuple((fds[path], offset, n) for path, offset, n in segments)
-        crcs.start_segments(list(pieces.values()))
-        with open(dst, "wb") as f:
-            z = ZipWriter(f)
-            z.add_bytes(f"{archive}/data.pkl", data_pkl)
-            z.add_bytes(f"{archive}/byteorder", b"little")
-            for key, ref in order:
-                if isinstance(ref, PiecedRef) and id(ref) in pieces:  # chunk after chunk, in the kernel
-                    z.add_segments(f"{archive}/data/{key}", list(pieces[id(ref)]), crcs.get_segments(pieces[id(ref)]))
+    with Sources() as sources:
+        crcs = _LazyCrcs(order, sources)
+        check = CrcCheck((source_record(ref) for _key, ref in order), sources)
+        try:
+            pieces: dict[int, tuple[tuple[int, int, int], ...]] = {}  # id(PiecedRef) -> its (fd, offset, size)s
+            for _key, ref in order:
+                segments = ref.segments() if isinstance(ref, PiecedRef) else None
+                if segments is not None and not any(locations.is_remote(path) for path, _o, _n in segments):
+                    pieces[id(ref)] = tuple((cast(int, sources(path)), offset, n) for path, offset, n in segments)
+            crcs.start_segments(list(pieces.values()))
+            with open(dst, "wb") as f:
+                z = ZipWriter(f)
+                z.add_bytes(f"{archive}/data.pkl", data_pkl)
+                z.add_bytes(f"{archive}/byteorder", b"little")
+                for key, ref in order:
+                    if isinstance(ref, PiecedRef) and id(ref) in pieces:  # chunk after chunk, in the kernel
+                        z.add_segments(f"{archive}/data/{key}", list(pieces[id(ref)]), crcs.get_segments(pieces[id(ref)]))
+                        copied += ref.nbytes
+                        continue
+                    if isinstance(ref, (CastRef, PiecedRef)):  # a dtype cast, chunks to assemble: one tensor at a time
+                        z.add_tensor_data(f"{archive}/data/{key}", storage_bytes(ref.materialize()))
+                        continue
+                    src = sources(ref.path)
+                    crc = ref.crc if ref.crc is not None else crcs.get(src, ref.offset, ref.nbytes)
+                    z.add_copy(f"{archive}/data/{key}", src, ref.offset, ref.nbytes, crc)
                     copied += ref.nbytes
-                    continue
-                if isinstance(ref, (CastRef, PiecedRef)):  # a dtype cast, chunks to assemble: one tensor at a time
-                    z.add_tensor_data(f"{archive}/data/{key}", storage_bytes(ref.materialize()))
-                    continue
-                if ref.path not in fds:
-                    fds[ref.path] = os.open(ref.path, os.O_RDONLY)
-                crc = ref.crc if ref.crc is not None else crcs.get(fds[ref.path], ref.offset, ref.nbytes)
-                z.add_copy(f"{archive}/data/{key}", fds[ref.path], ref.offset, ref.nbytes, crc)
-                copied += ref.nbytes
-            check.verify()
-            z.add_bytes(f"{archive}/version", b"3\n")
-            z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
-            z.close()
-    finally:
-        crcs.close()
-        check.close()
-        for fd in fds.values():
-            os.close(fd)
+                check.verify()  # (runs the queued remote copies first)
+                z.add_bytes(f"{archive}/version", b"3\n")
+                z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
+                z.close()
+        finally:
+            crcs.close()
+            check.close()
     return copied

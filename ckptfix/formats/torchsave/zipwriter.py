@@ -1,7 +1,9 @@
 """A minimal zip writer for torch checkpoints: stored members, 64-byte aligned data, zip64.
 
 Member data either comes from bytes or is copied from another file's byte range in the kernel
-(``rawcopy.copy_range``), so tensor bytes never enter Python memory. torch's reader needs stored
+(``bytecopy.copy_range``), so tensor bytes never enter Python memory; from a remote file's range, it is
+written when the write's queued copies run (the CRC-32s those give are patched into the local headers at
+:meth:`ZipWriter.close`). torch's reader needs stored
 (uncompressed) members whose data it can mmap; the alignment padding goes in an extra field, as
 torch's own writer does.
 """
@@ -36,6 +38,7 @@ class ZipWriter:
     def __init__(self, f: BinaryIO):
         self.f = f
         self.entries: list[_Entry] = []
+        self.pending: list[tuple[_Entry, Callable[[], int]]] = []  # CRC-32s known once the copies are done
         self.pos = f.tell()
 
     def _local_header(self, name: bytes, size: int, crc: int) -> bytes:
@@ -70,15 +73,18 @@ class ZipWriter:
         self.pos += len(data)
         self.f.seek(self.pos)
 
-    def add_copy(self, name: str, src_fd: int, src_offset: int, size: int, crc: int | Callable[[], int]) -> None:
+    def add_copy(self, name: str, src_fd: bytecopy.Source, src_offset: int, size: int,
+                 crc: int | Callable[[], int]) -> None:
         """A member whose bytes are ``size`` bytes of ``src_fd`` at ``src_offset``.
 
         ``crc`` is the CRC-32 if known, or a function giving it once the copy is done (computed
-        meanwhile on another thread); the local header is then patched in place.
+        meanwhile on another thread, or from a remote copy's bytes); the local header is patched in place
+        at :meth:`close`.
         """
         self.add_segments(name, [(src_fd, src_offset, size)], crc)
 
-    def add_segments(self, name: str, segments: list[tuple[int, int, int]], crc: int | Callable[[], int]) -> None:
+    def add_segments(self, name: str, segments: list[tuple[bytecopy.Source, int, int]],
+                     crc: int | Callable[[], int]) -> None:
         """A member whose bytes are the file ranges ``[(src_fd, src_offset, size), …]`` one after
         another (a tensor sharded in chunks); ``crc`` as for :meth:`add_copy`, over them all."""
         size = sum(n for _fd, _offset, n in segments)
@@ -91,12 +97,16 @@ class ZipWriter:
             bytecopy.copy_segments(segments, self.f.fileno(), self.pos)
         self.pos += size
         if not isinstance(crc, int):
-            entry.crc = crc()
-            self.f.seek(entry.offset + 14)
-            self.f.write(struct.pack("<I", entry.crc))
+            self.pending.append((entry, crc))
         self.f.seek(self.pos)
 
     def close(self) -> None:
+        for entry, crc in self.pending:  # the CRC-32s computed while copying, into the local headers
+            entry.crc = crc()
+            self.f.seek(entry.offset + 14)
+            self.f.write(struct.pack("<I", entry.crc))
+        self.pending.clear()
+        self.f.seek(self.pos)
         cd_start = self.pos
         for e in self.entries:
             zip64 = e.size >= _U32 or e.offset >= _U32

@@ -1,0 +1,45 @@
+"""``convert`` from a URL: what it can do without a local copy, and the refusal, with its reason, of what it can't.
+
+A remote torch zip, safetensors file or Hugging Face sharded checkpoint is converted on the torch-free path: its
+structure described from header ranges, its tensor bytes copied range by range into the atomic temp output
+(:mod:`ckptfix.core.rangecopy`), each zip record's CRC-32 checked from the bytes as fetched. A request that needs
+torch's reader (``--trust``, a ``--dtype`` cast, ``--by-order``, a device other than the CPU, a file or a value only
+torch reads exactly) would read the whole file with torch: refused here, never downloaded silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core import locations, torch_free
+from ..errors import RemoteError
+from ..parse import format_registry as registry
+
+
+def refuse_torch(req: Any, why: str | None = None) -> None:
+    """Raise RemoteError for a remote source the conversion would read with torch (``why``: what needs it, when the
+    torch-free writer said so); nothing for a local one."""
+    if not locations.is_remote(req.src):
+        return
+    why = why or _why(req)
+    raise RemoteError(f"{req.src}: converting it needs a local copy: {why} needs torch's reader, which reads a "
+                      "local file (a remote torch zip, safetensors or sharded checkpoint converts to .pth, "
+                      ".safetensors or shards without torch: drop the option, or download the file first)")
+
+
+def _why(req: Any) -> str:
+    if req.trust:
+        return "--trust"
+    if req.dtype is not None:
+        return f"--dtype {req.dtype} (the cast)"
+    if req.by_order is not None:
+        return "--by-order"
+    if not torch_free.enabled():
+        return f"{torch_free.ENV_SWITCH}=0"
+    if not registry.get(req.fmt_in).copy_without_torch:
+        return f"a {req.fmt_in} source"
+    if not registry.get(req.fmt_out).write_without_torch:
+        return f"{req.fmt_out} output"
+    if req.plan.fixed != "cpu" and req.plan.mapping is None:
+        return "map_location other than the CPU"
+    return "this checkpoint (a tensor bound for another device, or a value only torch reads exactly)"

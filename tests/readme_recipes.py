@@ -125,6 +125,13 @@ def _on_s3(fixture: str, url: str) -> Callable[[Path, Any], None]:
     return make
 
 
+def _same_as_local(out: Path, fixture: str) -> bool:
+    """``out`` (converted from a URL) holds the bytes a convert of the local fixture writes."""
+    local = out.with_name("local" + out.suffix)
+    ckptfix.convert(ROOT / "fixtures" / fixture, local)
+    return out.read_bytes() == local.read_bytes()
+
+
 def _hf_dir(dst: Path, request: Any) -> None:
     ckptfix.convert(ROOT / "fixtures" / "mlp_single.pth", dst, max_shard_size=1000)  # 3 shards + index
     assert (dst / "model.safetensors.index.json").is_file()
@@ -281,6 +288,8 @@ RECIPES: dict[str, Entry] = {
     "ckptfix inspect s3://my-bucket/runs/ddp_run.pth --json": Entry(
         {"s3": "on s3: mlp_ddp.pth"}, check=lambda tmp, res: json.loads(res.stdout)["wrappers"] == ["module"]
         and 0 < json.loads(res.stdout)["bytes_fetched"] < 64 * 1024),
+    "ckptfix convert s3://my-bucket/runs/ddp_run.pth model.safetensors": Entry(
+        {"s3": "on s3: mlp_ddp.pth"}, check=lambda tmp, res: _same_as_local(tmp / "model.safetensors", "mlp_ddp.pth")),
     'report = ckptfix.load_into(model, "ddp_run.pth")': Entry(
         {"ddp_run.pth": "fixture:mlp_ddp.pth", "ddp_compiled.pth": "fixture:mlp_ddp_compile.pth"},
         check=lambda tmp, ns: ns["report"].fix == "strip module." and list(ns["sd"])[0] == "0.weight"

@@ -1,6 +1,6 @@
 """bench/remote.py runs end to end on a small file and produces every row, so it can't rot between the runs
 that fill bench/RESULTS.md: the server's counts say the header rows fetched a part of the file and the
-download rows all of it; ckptfix's inspect rows ran, its convert rows are skipped until convert reads URLs."""
+download rows all of it, and ckptfix's convert from a URL all of it once; every row ran (none skipped)."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ def test_bench_remote_produces_every_row(tmp_path: Path) -> None:
             assert (name, kind) in names
     assert ("huggingface_hub.get_safetensors_metadata", "safetensors") in names
     for row in rows:
-        if row["skipped"] is not None:  # convert from a URL is not built yet (issue 19); inspect is, and must run
-            assert row["name"].startswith("ckptfix convert") and "needs a local copy" in row["skipped"], row
-            continue
+        assert row["skipped"] is None, row  # inspect and convert of a URL both run (issue 19)
         assert len(row["walls"]) == 1 and row["walls"][0] > 0 and row["requests"][0] >= 1, row
         sent, size = row["sent"][0], row["size"]
         if row["name"] == "huggingface_hub.get_safetensors_metadata" or row["name"].startswith("ckptfix inspect"):
             assert 0 < sent < size, row  # the header, not the file
         else:
             assert sent >= size, row  # the whole file (hf_hub_download: plus nothing else, GET: exactly it)
+        if row["name"].startswith("ckptfix convert"):
+            assert sent == size, row  # each byte once: the header blocks inspect fetched are not fetched again
     assert "| huggingface_hub.get_safetensors_metadata | safetensors |" in run.stdout

@@ -33,7 +33,8 @@ def cli() -> None:
 @click.argument("dst", type=click.Path())
 @convert_options
 def convert(src: str, dst: str, model_spec: str | None, model_args: tuple[str, ...], **values: Any) -> None:
-    """Convert SRC to DST: normalise wrapper prefixes, remap devices, rename, cast, change format."""
+    """Convert SRC to DST: normalise wrapper prefixes, remap devices, rename, cast, change format (SRC may be an
+    https://, s3:// or hf:// URL)."""
     from .. import text
     from ..ops.api import convert as do_convert
 

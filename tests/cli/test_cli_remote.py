@@ -1,6 +1,7 @@
-"""``ckptfix inspect`` and ``scan`` of https:// and s3:// URLs: --json's bytes_fetched, exit codes, and each failure
-of issue 19 as one ``Error:`` line, exit 1, nothing on stdout. The servers are tests/remote_servers.py's, the
-failures tests/ops/test_remote.py's ERRORS (each a switch of the HTTP server)."""
+"""``ckptfix inspect``, ``scan`` and ``convert`` of https:// and s3:// URLs: --json's bytes_fetched, exit codes, and
+each failure of issue 19 as one ``Error:`` line, exit 1, nothing on stdout (and for convert, nothing written). The
+servers are tests/remote_servers.py's, the failures tests/ops/test_remote.py's ERRORS (each a switch of the HTTP
+server) and tests/ops/test_remote_convert.py's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import torch
 from file_server import FileServer
 from remote_servers import S3Server, http_server, s3_server
 from test_remote import ERRORS, _file_bytes, _Payload, failing, write_checkpoints
+from test_remote_convert import NAMES, _corrupt_record, masked, remote, write_sources
+
+import ckptfix
 
 from ckptfix.cli import cli
 
@@ -59,13 +63,38 @@ def test_each_failure_is_one_error_line(cli_runner: Any, http_server: FileServer
     assert res.stderr.startswith(f"Error: {url}: ") and res.stderr.count("\n") == 1, res.stderr
 
 
-def test_convert_from_a_url_is_refused_with_nothing_written(cli_runner: Any, http_server: FileServer,
-                                                            tmp_path: Path) -> None:
-    names = write_checkpoints(http_server.root)
-    url = http_server.url(names["zip"])
-    res = cli_runner.invoke(cli, ["convert", url, str(tmp_path / "out.safetensors")])
-    assert res.exit_code == 1 and "needs a local copy" in res.stderr and res.stderr.count("\n") == 1, res.output
-    assert not (tmp_path / "out.safetensors").exists() and http_server.counts.total_requests == 0
+@pytest.mark.parametrize("backend", ["http", "s3"])
+def test_convert_json_reports_bytes_fetched(cli_runner: Any, request: pytest.FixtureRequest, tmp_path: Path,
+                                            backend: str) -> None:
+    src = remote(backend, request, tmp_path)
+    url, dst = src.url(NAMES["ddp"]), tmp_path / "out.safetensors"
+    res = cli_runner.invoke(cli, ["convert", "--json", url, str(dst)])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert got["bytes_fetched"] == src.sent() > 0 and got["wrappers_before"] == ["module"]
+    assert masked(dst) == masked(Path(ckptfix.convert(src.root / NAMES["ddp"], tmp_path / "l.safetensors").dst))
+    local = json.loads(cli_runner.invoke(cli, ["convert", "--json", str(src.root / NAMES["ddp"]),
+                                               str(tmp_path / "l2.safetensors")]).stdout)
+    assert "bytes_fetched" not in local  # a local source's object is as it was
+    text = cli_runner.invoke(cli, ["convert", url, str(tmp_path / "t.safetensors")])
+    assert text.exit_code == 0 and "fetched: " in text.stdout and url in text.stdout, text.output
+
+
+@pytest.mark.parametrize("case", ["404", "damaged", "dtype"])
+def test_convert_failures_are_one_error_line(cli_runner: Any, http_server: FileServer, tmp_path: Path,
+                                             case: str) -> None:
+    write_sources(http_server.root)
+    url, args = http_server.url(NAMES["ddp"]), []
+    if case == "404":
+        url = http_server.url("nope.pth")
+    elif case == "damaged":
+        _corrupt_record(http_server.root / NAMES["ddp"])
+    else:
+        args = ["--dtype", "bf16"]
+    res = cli_runner.invoke(cli, ["convert", url, str(tmp_path / "out.safetensors"), *args])
+    assert res.exit_code == 1 and res.stdout == "", res.output
+    assert res.stderr.startswith(f"Error: {url}: ") and res.stderr.count("\n") == 1, res.stderr
+    assert os.listdir(tmp_path) == ["http"]  # no output, no temp file
 
 
 def test_inspect_url_in_a_real_process(http_server: FileServer) -> None:

@@ -80,9 +80,11 @@ def test_convert_json_reports_bytes_fetched(cli_runner: Any, request: pytest.Fix
     assert text.exit_code == 0 and "fetched: " in text.stdout and url in text.stdout, text.output
 
 
-@pytest.mark.parametrize("case", ["404", "damaged", "dtype"])
+@pytest.mark.parametrize("case, message", [("404", "no such file (HTTP 404)"),
+                                           ("damaged", "does not match the CRC-32 its zip records"),
+                                           ("dtype", "converting it needs a local copy: --dtype bf16")])
 def test_convert_failures_are_one_error_line(cli_runner: Any, http_server: FileServer, tmp_path: Path,
-                                             case: str) -> None:
+                                             case: str, message: str) -> None:
     write_sources(http_server.root)
     url, args = http_server.url(NAMES["ddp"]), []
     if case == "404":
@@ -94,6 +96,7 @@ def test_convert_failures_are_one_error_line(cli_runner: Any, http_server: FileS
     res = cli_runner.invoke(cli, ["convert", url, str(tmp_path / "out.safetensors"), *args])
     assert res.exit_code == 1 and res.stdout == "", res.output
     assert res.stderr.startswith(f"Error: {url}: ") and res.stderr.count("\n") == 1, res.stderr
+    assert message in res.stderr
     assert os.listdir(tmp_path) == ["http"]  # no output, no temp file
 
 

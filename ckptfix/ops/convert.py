@@ -24,9 +24,10 @@ from typing import Any
 
 from .. import formats
 from ..statedict import locate, ties, transforms, wrappers
-from ..core import torch_free
+from ..core import locations, torch_free
 from ..core.bytecopy import CrcCheck
-from ..core.atomic import atomic_path, check_destination, check_destination_dir, hashed_name, sha256_file
+from ..core.atomic import hashed_name, sha256_file
+from ..core.upload import check_destination, check_destination_dir, check_scheme, output_path
 from ..core.devices import DevicePlan, normalise_device, storage_id
 from ..core.torch_free import NeedsTorch
 from ..errors import ConversionError, DeviceError, WrapperError
@@ -57,7 +58,7 @@ class Request(ConvertOptions):
 def validate(src: str, dst: str, options: ConvertOptions) -> Request:
     """Check the request before anything is read: source format, destination, device, dtype."""
     refuse_remote(src, "converting it")
-    refuse_remote(dst, "writing a remote destination")
+    check_scheme(dst)  # s3:// is uploaded; https:// and hf:// are refused
     fmt_in = formats.sniff(src)
     shard_size, fmt_out = _plan_output(src, dst, options.format, options.max_shard_size, options.keep_extra,
                                        options.hash, options.force)
@@ -265,7 +266,7 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
 # -- writing -------------------------------------------------------------------------------------------
 
 class _Finalizer:
-    """Called by ``atomic_path`` on the finished temp file: hashes it, picks the hashed name."""
+    """Called by ``output_path`` on the finished temp file: hashes it, picks the hashed name."""
 
     def __init__(self, req: Request):
         self.req, self.dst = req, req.dst
@@ -294,8 +295,9 @@ def write_torch_free(req: Request, ckpt: Checkpoint, out: Output, final: _Finali
     plan = formats.plan_write(out.obj, req.fmt_out, archive=_archive_name(req.dst), keep_keys=keep_keys)
     notes: list[str] = []
     with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
-        with atomic_path(req.dst, finalize=final, notes=notes) as tmp:
-            return notes + plan.write(tmp)
+        with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
+            written = plan.write(tmp)
+    return notes + written
 
 
 def write_with_torch(req: Request, ckpt: Checkpoint, out: Output, final: _Finalizer, streamed: bool) -> list[str]:
@@ -337,8 +339,9 @@ def _write_output(req: Request, obj: Any, refs: dict | None, final: _Finalizer) 
     if out.directory_output:
         return formats.write(obj, req.dst, req.fmt_out, force=req.force)
     notes: list[str] = []
-    with atomic_path(req.dst, finalize=final, notes=notes) as tmp:
-        return notes + formats.write(obj, tmp, req.fmt_out, refs=refs, archive=_archive_name(req.dst))
+    with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
+        written = formats.write(obj, tmp, req.fmt_out, refs=refs, archive=_archive_name(req.dst))
+    return notes + written
 
 
 # -- the whole conversion ------------------------------------------------------------------------------
@@ -432,6 +435,8 @@ def _moved(plan: DevicePlan, devices: dict[str, int]) -> list[str]:
 
 
 def _size_on_disk(path: str) -> int:
+    if locations.is_remote(path):
+        return locations.size_of(path)  # (an S3 object: head_object)
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
     return os.path.getsize(path)

@@ -33,7 +33,11 @@ def cli() -> None:
 @click.argument("dst", type=click.Path())
 @convert_options
 def convert(src: str, dst: str, model_spec: str | None, model_args: tuple[str, ...], **values: Any) -> None:
-    """Convert SRC to DST: normalise wrapper prefixes, remap devices, rename, cast, change format."""
+    """Convert SRC to DST: normalise wrapper prefixes, remap devices, rename, cast, change format.
+
+    DST may be s3://BUCKET/KEY (one .safetensors or .pth file): it is written to a temp file in TMPDIR, then
+    uploaded in parts; nothing is at the key until the upload completes, and a failure or an interrupt aborts it.
+    """
     from .. import text
     from ..ops.api import convert as do_convert
 

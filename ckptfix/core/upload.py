@@ -6,8 +6,9 @@ The writers seek (a zip's headers, a safetensors header), so the output is first
 temp file as it is sent. Nothing is visible at the key until ``complete_multipart_upload``; any failure, Ctrl-C,
 SIGTERM or SIGHUP aborts the upload (no parts left billed) and removes the temp file. An output of one part or
 less goes up in one ``put_object`` (atomic too). Without ``force`` an existing object is refused before anything
-is read, and the final step is conditional (``If-None-Match: *``), so an object another writer put there meanwhile
-is not replaced either. After the upload, ``head_object`` checks the size.
+is read, and the final step is conditional (``If-None-Match: *``), so an object another writer put there meanwhile,
+or one a HEAD can't see (a write-only policy, without s3:ListBucket, gets 403s), is not replaced either. After the
+upload, ``head_object`` checks the size (where the policy lets it).
 
 Directory outputs (sharded, DCP) to S3 are refused, and so are ``https://`` (no standard write) and ``hf://``
 (``huggingface-cli upload``) destinations. A local destination goes to :mod:`ckptfix.core.atomic`.
@@ -69,12 +70,9 @@ def check_destination(src: str, dst: str, force: bool) -> None:
     if is_remote(src) and src.rstrip("/") == dst.rstrip("/"):
         raise DestinationError(f"{dst}: is the source itself; write to a new key")
     client = remote.s3_client()
-    try:
-        remote.s3_call(dst, lambda: client.head_bucket(Bucket=bucket))
-    except MissingFileError:
-        raise DestinationError(f"{dst}: bucket {bucket} does not exist (or the endpoint is another: AWS_ENDPOINT_URL)") \
-            from None
-    if _existing_size(client, dst) is not None and not force:
+    if _answer(dst, lambda: client.head_bucket(Bucket=bucket)) is None:
+        raise DestinationError(f"{dst}: bucket {bucket} does not exist (or the endpoint is another: AWS_ENDPOINT_URL)")
+    if _answer(dst, lambda: client.head_object(Bucket=bucket, Key=key)) and not force:
         raise DestinationError(f"{dst}: already exists; {pass_flag('force')} to replace it")
 
 
@@ -87,13 +85,21 @@ def check_destination_dir(src: str, dst: str, force: bool, output: atomic.DirOut
     atomic.check_destination_dir(src, dst, force, output)
 
 
-def _existing_size(client: Any, url: str) -> int | None:
-    bucket, key = remote.split_s3(url)
-    try:
-        head = remote.s3_call(url, lambda: client.head_object(Bucket=bucket, Key=key))
-    except MissingFileError:
-        return None
-    return int(head["ContentLength"])
+def _answer(url: str, head: Callable[[], Any]) -> Any:
+    """A HEAD's response; None for a 404; ``{}`` for a 403 (S3 says neither yes nor no without s3:ListBucket, which a
+    write-only policy lacks: the upload goes on, its If-None-Match still guarding an existing object)."""
+    from botocore.exceptions import ClientError
+
+    def attempt() -> Any:
+        try:
+            return head()
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in (403, 404):
+                return None if status == 404 else {}
+            raise
+
+    return remote.s3_call(url, attempt)
 
 
 @contextlib.contextmanager
@@ -155,7 +161,8 @@ def upload_file(path: str, url: str, replace: bool = False) -> tuple[int, int]:
                 abort(client, url, upload_id)
             raise
         parts = len(done)
-    stored = _existing_size(client, url)
+    head = _answer(url, lambda: client.head_object(Bucket=bucket, Key=key))
+    stored = None if head is None else head.get("ContentLength", size)  # (a 403: S3 accepted it whole, can't say more)
     if stored != size:
         raise RemoteError(f"{url}: S3 holds {stored} bytes after the upload of {size}: the upload did not arrive whole; "
                           "run the conversion again")
@@ -213,7 +220,8 @@ def _conditional(url: str, call: Callable[[], Any]) -> Any:
             return call()
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
-                raise DestinationError(f"{url}: an object appeared at this key during the conversion; "
+                raise DestinationError(f"{url}: an object is at this key already (put there during the conversion, "
+                                       "or hidden from a HEAD without s3:ListBucket), and S3 kept it; "
                                        f"{pass_flag('force')} to replace it") from None
             raise
 

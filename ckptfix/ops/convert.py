@@ -271,8 +271,10 @@ class _Finalizer:
     def __init__(self, req: Request):
         self.req, self.dst = req, req.dst
         self.sha256: str | None = None
+        self.size = 0  # the output's bytes (uploaded, for an s3:// destination)
 
     def __call__(self, tmp: str) -> str:
+        self.size = os.path.getsize(tmp)
         if self.req.hash or self.req.checksums:
             self.sha256 = sha256_file(tmp)
         if self.req.hash:
@@ -408,7 +410,7 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         kept_extra=list(ckpt.extra) if out.kept else [],
         streamed=streamed,
         bytes_read=ckpt.stats.nbytes,
-        bytes_written=_size_on_disk(dst),
+        bytes_written=final.size if locations.is_remote(dst) else _size_on_disk(dst),
         seconds=round(time.perf_counter() - start, 3),
         peak_rss=peak_rss_bytes(),
         sha256_in=sha256_file(req.src) if req.checksums and os.path.isfile(req.src) else None,
@@ -435,8 +437,6 @@ def _moved(plan: DevicePlan, devices: dict[str, int]) -> list[str]:
 
 
 def _size_on_disk(path: str) -> int:
-    if locations.is_remote(path):
-        return locations.size_of(path)  # (an S3 object: head_object)
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
     return os.path.getsize(path)

@@ -177,7 +177,7 @@ def test_an_object_put_there_meanwhile_is_not_replaced(s3_server: S3Server, tmp_
     files = sources(tmp_path, 12)
     _failing_part(monkeypatch, 1, lambda: s3_server.client().put_object(Bucket=s3_server.bucket, Key="out.pth",
                                                                          Body=b"theirs"))
-    with pytest.raises(errors.DestinationError, match="appeared at this key during the conversion"):
+    with pytest.raises(errors.DestinationError, match="an object is at this key already"):
         ckptfix.convert(files["pth"], s3_server.url("out.pth"))
     assert _object(s3_server, "out.pth") == b"theirs" and _uploads(s3_server) == []
     assert list(temp_dir.iterdir()) == []
@@ -195,6 +195,29 @@ def test_existing_object_needs_force(s3_server: S3Server, tmp_path: Path, temp_d
     report = ckptfix.convert(files["pth"], url, force=True)
     assert same_output(_object(s3_server, "out.safetensors"), (tmp_path / "out.safetensors").read_bytes())
     assert report.bytes_written == (tmp_path / "out.safetensors").stat().st_size
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new key", "existing key"])
+@pytest.mark.parametrize("mib", [1, 12], ids=["one put", "multipart"])
+def test_a_write_only_policy_can_upload(s3_server: S3Server, tmp_path: Path, temp_dir: Path, mib: int,
+                                        existing: bool) -> None:
+    """Without s3:ListBucket, S3 answers a HEAD with 403, found or not: the upload goes on (the bucket's and key's
+    HEADs say nothing), and If-None-Match still keeps an object that is there."""
+    files = sources(tmp_path, mib)
+    if existing:
+        s3_server.client().put_object(Bucket=s3_server.bucket, Key="w/out.safetensors", Body=b"theirs")
+    for path in (f"/{s3_server.bucket}", f"/{s3_server.bucket}/w/out.safetensors"):
+        s3_server.head_status[path] = 403
+    url = s3_server.url("w/out.safetensors")
+    if existing:
+        with pytest.raises(errors.DestinationError, match="an object is at this key already"):
+            ckptfix.convert(files["safetensors"], url)
+        assert _object(s3_server, "w/out.safetensors") == b"theirs" and _uploads(s3_server) == []
+        return
+    report = ckptfix.convert(files["safetensors"], url)
+    want = ckptfix.convert(files["safetensors"], tmp_path / "out.safetensors")
+    assert same_output(_object(s3_server, "w/out.safetensors"), Path(want.dst).read_bytes())
+    assert report.dst == url and s3_server.counts.requests[f"/{s3_server.bucket}/w/out.safetensors"] > 1
 
 
 REFUSED = [  # (destination, options, error, message)

@@ -74,7 +74,8 @@ class WrapperError(CkptfixError, ValueError):
 
 
 class DestinationError(CkptfixError, OSError):
-    """The output path can't be written: exists without force, is the source, or an I/O failure (also an OSError)."""
+    """The output path can't be written: exists without force, is the source, an I/O failure, or a destination ckptfix
+    doesn't write (``https://``, ``hf://``, a directory to ``s3://``) (also an OSError)."""
 
 
 class RemoteError(CkptfixError, OSError):

@@ -16,7 +16,8 @@ hf_file_system.py):
 huggingface_hub also asks once per process for ``/api/agent-harnesses`` (a registry it does without): a 404
 here, as every other path. Errors carry the Hub's ``X-Error-Code`` (RepoNotFound, RevisionNotFound, EntryNotFound), which
 huggingface_hub turns into its own exceptions. The repo (``org/name``) has one revision, ``main``, whose
-commit is :data:`COMMIT` (also accepted as the revision).
+commit is :data:`COMMIT` (also accepted as the revision). A dataset or Space repo (``repo_type``) has the same
+endpoints under ``/api/datasets/``, ``/datasets/{repo}/resolve/`` (``/api/spaces/``, ``/spaces/…``).
 
     with HubServer(tmp_path) as hub:                 # or the ``hub_server`` fixture, which points HF_ENDPOINT here
         HfApi(endpoint=hub.base_url).get_safetensors_metadata("org/name")
@@ -39,24 +40,29 @@ COMMIT = "c0ffee0123456789abcdef0123456789abcdef01"
 REPO = "org/name"
 
 _REPO = r"(?P<repo>[^/]+/[^/]+)"
-_INFO = re.compile(rf"/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?")
-_TREE = re.compile(rf"/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?")
-_PATHS_INFO = re.compile(rf"/api/models/{_REPO}/paths-info/(?P<rev>[^/]+)")
-_RESOLVE = re.compile(rf"/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)")
+_API = r"/api/(?P<kind>models|datasets|spaces)"
+_INFO = re.compile(rf"{_API}/{_REPO}(?:/revision/(?P<rev>[^/]+))?")
+_TREE = re.compile(rf"{_API}/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?")
+_PATHS_INFO = re.compile(rf"{_API}/{_REPO}/paths-info/(?P<rev>[^/]+)")
+_RESOLVE = re.compile(rf"/(?:(?P<kind>datasets|spaces)/)?{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)")
+#: a repo type → its URL paths' prefix (a model's none) and its API's collection, as huggingface_hub spells them
+PREFIX = {"model": "", "dataset": "datasets/", "space": "spaces/"}
+_KINDS = {None: "model", "models": "model", "datasets": "dataset", "spaces": "space"}
 _CDN = re.compile(rf"/cdn/{COMMIT}/(?P<path>.+)")
 
 
 class HubServer(FileServer):
-    """Serves ``root`` as the model repo ``repo`` at revision ``main`` (commit :data:`COMMIT`)."""
+    """Serves ``root`` as the repo ``repo`` at revision ``main`` (commit :data:`COMMIT`): a model repo, or with
+    ``repo_type`` ``"dataset"``/``"space"`` one of those (its paths then under ``/datasets/``, ``/api/datasets/`` …)."""
 
-    def __init__(self, root: str | Path, repo: str = REPO) -> None:
+    def __init__(self, root: str | Path, repo: str = REPO, repo_type: str = "model") -> None:
         super().__init__(root)
-        self.repo = repo
+        self.repo, self.repo_type = repo, repo_type
         self.redirect_to_cdn = False
 
     def resolve_path(self, name: str, revision: str = "main") -> str:
         """The URL path of a file's resolve endpoint (the key of its counts)."""
-        return f"/{self.repo}/resolve/{revision}/{name}"
+        return f"/{PREFIX[self.repo_type]}{self.repo}/resolve/{revision}/{name}"
 
     def resolve_url(self, name: str, revision: str = "main") -> str:
         return self.base_url + self.resolve_path(name, revision)
@@ -93,20 +99,20 @@ class HubServer(FileServer):
         for pattern, methods, answer in ((_TREE, ("GET",), self._tree), (_PATHS_INFO, ("POST",), self._paths_info),
                                          (_INFO, ("GET",), self._info)):
             if (m := pattern.fullmatch(path)) is not None and method in methods:
-                if (refusal := self._check(m.group("repo"), m.group("rev"))) is not None:
+                if (refusal := self._check(m.group("repo"), m.group("rev"), m.group("kind"))) is not None:
                     self._error(handler, *refusal)
                 else:
                     answer(handler, m)
                 return True
         if (m := _RESOLVE.fullmatch(path)) is not None and method in ("GET", "HEAD"):
-            if (refusal := self._check(m.group("repo"), m.group("rev"))) is not None:
+            if (refusal := self._check(m.group("repo"), m.group("rev"), m.group("kind"))) is not None:
                 self._error(handler, *refusal)
                 return True
             return self._file(handler, method, path, m.group("path"), served, redirect=self.redirect_to_cdn)
         return False
 
-    def _check(self, repo: str, rev: str | None) -> tuple[int, str, str] | None:
-        if repo != self.repo:
+    def _check(self, repo: str, rev: str | None, kind: str | None) -> tuple[int, str, str] | None:
+        if repo != self.repo or _KINDS[kind] != self.repo_type:
             return HTTPStatus.NOT_FOUND, "RepoNotFound", f"Repository {repo} not found"
         if rev not in (None, "main", COMMIT):
             return HTTPStatus.NOT_FOUND, "RevisionNotFound", f"Invalid rev id: {rev}"

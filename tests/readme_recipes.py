@@ -132,6 +132,26 @@ def _same_as_local(out: Path, fixture: str) -> bool:
     return out.read_bytes() == local.read_bytes()
 
 
+def _bucket(name: str) -> Callable[[Path, Any], None]:
+    """An empty bucket on tests/remote_servers.py's S3 server (the ``s3_server`` fixture points AWS_* at it)."""
+    def make(dst: Path, request: Any) -> None:
+        request.getfixturevalue("s3_server").client().create_bucket(Bucket=name)
+    return make
+
+
+def _s3_object(url: str) -> bytes:
+    """An object's bytes, from the S3 server the environment names (the ``s3_server`` fixture's)."""
+    import boto3
+
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def _uploaded_is_the_local_convert(tmp: Path, url: str) -> bool:
+    ckptfix.convert(tmp / "ddp_run.pth", tmp / "local.safetensors")
+    return _s3_object(url) == (tmp / "local.safetensors").read_bytes()
+
+
 def _hf_dir(dst: Path, request: Any) -> None:
     ckptfix.convert(ROOT / "fixtures" / "mlp_single.pth", dst, max_shard_size=1000)  # 3 shards + index
     assert (dst / "model.safetensors.index.json").is_file()
@@ -170,6 +190,7 @@ MAKERS: dict[str, Callable[[Path, Any], None]] = {
     "unsafe": _tensors(lambda: {"weight": torch.zeros(1), "run": exec, "shell": os.system}),
     "hf sharded": _hf_dir,
     "on s3: mlp_ddp.pth": _on_s3("mlp_ddp.pth", "s3://my-bucket/runs/ddp_run.pth"),
+    "s3 bucket: my-bucket": _bucket("my-bucket"),
     "deepspeed zero-2 bf16": _deepspeed,
     "lightning sharded": _sharded_lightning,
     "mlp, noisy": _tensors(_noisy_mlp),
@@ -290,6 +311,12 @@ RECIPES: dict[str, Entry] = {
         and 0 < json.loads(res.stdout)["bytes_fetched"] < 64 * 1024),
     "ckptfix convert s3://my-bucket/runs/ddp_run.pth model.safetensors": Entry(
         {"s3": "on s3: mlp_ddp.pth"}, check=lambda tmp, res: _same_as_local(tmp / "model.safetensors", "mlp_ddp.pth")),
+
+
+    "ckptfix convert ddp_run.pth s3://my-bucket/runs/model.safetensors": Entry(
+        {**MLP_DDP, "s3": "s3 bucket: my-bucket"},
+        check=lambda tmp, res: res.stdout.startswith("Wrote s3://my-bucket/runs/model.safetensors (safetensors)")
+        and _uploaded_is_the_local_convert(tmp, "s3://my-bucket/runs/model.safetensors")),
     'report = ckptfix.load_into(model, "ddp_run.pth")': Entry(
         {"ddp_run.pth": "fixture:mlp_ddp.pth", "ddp_compiled.pth": "fixture:mlp_ddp_compile.pth"},
         check=lambda tmp, ns: ns["report"].fix == "strip module." and list(ns["sd"])[0] == "0.weight"

@@ -101,8 +101,9 @@ def hub_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubS
 
 class S3Server:
     """moto's S3 server on 127.0.0.1 (a free port), its WSGI app wrapped to count the body bytes each
-    request's path was sent (``counts``, keyed ``/bucket/key``; :class:`file_server.Counts`), with two
-    switches by path: ``status`` (403 → S3's AccessDenied, any other code → its own XML error) and ``delay``
+    request's path was sent (``counts``, keyed ``/bucket/key``; :class:`file_server.Counts`), with switches by path:
+    ``status`` (403 → S3's AccessDenied, any other code → its own XML error), ``head_status`` (the same for HEAD
+    requests only: a write-only policy, without s3:ListBucket, gets a 403 for a HEAD of a missing key) and ``delay``
     (seconds before answering: a client's read timeout). A changed object: upload it again (new ETag)."""
 
     def __init__(self) -> None:
@@ -111,6 +112,7 @@ class S3Server:
         self.counts = Counts()
         self.status: dict[str, int] = {}
         self.delay: dict[str, float] = {}
+        self.head_status: dict[str, int] = {}
         counts = self.counts
         server = self
 
@@ -143,6 +145,7 @@ class S3Server:
         self.counts.reset()
         self.status.clear()
         self.delay.clear()
+        self.head_status.clear()
 
     def client(self) -> Any:
         """A boto3 S3 client for this server."""
@@ -183,7 +186,10 @@ def _count_bytes(app: Any, counts: Counts, server: S3Server) -> Any:
         counts._request(path, environ.get("HTTP_RANGE"))
         if (wait := server.delay.get(path)) is not None:
             time.sleep(wait)
-        if (code := server.status.get(path)) is not None:
+        code = server.status.get(path)
+        if code is None and environ.get("REQUEST_METHOD") == "HEAD":
+            code = server.head_status.get(path)
+        if code is not None:
             reason = _S3_ERRORS.get(code, "Error")
             body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{reason}</Code>'
                     f"<Message>{reason} (switch)</Message><Resource>{path}</Resource></Error>").encode()

@@ -34,7 +34,11 @@ def cli() -> None:
 @convert_options
 def convert(src: str, dst: str, model_spec: str | None, model_args: tuple[str, ...], **values: Any) -> None:
     """Convert SRC to DST: normalise wrapper prefixes, remap devices, rename, cast, change format (SRC may be an
-    https://, s3:// or hf:// URL)."""
+    https://, s3:// or hf:// URL).
+
+    DST may be s3://BUCKET/KEY (one .safetensors or .pth file): it is written to a temp file in TMPDIR, then
+    uploaded in parts; nothing is at the key until the upload completes, and a failure or an interrupt aborts it.
+    """
     from .. import text
     from ..ops.api import convert as do_convert
 

@@ -102,7 +102,7 @@ def atomic_path(dst: str, finalize: Callable[[str], str] | None = None, notes: l
             with interrupts.held():
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
-            _reraise(e, dst)
+            reraise_write_failure(e, dst)
         finally:
             os.close(lock)
 
@@ -113,7 +113,7 @@ def _mkstemp(dst: str, parent: str) -> str:
     return tmp
 
 
-def _reraise(e: BaseException, dst: str) -> NoReturn:
+def reraise_write_failure(e: BaseException, dst: str) -> NoReturn:
     """Raise what a failed write means once its temp output is gone: the interrupt behind it, a
     DestinationError for an I/O failure, else the error itself."""
     interrupt = interrupts.cause(e)
@@ -229,7 +229,7 @@ def atomic_dir(dst: str, force: bool, output: DirOutput, notes: list[str] | None
         except BaseException as e:
             with interrupts.held():
                 shutil.rmtree(tmp, ignore_errors=True)
-            _reraise(e, dst)
+            reraise_write_failure(e, dst)
         finally:
             os.close(lock)
 

@@ -47,10 +47,11 @@ class Session:
 
     def __init__(self) -> None:
         self.sources: dict[str, ByteSource] = {}
+        self.listed = 0  # bytes of the directory listings asked (S3's and the Hub's pages)
 
     @property
     def bytes_fetched(self) -> int:
-        return sum(s.bytes_fetched for s in self.sources.values() if s.remote)
+        return self.listed + sum(s.bytes_fetched for s in self.sources.values() if s.remote)
 
     @property
     def remote(self) -> bool:
@@ -151,10 +152,15 @@ def listdir(location: str) -> list[str] | None:
     if not is_remote(location):
         return sorted(os.listdir(location)) if os.path.isdir(location) else None
     if location.lower().startswith("s3://"):
-        return remote.s3_list(location)
-    if location.lower().startswith("hf://"):
-        return remote.hub_list(location)
-    return None
+        names, fetched = remote.s3_list(location)
+    elif location.lower().startswith("hf://"):
+        names, fetched = remote.hub_list(location)
+    else:
+        return None
+    current = _SESSION.get()
+    if current is not None:
+        current.listed += fetched
+    return names
 
 
 def is_dir(location: str) -> bool:
@@ -164,7 +170,7 @@ def is_dir(location: str) -> bool:
         return os.path.isdir(location)
     if location.lower().startswith(("http://", "https://")):
         return "." not in location.rstrip("/").rsplit("/", 1)[-1] or location.endswith("/")
-    if location.lower().startswith("hf://") and not remote.split_hub(location)[2]:
+    if location.lower().startswith("hf://") and not remote.split_hub(location).path:
         return True  # the repository itself
     return bool(listdir(location))
 

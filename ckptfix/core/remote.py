@@ -11,13 +11,16 @@ each waiting ``CKPTFIX_REMOTE_TIMEOUT`` seconds (default 30) at most.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 from ..errors import MissingFileError, RemoteError
 from .positional import BLOCK, ByteSource, LocalSource
@@ -183,8 +186,22 @@ def s3_client() -> Any:
     if key not in _S3_CLIENTS:
         config = Config(connect_timeout=timeout(), read_timeout=timeout(),
                         retries={"max_attempts": retries() + 1, "mode": "standard"})
-        _S3_CLIENTS[key] = boto3.session.Session().client("s3", config=config)
+        client = boto3.session.Session().client("s3", config=config)
+        client.meta.events.register("after-call.s3.ListObjectsV2", _count_listing)
+        _S3_CLIENTS[key] = client
     return _S3_CLIENTS[key]
+
+
+_LISTED = threading.local()  # body bytes of the listings this thread received (S3 sends them chunked: no length)
+
+
+def _count_listing(http_response: Any = None, **_: Any) -> None:
+    if http_response is not None:
+        _LISTED.n = getattr(_LISTED, "n", 0) + len(http_response.content)
+
+
+def _listed() -> int:
+    return int(getattr(_LISTED, "n", 0))
 
 
 def s3_call(name: str, call: Any) -> Any:
@@ -238,8 +255,9 @@ class S3Source(ByteSource):
         return bytes(data)
 
 
-def s3_list(location: str) -> list[str]:
-    """The names directly under an S3 prefix (a "directory")."""
+def s3_list(location: str) -> tuple[list[str], int]:
+    """The names directly under an S3 prefix (a "directory"), and the bytes its listing took (its pages' bodies)."""
+    before = _listed()
     bucket, key = split_s3(location)
     prefix = key.rstrip("/") + "/" if key.strip("/") else ""
     client = s3_client()
@@ -251,17 +269,35 @@ def s3_list(location: str) -> list[str]:
         names += [o["Key"][len(prefix):] for o in r.get("Contents", [])]
         names += [p["Prefix"][len(prefix):].rstrip("/") + "/" for p in r.get("CommonPrefixes", [])]
         if not r.get("IsTruncated"):
-            return names
+            return names, _listed() - before
         token = {"ContinuationToken": r["NextContinuationToken"]}
 
 
-def split_hub(location: str) -> tuple[str, str | None, str]:
-    """``hf://org/repo[@revision]/path`` → (repo id, revision, path in the repo)."""
+class HubPath(NamedTuple):
+    """A Hub URL's parts: ``hf://[datasets/|spaces/]org/repo[@revision]/path`` as huggingface_hub's HfFileSystem
+    spells them (a model repo has no prefix)."""
+
+    repo_id: str
+    revision: str | None
+    path: str
+    repo_type: str = "model"
+
+
+#: HfFileSystem's URL prefixes of the repo types other than models
+_HUB_PREFIXES = {"datasets": "dataset", "spaces": "space"}
+
+
+def split_hub(location: str) -> HubPath:
+    """``hf://org/repo[@revision]/path`` (or ``hf://datasets/…``, ``hf://spaces/…``) → its :class:`HubPath`."""
     parts = location[len("hf://"):].strip("/").split("/")
+    repo_type = _HUB_PREFIXES.get(parts[0], "model")
+    if repo_type != "model":
+        parts = parts[1:]
     if len(parts) < 2:
-        raise RemoteError(f"{location}: a Hub URL is hf://ORG/REPO[@REVISION]/PATH")
+        raise RemoteError(f"{location}: a Hub URL is hf://ORG/REPO[@REVISION]/PATH (a dataset's hf://datasets/ORG/REPO…, "
+                          "a Space's hf://spaces/ORG/REPO…)")
     repo, _, revision = parts[1].partition("@")
-    return f"{parts[0]}/{repo}", revision or None, "/".join(parts[2:])
+    return HubPath(f"{parts[0]}/{repo}", revision or None, "/".join(parts[2:]), repo_type)
 
 
 def _hub_settings() -> tuple[str | None, str | None]:
@@ -276,15 +312,15 @@ def hub_source(location: str) -> ByteSource:
     """A file on the Hub: from the local HF cache when it is there, else over HTTP, pinned to one commit."""
     hub = _client("huggingface_hub", "hf:// URLs")
     endpoint, cache = _hub_settings()
-    repo_id, revision, filename = split_hub(location)
-    cached = hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache, revision=revision)
+    repo_id, revision, filename, repo_type = split_hub(location)
+    cached = hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache, revision=revision, repo_type=repo_type)
     if isinstance(cached, str) and os.path.isfile(cached):
         local = LocalSource(cached)
         local.name = location
         return local
     try:
-        meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint),
-                                        endpoint=endpoint, timeout=timeout())
+        meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, filename, repo_type=repo_type, revision=revision,
+                                                       endpoint=endpoint), endpoint=endpoint, timeout=timeout())
     except hub.errors.EntryNotFoundError:
         raise MissingFileError(f"{location}: no such file in {repo_id}", location) from None
     except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
@@ -294,20 +330,45 @@ def hub_source(location: str) -> ByteSource:
         raise RemoteError(f"{location}: the Hub answered {e}") from None
     except OSError as e:
         raise RemoteError(f"{location}: can't reach the Hub ({e}); check HF_ENDPOINT and the network") from None
-    pinned = hub.hf_hub_url(repo_id, filename, revision=meta.commit_hash or revision, endpoint=endpoint)
+    pinned = hub.hf_hub_url(repo_id, filename, repo_type=repo_type, revision=meta.commit_hash or revision,
+                            endpoint=endpoint)
     return HttpSource(pinned, hub.utils.build_hf_headers(), name=location)
 
 
-def hub_list(location: str) -> list[str]:
-    """The names directly under a folder of a Hub repository (folders end in ``/``)."""
+def hub_list(location: str) -> tuple[list[str], int]:
+    """The names directly under a folder of a Hub repository (folders end in ``/``), and the bytes the listing took
+    (its pages' bodies)."""
     hub = _client("huggingface_hub", "hf:// URLs")
-    repo_id, revision, folder = split_hub(location)
+    repo_id, revision, folder, repo_type = split_hub(location)
+    api = hub.HfApi(endpoint=_hub_settings()[0])
+    hub.utils.build_hf_headers()  # (its user-agent probe, huggingface_hub's own once a process, is not the listing)
+    with _responses_counted(hub.utils.get_session()) as fetched:
+        try:
+            items = api.list_repo_tree(repo_id, folder or None, revision=revision, repo_type=repo_type)
+            names = [item.path.rsplit("/", 1)[-1] + ("/" if type(item).__name__ == "RepoFolder" else "") for item in items]
+        except hub.errors.EntryNotFoundError:
+            names = []
+        except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
+            raise MissingFileError(f"{location}: no such repository or revision ({type(e).__name__})", location) from None
+        except hub.errors.HfHubHTTPError as e:
+            raise RemoteError(f"{location}: the Hub answered {e}") from None
+    return names, fetched[0]
+
+
+@contextlib.contextmanager
+def _responses_counted(client: Any) -> Iterator[list[int]]:
+    """The body bytes of the responses huggingface_hub's shared HTTP client receives in this thread meanwhile
+    (``[n]``): a response hook, on that client only while inside."""
+    me, fetched = threading.get_ident(), [0]
+
+    def hook(response: Any) -> None:
+        if threading.get_ident() == me:
+            response.read()  # (read before the client would: what it downloaded is then known)
+            fetched[0] += response.num_bytes_downloaded
+
+    hooks = client.event_hooks
+    hooks.setdefault("response", []).append(hook)
     try:
-        items = hub.HfApi(endpoint=_hub_settings()[0]).list_repo_tree(repo_id, folder or None, revision=revision)
-        return [item.path.rsplit("/", 1)[-1] + ("/" if type(item).__name__ == "RepoFolder" else "") for item in items]
-    except hub.errors.EntryNotFoundError:
-        return []
-    except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
-        raise MissingFileError(f"{location}: no such repository or revision ({type(e).__name__})", location) from None
-    except hub.errors.HfHubHTTPError as e:
-        raise RemoteError(f"{location}: the Hub answered {e}") from None
+        yield fetched
+    finally:
+        hooks["response"].remove(hook)

@@ -24,9 +24,10 @@ from typing import Any
 
 from .. import formats
 from ..statedict import locate, ties, transforms, wrappers
-from ..core import torch_free
+from ..core import locations, torch_free
 from ..core.bytecopy import CrcCheck
-from ..core.atomic import atomic_path, check_destination, check_destination_dir, hashed_name, sha256_file
+from ..core.atomic import hashed_name, sha256_file
+from ..core.upload import check_destination, check_destination_dir, check_scheme, output_path
 from ..core.devices import DevicePlan, normalise_device, storage_id
 from ..core.torch_free import NeedsTorch
 from ..errors import ConversionError, DeviceError, WrapperError
@@ -34,7 +35,7 @@ from ..core.progress import Progress, peak_rss_bytes
 from ..core.units import few, parse_size
 from . import remote_convert
 from .convert_options import ConvertOptions
-from .reading import read_checkpoint, refuse_remote, summarise
+from .reading import read_checkpoint, summarise
 from ..parse import format_registry as registry, inert
 from ..reports import Checkpoint, ConvertReport, tensor_stats
 from ..safety.standins import contains_stand_ins
@@ -57,7 +58,7 @@ class Request(ConvertOptions):
 
 def validate(src: str, dst: str, options: ConvertOptions) -> Request:
     """Check the request before anything is read: source format, destination, device, dtype."""
-    refuse_remote(dst, "writing a remote destination")
+    check_scheme(dst)  # s3:// is uploaded; https:// and hf:// are refused
     fmt_in = formats.sniff(src)
     shard_size, fmt_out = _plan_output(src, dst, options.format, options.max_shard_size, options.keep_extra,
                                        options.hash, options.force)
@@ -267,13 +268,15 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
 # -- writing -------------------------------------------------------------------------------------------
 
 class _Finalizer:
-    """Called by ``atomic_path`` on the finished temp file: hashes it, picks the hashed name."""
+    """Called by ``output_path`` on the finished temp file: hashes it, picks the hashed name."""
 
     def __init__(self, req: Request):
         self.req, self.dst = req, req.dst
         self.sha256: str | None = None
+        self.size = 0  # the output's bytes (uploaded, for an s3:// destination)
 
     def __call__(self, tmp: str) -> str:
+        self.size = os.path.getsize(tmp)
         if self.req.hash or self.req.checksums:
             self.sha256 = sha256_file(tmp)
         if self.req.hash:
@@ -296,8 +299,9 @@ def write_torch_free(req: Request, ckpt: Checkpoint, out: Output, final: _Finali
     plan = formats.plan_write(out.obj, req.fmt_out, archive=_archive_name(req.dst), keep_keys=keep_keys)
     notes: list[str] = []
     with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
-        with atomic_path(req.dst, finalize=final, notes=notes) as tmp:
-            return notes + plan.write(tmp)
+        with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
+            written = plan.write(tmp)
+    return notes + written
 
 
 def write_with_torch(req: Request, ckpt: Checkpoint, out: Output, final: _Finalizer, streamed: bool) -> list[str]:
@@ -339,8 +343,9 @@ def _write_output(req: Request, obj: Any, refs: dict | None, final: _Finalizer) 
     if out.directory_output:
         return formats.write(obj, req.dst, req.fmt_out, force=req.force)
     notes: list[str] = []
-    with atomic_path(req.dst, finalize=final, notes=notes) as tmp:
-        return notes + formats.write(obj, tmp, req.fmt_out, refs=refs, archive=_archive_name(req.dst))
+    with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
+        written = formats.write(obj, tmp, req.fmt_out, refs=refs, archive=_archive_name(req.dst))
+    return notes + written
 
 
 # -- the whole conversion ------------------------------------------------------------------------------
@@ -408,7 +413,7 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         kept_extra=list(ckpt.extra) if out.kept else [],
         streamed=streamed,
         bytes_read=ckpt.stats.nbytes,
-        bytes_written=_size_on_disk(dst),
+        bytes_written=final.size if locations.is_remote(dst) else _size_on_disk(dst),
         seconds=round(time.perf_counter() - start, 3),
         peak_rss=peak_rss_bytes(),
         sha256_in=sha256_file(req.src) if req.checksums and os.path.isfile(req.src) else None,

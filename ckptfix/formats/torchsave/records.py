@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from ...core import locations
 from ...core.bytecopy import CrcCheck, CrcWorker, Recorded, SegmentsCrcWorker
 from ...core.devices import storage_id
 from ...core.torch_free import NeedsTorch
@@ -39,7 +40,9 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
     import torch
 
     try:
-        reader: Any = torch._C.PyTorchFileReader(path)  # (its stubs lack has_record, get_record_offset)
+        # (a URL: a file object over its source, only the zip directory and the records asked for fetched;
+        # the reader's stubs lack has_record, get_record_offset)
+        reader: Any = torch._C.PyTorchFileReader(locations.as_file(path))
         if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
             raise NeedsTorch("big-endian data")
         data = reader.get_record("data.pkl")

@@ -98,7 +98,7 @@ def _replace_meta(obj: Any, swap: Any) -> Any:
             items = [walk(v) for v in o]
             if any(a is not b for a, b in zip(items, o)):
                 memo[id(o)] = type(o)(items) if type(o) is tuple else (
-                    type(o)._make(items) if hasattr(type(o), "_make") else type(o)(*items))
+                    getattr(type(o), "_make")(items) if hasattr(type(o), "_make") else type(o)(*items))
         if hasattr(o, "__dict__") and not isinstance(o, torch.Tensor):
             for k, v in list(vars(o).items()):
                 if (new := walk(v)) is not v:

@@ -41,11 +41,10 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
 
 
 def refuse_remote(path: str, what: str) -> None:
-    """A remote checkpoint is described and scanned from its headers; anything else reads a local copy (for now)."""
+    """A verb that doesn't read URLs yet (``what``) refuses one before fetching anything."""
     if locations.is_remote(path):
-        raise RemoteError(f"{path}: {what} needs a local copy: remote checkpoints are inspected and scanned from "
-                          "their headers only (ckptfix inspect / scan without --trust; ckptfix.describe / scan); "
-                          "download it first")
+        raise RemoteError(f"{path}: {what} needs a local copy for now (a URL is inspected, scanned, read, loaded, "
+                          "verified and diffed in place); download it first")
 
 
 def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool,

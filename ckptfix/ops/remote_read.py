@@ -97,8 +97,8 @@ def _replace_meta(obj: Any, swap: Any) -> Any:
         elif isinstance(o, tuple):
             items = [walk(v) for v in o]
             if any(a is not b for a, b in zip(items, o)):
-                memo[id(o)] = type(o)(items) if type(o) is tuple else (
-                    getattr(type(o), "_make")(items) if hasattr(type(o), "_make") else type(o)(*items))
+                cls: Any = type(o)  # (a named tuple: its _make)
+                memo[id(o)] = tuple(items) if cls is tuple else cls._make(items) if hasattr(cls, "_make") else cls(*items)
         if hasattr(o, "__dict__") and not isinstance(o, torch.Tensor):
             for k, v in list(vars(o).items()):
                 if (new := walk(v)) is not v:

@@ -217,6 +217,7 @@ class LoadReport:
     assigned: int = 0  # model keys given new tensors (meta-built, or assign=True): views of the file or materialised
     sharded: int = 0  # model keys that are DTensors: this rank's shards filled
     bytes_read: int = 0  # tensor bytes this process read from the checkpoint
+    bytes_fetched: int | None = None  # a remote checkpoint: the bytes this process fetched (headers too; None: local)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -8,17 +8,15 @@ each range's CRC-32 computed from the bytes as fetched)."""
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import locations
 from ..errors import FormatError
-from .positional import ByteSource
+from .positional import ByteSource, crc32_range
 from .rangecopy import Batch, Span
 
 _CHUNK = 64 * 2**20
@@ -142,24 +140,6 @@ def copy_range(src_fd: Source, dst_fd: int, src_offset: int, dst_offset: int, si
 def write_all(fd: int, data: memoryview, offset: int) -> None:
     """``pwrite`` all of ``data`` at ``offset`` (one call writes at most ~2 GiB on Linux)."""
     _move(len(data), lambda done, n: os.pwrite(fd, data[done : done + n], offset + done), "write made no progress")
-
-
-def crc32_range(fd: int, offset: int, size: int, crc: int = 0) -> int:
-    """CRC-32 of a file range, read through a memory map (no copy into Python memory); ``crc``: that
-    of the bytes before it, to chain ranges into one checksum."""
-    if size == 0:
-        return crc
-    if offset + size > os.fstat(fd).st_size:
-        raise OSError(5, "short read while computing CRC-32")
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(fd, offset + size - start, access=mmap.ACCESS_READ, offset=start) as mm:
-        view = memoryview(mm)
-        try:
-            for pos in range(offset - start, offset - start + size, _CHUNK):
-                crc = zlib.crc32(view[pos : min(pos + _CHUNK, offset - start + size)], crc)
-            return crc
-        finally:
-            view.release()
 
 
 class CrcWorker:

@@ -28,9 +28,9 @@ from typing import Any
 
 from . import remote
 from ..errors import MissingFileError
-from .positional import WORKERS, ByteSource, LocalSource, RangeBuffer, prefetch, window
+from .positional import WORKERS, ByteSource, LocalSource, RangeBuffer, SourceFile, prefetch, window
 
-__all__ = ["ByteSource", "RangeBuffer", "Session", "dirname", "is_dir", "is_file", "is_remote", "join", "listdir",
+__all__ = ["ByteSource", "RangeBuffer", "Session", "as_file", "dirname", "is_dir", "is_file", "is_remote", "join", "listdir",
            "open_buffer", "open_source", "opened", "prefetch", "read_all", "read_head", "session", "size_of", "warm", "window"]
 
 #: the schemes open_source reads remotely
@@ -132,6 +132,12 @@ def opened(location: str) -> Iterator[ByteSource]:
     finally:
         if not is_remote(location):
             source.close()
+
+
+def as_file(location: str) -> Any:
+    """What a reader that takes a path or a file object opens (``torch._C.PyTorchFileReader``): a local path as it
+    is, a remote one as a seekable file object over its source (each read through the block cache)."""
+    return SourceFile(open_source(location)) if is_remote(location) else location
 
 
 def read_head(location: str, n: int) -> tuple[bytes, int]:

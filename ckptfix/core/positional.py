@@ -6,7 +6,8 @@ A loader that needs part of a file — one rank's shard of each tensor, a few re
 and nothing else: the kernel's readahead is turned off for the descriptor (``POSIX_FADV_RANDOM``), so a
 cold read of a 1/8 shard pulls 1/8 of the file into the page cache, not the 8 MiB around every fault a
 memory map would. Each read lands in the destination's own memory (a tensor's bytes): no staging copy.
-``bytes_read`` counts what was read, for reports and tests.
+``bytes_read`` counts what was read, for reports and tests. Given an ``opener`` (``locations.open_source``), a
+:class:`PositionalReader` reads a URL the same way: a remote source fills the buffer with concurrent ranged fetches.
 
 >>> with PositionalReader() as r:                       # doctest: +SKIP
 ...     r.read_into("m.safetensors", 4096, memoryview(buf))
@@ -17,7 +18,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,12 +30,32 @@ from ..errors import FormatError, MissingFileError
 _STEP = 64 * 2**20
 
 
-class PositionalReader:
-    """Open files by path once (a :class:`LocalSource` each), read ranges into buffers with no cache, count the
-    bytes; close with ``close()``/``with``."""
+def crc32_range(fd: int, offset: int, size: int, crc: int = 0) -> int:
+    """CRC-32 of a file range, read through a memory map (no copy into Python memory); ``crc``: that
+    of the bytes before it, to chain ranges into one checksum."""
+    if size == 0:
+        return crc
+    if offset + size > os.fstat(fd).st_size:
+        raise OSError(5, "short read while computing CRC-32")
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, offset + size - start, access=mmap.ACCESS_READ, offset=start) as mm:
+        view = memoryview(mm)
+        try:
+            for pos in range(offset - start, offset - start + size, _STEP):
+                crc = zlib.crc32(view[pos : min(pos + _STEP, offset - start + size)], crc)
+            return crc
+        finally:
+            view.release()
 
-    def __init__(self) -> None:
-        self._files: dict[str, LocalSource] = {}
+
+class PositionalReader:
+    """Open files by path once (a :class:`ByteSource` each: ``opener(path)``, by default a :class:`LocalSource`),
+    read ranges into buffers with no cache, count the bytes; close with ``close()``/``with``. A remote source
+    (``opener`` = ``locations.open_source`` inside a verb's session) belongs to the session, which closes it."""
+
+    def __init__(self, opener: Callable[[str], ByteSource] | None = None) -> None:
+        self._open: Callable[[str], ByteSource] = opener or LocalSource
+        self._files: dict[str, ByteSource] = {}
         self.bytes_read = 0
 
     def __enter__(self) -> PositionalReader:
@@ -41,28 +64,50 @@ class PositionalReader:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _file(self, path: str) -> LocalSource:
+    def _file(self, path: str) -> ByteSource:
         if path not in self._files:
-            self._files[path] = LocalSource(path)
+            self._files[path] = self._open(path)
         return self._files[path]
 
     def fd(self, path: str) -> int:
-        """A read-only descriptor for ``path`` with readahead off (opened once)."""
-        return self._file(path).fd
+        """A read-only descriptor for a local ``path`` with readahead off (opened once)."""
+        source = self._file(path)
+        if not isinstance(source, LocalSource):
+            raise TypeError(f"{path}: a remote source has no file descriptor")
+        return source.fd
+
+    def is_remote(self, path: str) -> bool:
+        return self._file(path).remote
 
     def size(self, path: str) -> int:
         """The file's size when first opened (a file changing under a load is not a case this reads around)."""
         return self._file(path).size
 
-    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+    def read_into(self, path: str, offset: int, buf: memoryview, count: bool = True) -> None:
         """Fill ``buf`` (a writable byte view) with ``path[offset : offset + len(buf)]``; a file that ends
-        first is a FormatError naming the range (a truncated checkpoint)."""
+        first is a FormatError naming the range (a truncated checkpoint). ``count``: add them to ``bytes_read``."""
         self._file(path).read_into(offset, buf)
-        self.bytes_read += buf.nbytes
+        if count:
+            self.bytes_read += buf.nbytes
+
+    def crc32(self, path: str, offset: int, size: int) -> int:
+        """CRC-32 of ``path[offset : offset + size]``: a local file's through a memory map, a remote one's as
+        fetched (in :data:`PART`-sized ranges)."""
+        source = self._file(path)
+        if isinstance(source, LocalSource):
+            return crc32_range(source.fd, offset, size)
+        crc, scratch = 0, bytearray(min(PART, size))
+        for pos in range(0, size, PART):
+            n = min(PART, size - pos)
+            view = memoryview(scratch)[:n]
+            source.read_into(offset + pos, view)
+            crc = zlib.crc32(view, crc)
+        return crc
 
     def close(self) -> None:
         for source in self._files.values():
-            source.close()
+            if not source.remote:
+                source.close()
         self._files.clear()
 
 
@@ -264,6 +309,44 @@ class RangeBuffer:
 
     def prefetch(self, ranges: list[tuple[int, int]]) -> None:
         self.source.prefetch([(self.base + offset, n) for offset, n in ranges])
+
+
+class SourceFile:
+    """A source as a seekable binary file object (``read``, ``readinto``, ``seek``, ``tell``), for readers that
+    take one, such as ``torch._C.PyTorchFileReader``: each read goes through the source's block cache."""
+
+    def __init__(self, source: ByteSource):
+        self.source, self.pos = source, 0
+        self.name = source.name
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.source.size}[whence]
+        self.pos = max(base + offset, 0)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.source.size - self.pos if n is None or n < 0 else n
+        data = self.source.read(self.pos, n)
+        self.pos += len(data)
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        data = self.read(view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        """(The source stays open: its session closes it.)"""
 
 
 def window(buf: Any, start: int, length: int) -> Any:

@@ -10,12 +10,11 @@ state dict's ``_metadata``. ckptfix's reader restores all three; other readers i
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable
 from typing import Any
 
-from ..core import bytecopy
+from ..core import bytecopy, locations
 from ..core.devices import storage_id
 from ..core.tensorinfo import StorageInfo, TensorInfo
 from ..core.torch_free import NeedsTorch
@@ -35,7 +34,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
     start, header, meta = read_header(path)
     ckptfix_meta(path, meta)  # a malformed entry is refused before anything is mapped
     dev = plan.target("cpu") if plan.user_fn is None else "cpu"
-    size = os.path.getsize(path)
+    size = locations.size_of(path)
     whole: Any = None
     if dev != "meta" and size > start:
         whole = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)

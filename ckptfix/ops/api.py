@@ -36,6 +36,12 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
     Globals outside the allow-list beside the state dict (a project's config object) come back as inert
     placeholders (:mod:`ckptfix.parse.inert`), never imported; inside it they are refused unless ``allow``
     names them (``allow=('myproj.config.RunConfig',)``). OmegaConf configs come back as plain dicts and lists.
+
+    ``path`` may be a URL (``https://``, ``s3://bucket/key``, ``hf://org/repo[@revision]/path``): its structure read
+    from its headers, each storage's bytes fetched once into memory (no temp file, no ``torch.load`` of the file),
+    the tensors those of ``torch.load(weights_only=True)`` of the same file; ``bytes_fetched`` says how many bytes
+    came over the network. A file only ``torch.load`` reads whole (legacy, DeepSpeed) or ``trust=True`` raises
+    RemoteError.
     """
     return read_checkpoint(os.fspath(path), map_location, trust, select, refuse=True, allow=allow)
 
@@ -91,6 +97,8 @@ def load(
 
     ``rename`` takes ``'REGEX=REPLACEMENT'`` rules (full match, in order); ``dtype`` casts
     floating-point tensors (fp32/fp16/bf16), never integer or bool buffers.
+
+    ``path`` may be a URL, read as :func:`read` reads one.
 
     >>> model.load_state_dict(ckptfix.load("ddp_compiled.pth"))   # doctest: +SKIP
     """
@@ -161,6 +169,9 @@ def load_into(
     NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's ``nonfinite``;
     the check is fused into the copy, ``check_values=False`` skips it); with ``strict_values=True`` they
     raise LoadError and nothing is loaded.
+
+    ``path`` may be a URL (as :func:`read` takes one): each tensor's bytes are fetched once, before the model is
+    touched, and a DTensor rank fetches only its own shards' ranges; ``LoadReport.bytes_fetched`` counts them.
 
     >>> with torch.device("meta"): model = Net()                       # doctest: +SKIP
     >>> ckptfix.load_into(model, "ddp.pth").fix                          # 'strip module.'

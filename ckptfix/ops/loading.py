@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import bytecopy, tensorcopy
+from ..core import locations, tensorcopy
 from ..core.devices import DevicePlan, storage_id
 from ..core.positional import PositionalReader
 from ..core.units import few
@@ -63,7 +63,8 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
     path = os.fspath(path)
     distributed = shards.Agreement(model)
     local_bad: list[str] = []
-    with PositionalReader() as reader:
+    # a URL: its sources live in the verb's session (opened once, fetches checked and counted), read by position
+    with locations.session() as session, session.reporting(), PositionalReader(locations.open_source) as reader:
         # everything that can fail, before anything is written; no collectives inside: a rank that raises
         # here (a file missing on its node) makes every rank raise, so none waits forever
         with distributed.step():
@@ -92,6 +93,7 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         _check_done(model, path)  # the postcondition (after the last collective): no tensor left on meta
         bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src in plan.copy) + sum(
             _nbytes(src) for _s, src, _d in plan.assign)
+        fetched = session.bytes_fetched if session.remote else None
     notes = list(ckpt.notes)
     if nonfinite:
         warnings.warn(f"{ckpt.path}: {_values(nonfinite)} (loaded; strict_values=True refuses them)", UserWarning,
@@ -107,7 +109,7 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         copied=sum(len(s.keys) for s, _ in plan.copy) + (0 if plan.torch_assigns else len(plan.by_torch)),
         assigned=sum(len(s.keys) for s, _, _ in plan.assign) + (len(plan.by_torch) if plan.torch_assigns else 0),
         sharded=sum(len(s.keys) for s, _ in plan.sharded),
-        bytes_read=bytes_read,
+        bytes_read=bytes_read, bytes_fetched=fetched,
     )
 
 
@@ -265,7 +267,7 @@ def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) 
                                  and (r := source_record(sources.refs.get(storage_id(t)))) is not None))
     rank, world = distributed.rank_and_world()
     for record in records[rank::world]:
-        crc = bytecopy.crc32_range(sources.reader.fd(record.path), record.offset, record.size)
+        crc = sources.crc32(record.path, record.offset, record.size)
         if crc != record.crc:
             raise FormatError(f"{record.path}: record {record.name} does not match the CRC-32 its zip records "
                               f"({crc:08x}, recorded {record.crc:08x}): the file was damaged or altered after it was "

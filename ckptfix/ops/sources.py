@@ -3,13 +3,16 @@
 A structure read (tensors on ``meta``, each storage's ``StorageRef`` or ``PiecedRef``) says where every
 element of every tensor sits in which file. From it a loader gets either a zero-copy CPU view of the
 mapped file (what ``torch.load(mmap=True)`` or ``safetensors.safe_open`` would give), or — for one rank's
-shard of a tensor — the exact byte runs of a box of elements, read straight into the destination.
+shard of a tensor — the exact byte runs of a box of elements, read straight into the destination. A
+remote file (a URL: the reader's opener is ``locations.open_source``) can't be mapped: each storage is
+fetched once into fresh CPU memory (tied tensors stay views of one storage).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,6 +33,7 @@ class Sources:
         self.reader = reader
         self._maps: dict[str, Any] = {}
         self._pieces: dict[int, Any] = {}
+        self._fetched: dict[Segment, Any] = {}  # a remote storage's byte range -> its bytes in CPU memory
 
     def has_bytes(self, t: Any) -> bool:
         """A meta tensor whose storage a ref places in files (else the loader reads the file with torch)."""
@@ -55,26 +59,68 @@ class Sources:
                                       f"file ({self.reader.size(path)} bytes): the file is truncated; nothing was loaded")
 
     def view(self, t: Any) -> Any:
-        """``t`` with its bytes: a zero-copy view of the mapped file (a DCP tensor split over files: read
-        whole once); ``t`` itself when it isn't on meta."""
+        """``t`` with its bytes: a zero-copy view of the mapped file (a remote file's storage: fetched once; a
+        DCP tensor split over files: read whole once); ``t`` itself when it isn't on meta."""
         import torch
 
         if not t.is_meta:
             return t
-        ref = self.refs[storage_id(t)]
-        if isinstance(ref, StorageRef) and ref.path is not None:
-            storage = self._map(ref.path)[ref.offset : ref.offset + ref.nbytes]
-        else:
-            sid = storage_id(t)
-            if sid not in self._pieces:
-                self._pieces[sid] = ref.materialize().untyped_storage()
-            storage = self._pieces[sid]
         out = torch.empty(0, dtype=t.dtype)
-        if ref.nbytes:
-            out.set_(storage, t.storage_offset(), t.shape, t.stride())
+        if self.refs[storage_id(t)].nbytes:
+            out.set_(self.storage(t), t.storage_offset(), t.shape, t.stride())
         else:
             out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
         return out
+
+    def storage(self, t: Any) -> Any:
+        """The CPU ``UntypedStorage`` holding the bytes of the meta tensor ``t``'s storage (exactly its ref's
+        ``nbytes``): a slice of the mapped file, a remote file's range fetched once, or a DCP tensor's pieces."""
+        sid = storage_id(t)
+        ref = self.refs[sid]
+        if isinstance(ref, StorageRef) and ref.path is not None:
+            if self.reader.is_remote(ref.path):
+                return self._fetch(ref.path, ref.offset, ref.nbytes)
+            return self._map(ref.path)[ref.offset : ref.offset + ref.nbytes]
+        if sid not in self._pieces:
+            segs = ref.segments() if isinstance(ref, PiecedRef) else None
+            if segs and any(self.reader.is_remote(path) for path, _o, _n in segs):  # a remote DCP tensor's chunks
+                self._pieces[sid] = self._fetch_runs(segs, ref.nbytes)
+            else:
+                self._pieces[sid] = ref.materialize().untyped_storage()
+        return self._pieces[sid]
+
+    def _fetch_runs(self, runs: list[Segment], nbytes: int) -> Any:
+        import torch
+
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        out, pos = byte_view(buf), 0
+        for path, offset, n in runs:
+            self.reader.read_into(path, offset, out[pos : pos + n], count=False)
+            pos += n
+        if pos != nbytes:
+            raise FormatError(f"{runs[0][0] if runs else 'checkpoint'}: a tensor's pieces hold {pos} bytes, it needs {nbytes}")
+        return buf.untyped_storage()
+
+    def _fetch(self, path: str, offset: int, nbytes: int) -> Any:
+        import torch
+
+        key = (path, offset, nbytes)
+        if key not in self._fetched:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:  # (counted where the loader counts views: by the tensors' bytes)
+                self.reader.read_into(path, offset, byte_view(buf), count=False)
+            self._fetched[key] = buf.untyped_storage()
+        return self._fetched[key]
+
+    def crc32(self, path: str, offset: int, size: int) -> int:
+        """CRC-32 of ``path[offset : offset + size]`` (a zip record): of the bytes already fetched for a remote
+        storage of exactly that range, else as the reader reads them."""
+        fetched = self._fetched.get((path, offset, size))
+        if fetched is not None:
+            import torch
+
+            return zlib.crc32(byte_view(torch.empty(0, dtype=torch.uint8).set_(fetched)))
+        return self.reader.crc32(path, offset, size)
 
     def _map(self, path: str) -> Any:
         import torch

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import wrappers
-from ..core import tensorcopy
+from ..core import locations, tensorcopy
 from ..core.units import dtype_name
 
 _MAX_PREFIX_DEPTH = 3
@@ -296,8 +296,8 @@ def torch_fills_num_batches_tracked(key: str, state_dict: Any) -> bool:
 def convert_command(path: str, keys: list[str], repair: Repair, target: Target, select: str | None,
                     dtype: str | None = None, ext: str = ".pth", untie: bool = False,
                     map_location: str | None = None) -> str | None:
-    """The ``ckptfix convert …`` line writing ``PATH.fixed{ext}``, which plain ``torch.load`` (or
-    ``safetensors.torch.load_file``, for ``.safetensors``) + ``load_state_dict`` takes: with ``--untie``
+    """The ``ckptfix convert …`` line writing ``PATH.fixed{ext}`` (a URL's: ``NAME.fixed{ext}`` here), which plain
+    ``torch.load`` (or ``safetensors.torch.load_file``, for ``.safetensors``) + ``load_state_dict`` takes: with ``--untie``
     (tied tensors under every key) and ``--map-location`` (the devices) when given.
 
     Each candidate command is checked by running its key function over every key; ``None`` when
@@ -312,6 +312,8 @@ def convert_command(path: str, keys: list[str], repair: Repair, target: Target, 
         fn = wrappers.key_transform(to, strip_prefix=strip, add_prefix=repair.add_prefix)
         if all(fn(k) == repair.fn(k) for k in keys):
             stem = os.path.splitext(path.rstrip("/") or path)[0]
+            if locations.is_remote(path):  # (written here: a local file named after the remote one)
+                stem = os.path.splitext(path.rstrip("/").rsplit("/", 1)[-1])[0]
             argv = ["ckptfix", "convert", path, f"{stem}.fixed{ext}", "--to", to]
             argv += ["--strip-prefix", strip + "."] if strip else []
             argv += ["--add-prefix", repair.add_prefix + "."] if repair.add_prefix else []

@@ -108,3 +108,27 @@ def test_inspect_url_in_a_real_process(http_server: FileServer) -> None:
                          capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["bytes_fetched"] == _file_bytes(http_server)
+
+
+def test_verify_and_diff_of_a_url(cli_runner: Any, http_server: FileServer, fixtures_dir: Path) -> None:
+    """``verify URL --model`` and ``diff URL local`` read the URL as the local file: the same verdict and values;
+    verify's fix writes a local file named after the remote one."""
+    for name in ("mlp_ddp.pth", "mlp_single.pth"):
+        (http_server.root / name).write_bytes((fixtures_dir / name).read_bytes())
+    url, model = http_server.url("mlp_ddp.pth"), str(fixtures_dir / "train.py") + ":mlp"
+    res = cli_runner.invoke(cli, ["verify", "--json", url, "--model", model])
+    local = cli_runner.invoke(cli, ["verify", "--json", str(http_server.root / "mlp_ddp.pth"), "--model", model])
+    assert res.exit_code == local.exit_code == 0, res.output
+    got, want = json.loads(res.stdout), json.loads(local.stdout)
+    assert got["convert_command"] == f"ckptfix convert {url} mlp_ddp.fixed.pth --to single"
+    assert got["ok"] and got["fix"] == want["fix"] == "strip module."
+    here = {n: str(http_server.root / n) for n in ("mlp_ddp.pth", "mlp_single.pth")}
+    for a, b in (([url, here["mlp_single.pth"]], [here["mlp_ddp.pth"], here["mlp_single.pth"]]),
+                 ([url, url], [here["mlp_ddp.pth"]] * 2)):
+        remote_diff = cli_runner.invoke(cli, ["diff", "--json", *a])
+        local_diff = cli_runner.invoke(cli, ["diff", "--json", *b])
+        assert remote_diff.exit_code == local_diff.exit_code, remote_diff.output
+        got, want = json.loads(remote_diff.stdout), json.loads(local_diff.stdout)
+        for d in (got, want):
+            d.pop("a", None), d.pop("b", None)
+        assert got == want

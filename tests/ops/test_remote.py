@@ -141,13 +141,17 @@ def test_s3_describe_and_scan_are_the_local_ones(s3_server: S3Server, tmp_path: 
 
 
 def test_remote_torch_path_is_refused_not_downloaded(http_server: FileServer) -> None:
+    """What only torch.load of the whole file reads (a legacy file; any file trusted) is refused, not downloaded."""
     names = write_checkpoints(http_server.root)
     with pytest.raises(errors.RemoteError, match="needs a local copy"):
         ckptfix.describe(http_server.url(names["legacy"]))
     for verb in (ckptfix.read, ckptfix.inspect, ckptfix.load):
         with pytest.raises(errors.RemoteError, match="needs a local copy"):
-            verb(http_server.url(names["zip"]))
-    assert http_server.counts.total_bytes < 64 * 1024
+            verb(http_server.url(names["legacy"]))
+    with pytest.raises(errors.RemoteError, match="with trust .*takes torch.load of the whole file, which needs a local copy"):
+        ckptfix.inspect(http_server.url(names["zip"]), trust=True)
+    # the sniff's first block per call (a 3 MB file), nothing for the trusted read
+    assert http_server.counts.total_bytes <= 4 * 16 * 1024 and http_server.counts.requests == {"/legacy.pth": 4}
 
 
 def _changing(server: FileServer, file: str) -> None:

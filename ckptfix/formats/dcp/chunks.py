@@ -16,7 +16,7 @@ import os
 import tempfile
 from typing import Any
 
-from ...core import limits
+from ...core import limits, locations
 from ...errors import CkptfixError, ConversionError, FormatError
 from ...parse.checkpoint_dirs import METADATA, member_path
 from ...parse.format_registry import DCP
@@ -122,7 +122,7 @@ class Chunks:
 
     def __init__(self, path: str, meta: Any):
         self.path = path
-        self.meta_path = os.path.join(path, METADATA)
+        self.meta_path = locations.join(path, METADATA)
         self.files: dict[str, str] = {}
         self.maps: dict[str, Any] = {}
         self.handles: dict[str, Any] = {}
@@ -175,15 +175,15 @@ class Chunks:
     def _blob(self, fqn: str, info: Any) -> RangeFile:
         file = self.files[info.relative_path]
         if file not in self.handles:
-            self.handles[file] = open(file, "rb")  # closed in close()
-        f = self.handles[file]
-        size = os.fstat(f.fileno()).st_size
+            self.handles[file] = locations.open_source(file)  # closed in close() (a remote one: by its session)
+        source = self.handles[file]
+        size = source.size
         if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
             raise FormatError(
                 f"{file}: {fqn!r} is recorded at bytes {info.offset}..{info.offset + info.length} "
                 f"but the file has {size}: truncated or from another save"
             )
-        return RangeFile(lambda pos, n: os.pread(f.fileno(), n, info.offset + pos), info.length)
+        return RangeFile(lambda pos, n: source.read(info.offset + pos, n), info.length)
 
     def segments(self, fqn: str, md: Any) -> list[tuple[str, int, int]] | None:
         """``[(file, offset, nbytes), …]`` whose concatenation is the whole tensor's bytes, row-major;
@@ -271,7 +271,7 @@ class Chunks:
         import torch
 
         info, file, shell, offset = self._shell(fqn, chunk, dtype)
-        if offset is None:  # load it for real
+        if offset is None or locations.is_remote(file):  # load it for real (a remote record: its bytes fetched)
             try:
                 return torch_load(self._blob(fqn, info), "cpu", trust=False)
             except CkptfixError:

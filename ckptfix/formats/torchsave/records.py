@@ -39,7 +39,9 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
     import torch
 
     try:
-        reader: Any = torch._C.PyTorchFileReader(path)  # (its stubs lack has_record, get_record_offset)
+        # (a URL: a file object over its source, only the zip directory and the records asked for fetched;
+        # the reader's stubs lack has_record, get_record_offset)
+        reader: Any = torch._C.PyTorchFileReader(locations.as_file(path))
         if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
             raise NeedsTorch("big-endian data")
         data = reader.get_record("data.pkl")

@@ -113,10 +113,10 @@ def build_model(kind: str, meshes: dict[str, Any]) -> nn.Module:
     mesh = meshes["1d"]
     if kind in ("fsdp2", "fsdp2-mlp"):
         return fully_shard_each(Mixed() if kind == "fsdp2" else mlp(), mesh)
-    if kind in ("fsdp2-meta", "fsdp2-meta-bare", "big"):
-        with torch.device("meta"):
-            model = fully_shard_each(big() if kind == "big" else Mixed(), mesh)
-        return model if kind == "fsdp2-meta-bare" else model.to_empty(device="cpu")
+    if kind in ("fsdp2-meta", "fsdp2-meta-bare", "fsdp2-meta-mlp-bare", "big"):
+        with torch.device("meta"):  # as torchtitan builds: on meta, fully_shard, then (not "-bare") to_empty
+            model = fully_shard_each(big() if kind == "big" else mlp() if kind == "fsdp2-meta-mlp-bare" else Mixed(), mesh)
+        return model if kind.endswith("-bare") else model.to_empty(device="cpu")
     if kind == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -212,12 +212,26 @@ def run_case(case: dict[str, Any], meshes: dict[str, Any], loaders: dict[str, Ca
     out["changed"] = sorted(k for k, v in after.items() if k in before and not same_bits(bits(v), before[k]))
     out["local_bytes"] = sum(v.nbytes for v in after.values())
     out["empty"] = sorted(k for k, v in after.items() if v.numel() == 0 and state[k].numel())
+    out["keys"] = sorted(state)
     out["wrong"] = None  # not compared: the load failed, or left tensors on meta
     if out["outcome"] == "ok" and case.get("expected") and not out["on_meta"]:
         want = expected_locals(model, full_state_dict(case["expected"]))
         out["wrong"] = [f"{k}: local {list(v.shape)} {v.dtype}, its slice {list(want[k].shape)} {want[k].dtype}"
                         for k, v in after.items() if not same_bits(bits(v), bits(want[k]))]
+    if case.get("forward") and out["wrong"] == []:
+        out["forward"] = same_forward(model, full_state_dict(case["expected"]))
     return out
+
+
+def same_forward(model: nn.Module, full: dict[str, torch.Tensor]) -> str | None:
+    """The sharded model's forward (FSDP2 gathers its shards) equals, bit for bit, that of the unsharded MLP
+    holding ``full``; what differs, or None."""
+    x = torch.randn(4, 13, generator=torch.Generator().manual_seed(2))
+    plain = mlp()
+    plain.load_state_dict(full)
+    with torch.no_grad():
+        got, want = model(x), plain(x)
+    return None if torch.equal(got, want) else f"forward differs by up to {float((got - want).abs().max())}"
 
 
 def run_cases(cases: list[dict[str, Any]], world: int, loaders: dict[str, Callable[..., Any]]) -> dict[str, dict[str, Any]]:

@@ -52,6 +52,7 @@ class Plan:
     assign: list[tuple[Slot, Any, str]] = field(default_factory=list)  # (slot, source view, target device)
     sharded: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source on meta)
     by_torch: OrderedDict[str, Any] = field(default_factory=OrderedDict)  # key -> source view
+    materialise: list[tuple[Any, str]] = field(default_factory=list)  # (module, device): to_empty before the fill
     torch_assigns: bool = False  # the by-torch keys are assigned (their module is on meta, or assign=True)
     sources: list[Any] = field(default_factory=list)  # every source tensor (on meta: its ref says where its bytes are)
 
@@ -149,6 +150,7 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
         return targets[tag]
 
     slots = _slots(walk, state_dict)
+    roots: dict[str, str] = {}  # modules whose to_empty materialises the DTensors whose shards are on meta
     for key, slot in slots.items():
         if key != slot.keys[0]:
             continue  # a tied name: filled with its group's first
@@ -157,6 +159,9 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
         plan.sources.append(src)
         if shards.is_dtensor(slot.tensor):
             shards.check_placements(key, slot.tensor, src)
+            if slot.tensor.to_local().is_meta:
+                device = shards.local_device(key, slot.tensor, devices, _tag(src, sources))
+                roots.setdefault(shards.empty_root(key, walk.by_name), device)
             plan.sharded.append((slot, src))
         elif module in walk.own:  # torch's load_state_dict assigns as given: the model's dtype and device first
             view = sources.view(src)
@@ -168,6 +173,7 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
             plan.assign.append((slot, sources.view(src), target(src)))
         else:
             plan.copy.append((slot, sources.view(src)))
+    plan.materialise = [(walk.by_name[path], device) for path, device in shards.outermost(roots).items()]
     _refuse_meta_left(walk, slots, plan)
     return plan
 
@@ -199,7 +205,7 @@ def _refuse_meta_left(walk: modelwalk.ModelWalk, slots: dict[str, Slot], plan: P
     buffers, which no checkpoint holds."""
     filled = {id(s.tensor) for s, *_ in plan.assign} | {id(s.tensor) for s, _ in plan.sharded}
     filled |= {id(slots[k].tensor) for k in plan.by_torch if k in slots}
-    left = [name for name, t in walk.tensors() if modelwalk.on_meta(t) and id(t) not in filled]
+    left = [name for name, t in walk.tensors() if shards.on_meta(t) and id(t) not in filled]
     if left:
         raise LoadError(f"{len(left)} tensor(s) of the model are on the meta device and the checkpoint doesn't fill them: "
                         f"{few(left)}; nothing was loaded. Give them values first (model.to_empty(device=...) and their "
@@ -257,6 +263,7 @@ def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bo
             finite = tensorcopy.copy_checked(value, src, check)
         bad += [] if finite else slot.keys
         new.append((slot, value))
+    shards.materialise(plan.materialise)  # DTensors whose shards are on meta, allocated (or, failing, none)
     if plan.by_torch:
         sub: Any = OrderedDict(plan.by_torch)
         sub._metadata = getattr(state_dict, "_metadata", None) or {}

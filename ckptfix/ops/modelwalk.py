@@ -93,17 +93,12 @@ def walk(model: Any) -> ModelWalk:
     return out
 
 
-def on_meta(t: Any) -> bool:
-    """A tensor with no storage yet: on meta, or a DTensor whose local shard is."""
-    return bool(t.is_meta or (shards.is_dtensor(t) and t.to_local().is_meta))
-
-
 def left_on_meta(walk: ModelWalk) -> list[str]:
     """The parameters, then buffers, of the walked modules still on meta, by name (each module's
     ``_parameters`` and ``_buffers`` read again: an assignment replaced their entries)."""
-    if not any(on_meta(t) for m in walk.modules for d in (m._parameters, m._buffers) for t in d.values()
+    if not any(shards.on_meta(t) for m in walk.modules for d in (m._parameters, m._buffers) for t in d.values()
                if t is not None):
         return []
     prefix = {id(m): f"{n}." if n else "" for n, m in zip(walk.module_names, walk.modules)}
     return [prefix[id(m)] + a for kind in ("_parameters", "_buffers") for m in walk.modules
-            for a, t in getattr(m, kind).items() if t is not None and on_meta(t)]  # parameters first, as torch names them
+            for a, t in getattr(m, kind).items() if t is not None and shards.on_meta(t)]  # parameters first, as torch names them

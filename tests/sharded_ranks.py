@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckptfix.errors import CkptfixError, LoadError
+from ckptfix.formats.dcp.chunks import TensorRef
 from page_cache import drop_from_page_cache
 
 #: model kind → the family of state dict its checkpoint holds (the kinds the load matrix runs)
@@ -117,6 +118,10 @@ def build_model(kind: str, meshes: dict[str, Any]) -> nn.Module:
         with torch.device("meta"):  # as torchtitan builds: on meta, fully_shard, then (not "-bare") to_empty
             model = fully_shard_each(big() if kind == "big" else mlp() if kind == "fsdp2-meta-mlp-bare" else Mixed(), mesh)
         return model if kind.endswith("-bare") else model.to_empty(device="cpu")
+    if kind == "fsdp2-dcp-net":  # tests/fsdp2_dirs.py's Net, FSDP2's dim-0 shards (its "cols" DCP: Shard(1) chunks)
+        import fsdp2_dirs
+
+        return fully_shard_each(fsdp2_dirs.net(), mesh)
     if kind == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -196,6 +201,9 @@ def run_case(case: dict[str, Any], meshes: dict[str, Any], loaders: dict[str, Ca
         dist.barrier()
     start = read_bytes()
     out: dict[str, Any] = {"outcome": "ok", "message": "", "traceback": "", "path": str(path)}
+    materialized: list[str] = []  # DCP tensors read whole (TensorRef.materialize) by the loader
+    real_materialize = TensorRef.materialize
+    TensorRef.materialize = lambda self: materialized.append(self.fqn) or real_materialize(self)  # type: ignore[method-assign]
     try:
         report = loaders[case["loader"]](model, path, **case.get("kwargs", {}))
         out["report"] = {f: getattr(report, f, None) for f in ("fix", "missing", "unexpected", "bytes_read")}
@@ -204,6 +212,9 @@ def run_case(case: dict[str, Any], meshes: dict[str, Any], loaders: dict[str, Ca
             raise
         out.update(outcome="raised", type=type(e).__name__, load_error=isinstance(e, LoadError),
                    ckptfix_error=isinstance(e, CkptfixError), message=str(e), traceback=traceback.format_exc())
+    finally:
+        TensorRef.materialize = real_materialize  # type: ignore[method-assign]
+    out["materialized"] = materialized
     out["read_bytes"] = read_bytes() - start
     state = model.state_dict()
     out["sharded"] = {k: str(v.placements) for k, v in state.items() if isinstance(v, DTensor)}

@@ -26,7 +26,9 @@ from ..core.devices import DevicePlan, storage_id
 from ..core.positional import PositionalReader
 from ..core.units import few
 from ..errors import FormatError, LoadError
+from ..formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
 from ..formats import source_record
+from ..formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
 from ..reports import LoadReport
 from ..statedict import repair
 from . import modelwalk, shards
@@ -159,6 +161,7 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
         plan.sources.append(src)
         if shards.is_dtensor(slot.tensor):
             shards.check_placements(key, slot.tensor, src)
+            shards.source_pieces(src, sources)  # DCP chunk records read and checked here, not in the commit
             if slot.tensor.to_local().is_meta:
                 device = shards.local_device(key, slot.tensor, devices, _tag(src, sources))
                 roots.setdefault(shards.empty_root(key, walk.by_name), device)

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..core import tensorcopy
-from ..core.devices import DevicePlan
+from ..core.devices import DevicePlan, storage_id
 from ..errors import LoadError
-from .sources import Sources, byte_view
+from ..formats import PiecedRef, StorageRef
+from .sources import Segment, Sources, byte_view
 
 
 def is_dtensor(t: Any) -> bool:
@@ -132,8 +133,42 @@ def _read_box(src: Any, sources: Sources, offsets: list[int], sizes: list[int], 
     if runs is not None:
         sources.read_runs(runs, byte_view(out))
         return
+    pieces = source_pieces(src, sources)
+    if pieces is not None:
+        _read_pieces(pieces, src, sources, offsets, sizes, out)
+        return
     view = sources.view(src)
     out.copy_(view[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+
+
+def source_pieces(src: Any, sources: Sources) -> list[tuple[list[int], list[int], Segment]] | None:
+    """The boxes of ``src`` each stored row-major in one byte range (DCP chunks that don't tile it row-major
+    but are plain bytes), or None. Asked in the plan: a damaged chunk record is refused before anything loads."""
+    ref = sources.refs.get(storage_id(src)) if src.is_meta else None
+    if not isinstance(ref, PiecedRef) or not src.is_contiguous() or src.storage_offset() != 0:
+        return None
+    return ref.pieces()
+
+
+def _read_pieces(pieces: list[tuple[list[int], list[int], Segment]], src: Any, sources: Sources,
+                 offsets: list[int], sizes: list[int], out: Any) -> None:
+    """The box ``offsets + sizes`` of ``src`` into ``out``: from each piece, only the rows it shares with the box."""
+    import torch
+
+    for at, size, (path, start, nbytes) in pieces:
+        lo = [max(a, b) for a, b in zip(offsets, at)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, at, size)]
+        if any(h <= low for low, h in zip(lo, hi)):
+            continue
+        piece = torch.empty(size, dtype=src.dtype, device="meta")  # the piece as a tensor of its own bytes
+        own = Sources({storage_id(piece): StorageRef(path, start, nbytes, "cpu")}, sources.reader)
+        runs = own.box_runs(piece, [low - b for low, b in zip(lo, at)], [h - low for low, h in zip(lo, hi)])
+        assert runs is not None  # a contiguous tensor in one byte range
+        dst = out[tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))]
+        staged = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype)
+        sources.read_runs(runs, byte_view(staged))
+        if staged is not dst:
+            dst.copy_(staged)
 
 
 def fill_local(dt: Any, src: Any, sources: Sources, check: bool) -> bool:

@@ -190,6 +190,12 @@ def write_checkpoints(root: Path, fixtures: Path) -> dict[str, Any]:
     ddp = torch.load(fixtures / "mlp_ddp.pth", weights_only=True)
     save_file(ddp, str(root / "ddp.safetensors"))
     torch.save({k.removeprefix("module."): v for k, v in ddp.items()}, root / "ddp-expected.pt")
+    import fsdp2_dirs
+
+    files["dcp-cols"] = fsdp2_dirs.make(root / "fsdp2", variants=("cols",), optim=False)["cols"]
+    files["dcp-cols-expected"] = root / "dcp-cols-expected.pt"
+    torch.save({k.removeprefix("model."): v for k, v in read_whole(files["dcp-cols"]).items()},
+               files["dcp-cols-expected"])
     files["real"] = {"ddp-torch": fixtures / "mlp_ddp.pth", "ddp-safetensors": root / "ddp.safetensors",
                      "fsdp2-dcp": fixtures / "mlp_fsdp2"}
     files["real-expected"] = {"ddp-torch": root / "ddp-expected.pt", "ddp-safetensors": root / "ddp-expected.pt",
@@ -300,6 +306,8 @@ def make_cases(files: dict[str, Any], world: int) -> list[dict[str, Any]]:
                   for fmt in ("ddp-torch", "ddp-safetensors")]
         cases += [{"id": case_id("meta-cpu", loader), "loader": loader, "model": "fsdp2-meta-bare",
                    "path": files["mixed"]["safetensors"], "expected": "mixed", "kwargs": {"map_location": "cpu"}}]
+        cases += [{"id": case_id("dcp-cols", loader), "loader": loader, "model": "fsdp2-dcp-net",
+                   "path": files["dcp-cols"], "expected": files["dcp-cols-expected"]}]
         cases += [{"id": case_id("meta-fail", loader, failure, fmt), "loader": loader, "model": "fsdp2-meta-bare",
                    "path": files[failure][fmt]} for failure in ("shape", "missing") for fmt in ("torch", "safetensors")]
     return cases
@@ -451,6 +459,20 @@ def test_a_meta_fsdp2_model_that_doesnt_fit_is_refused_on_every_rank_and_stays_o
         assert res["outcome"] == "raised" and res["load_error"], f"rank {rank}: {res.get('type')}\n{res['traceback']}"
         assert FAILURES[failure] in res["message"], res["message"]
         assert res["on_meta"] == res["keys"], f"rank {rank}: materialised {sorted(set(res['keys']) - set(res['on_meta']))}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_dcp_chunks_that_dont_tile_row_major_are_read_by_the_part_each_rank_needs(outcomes: Callable[[int], Run],
+                                                                                   world: int) -> None:
+    """A real FSDP2 DCP whose weights were saved as Shard(1) (column chunks: no single row-major run) into an
+    FSDP2 model sharded by rows: each rank reads from each chunk only its rows, no tensor assembled whole, and
+    counts about its share of the tensor bytes."""
+    ranks = outcomes(world)("dcp-cols", "ckptfix")
+    ok_on_every_rank(ranks)
+    whole = [[k for k in r["materialized"] if k.removeprefix("model.") in r["sharded"]] for r in ranks]
+    assert whole == [[]] * world, f"sharded tensors read whole: {whole}"  # (buffers are whole on every rank)
+    assert all(0 < r["report"]["bytes_read"] <= r["local_bytes"] for r in ranks), [
+        (r["report"]["bytes_read"], r["local_bytes"]) for r in ranks]
 
 
 @pytest.mark.parametrize("world", WORLDS)

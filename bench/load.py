@@ -371,6 +371,14 @@ def skip_reason(case: Case) -> str | None:
     return None
 
 
+def _chosen(case: Case, rows: list[str] | None) -> bool:
+    """``case`` is one of ``rows`` (an id or a prefix of one), or the anchor of one (None: every row)."""
+    def named(c: Case) -> bool:
+        return rows is None or any(c.id == r or c.id.startswith(r) for r in rows)
+
+    return named(case) or any(named(c) and anchor_of(c) == case.id for c in CASES)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--size-mib", type=float, default=1024, help="fp32 weights of the model (default 1 GiB)")
@@ -381,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the files go (kept, and reused by the next run of the same size; default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    ap.add_argument("--rows", nargs="+", default=None, metavar="ID",
+                    help="only these rows (ids or their prefixes, e.g. meta. st.load_model) and their anchors")
     args = ap.parse_args(argv)
     layers = max(1, round(args.size_mib * 2**20 / (4 * args.width * (args.width + 1))))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ckptfix-bench-load-", dir="/var/tmp"))
@@ -392,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         tiny = make_files(workdir / "tiny", TINY_WIDTH, 1)
         base = {"files": files, "tiny": tiny, "fingerprint": str(workdir / "fingerprint.pt"), "width": args.width,
                 "layers": layers, "timeout": args.timeout}
-        cases = [c for c in CASES if not skip_reason(c)]
+        cases = [c for c in CASES if not skip_reason(c) and _chosen(c, args.rows)]
         items = [(c.id, mode) for c in cases for mode in args.modes]
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {item: [] for item in items}
         with AnonSampler() as sampler:
@@ -417,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows = [{"id": c.id, "group": c.group, "label": c.label, "file": FILES[c.file], "model": c.model,
                  "vs": anchor_of(c), "target": c.target, "mem_target": c.mem_target, "skip": skip_reason(c)}
-                for c in CASES]
+                for c in CASES if _chosen(c, args.rows)]
         report = summarise(rows, runs, setup)
         print(render_markdown(report))
         if args.json:

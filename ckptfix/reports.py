@@ -5,8 +5,9 @@ Each has ``to_dict()`` giving the JSON the CLI prints with ``--json`` (fields li
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -99,11 +100,16 @@ class Checkpoint:
     wrappers: list[str]
     inner_wrappers: list[str]
     ema_keys: list[str]
-    stats: TensorStats
+    stats_of: Callable[[], TensorStats] | None = field(default=None, repr=False, compare=False)  # see stats
     notes: list[str] = field(default_factory=list)
     raw: Any = field(default=None, repr=False)  # the whole unpickled object, for keep_extra
     refs: dict = field(default_factory=dict, repr=False)  # storage id -> StorageRef (structure reads)
     bytes_fetched: int | None = None  # a remote checkpoint: the bytes describing it fetched (None: a local one)
+
+    @functools.cached_property
+    def stats(self) -> TensorStats:
+        """Counts over the state dict's tensors, computed when first read (``load_into`` never reads them)."""
+        return self.stats_of() if self.stats_of is not None else tensor_stats(self.state_dict, {})
 
     @property
     def framework(self) -> str | None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckptfix.errors import CkptfixError, LoadError
+from ckptfix.formats.dcp.chunks import TensorRef
 from page_cache import drop_from_page_cache
 
 #: model kind → the family of state dict its checkpoint holds (the kinds the load matrix runs)
@@ -113,10 +114,14 @@ def build_model(kind: str, meshes: dict[str, Any]) -> nn.Module:
     mesh = meshes["1d"]
     if kind in ("fsdp2", "fsdp2-mlp"):
         return fully_shard_each(Mixed() if kind == "fsdp2" else mlp(), mesh)
-    if kind in ("fsdp2-meta", "fsdp2-meta-bare", "big"):
-        with torch.device("meta"):
-            model = fully_shard_each(big() if kind == "big" else Mixed(), mesh)
-        return model if kind == "fsdp2-meta-bare" else model.to_empty(device="cpu")
+    if kind in ("fsdp2-meta", "fsdp2-meta-bare", "fsdp2-meta-mlp-bare", "big"):
+        with torch.device("meta"):  # as torchtitan builds: on meta, fully_shard, then (not "-bare") to_empty
+            model = fully_shard_each(big() if kind == "big" else mlp() if kind == "fsdp2-meta-mlp-bare" else Mixed(), mesh)
+        return model if kind.endswith("-bare") else model.to_empty(device="cpu")
+    if kind == "fsdp2-dcp-net":  # tests/fsdp2_dirs.py's Net, FSDP2's dim-0 shards (its "cols" DCP: Shard(1) chunks)
+        import fsdp2_dirs
+
+        return fully_shard_each(fsdp2_dirs.net(), mesh)
     if kind == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -196,6 +201,9 @@ def run_case(case: dict[str, Any], meshes: dict[str, Any], loaders: dict[str, Ca
         dist.barrier()
     start = read_bytes()
     out: dict[str, Any] = {"outcome": "ok", "message": "", "traceback": "", "path": str(path)}
+    materialized: list[str] = []  # DCP tensors read whole (TensorRef.materialize) by the loader
+    real_materialize = TensorRef.materialize
+    TensorRef.materialize = lambda self: materialized.append(self.fqn) or real_materialize(self)  # type: ignore[method-assign]
     try:
         report = loaders[case["loader"]](model, path, **case.get("kwargs", {}))
         out["report"] = {f: getattr(report, f, None) for f in ("fix", "missing", "unexpected", "bytes_read")}
@@ -204,6 +212,9 @@ def run_case(case: dict[str, Any], meshes: dict[str, Any], loaders: dict[str, Ca
             raise
         out.update(outcome="raised", type=type(e).__name__, load_error=isinstance(e, LoadError),
                    ckptfix_error=isinstance(e, CkptfixError), message=str(e), traceback=traceback.format_exc())
+    finally:
+        TensorRef.materialize = real_materialize  # type: ignore[method-assign]
+    out["materialized"] = materialized
     out["read_bytes"] = read_bytes() - start
     state = model.state_dict()
     out["sharded"] = {k: str(v.placements) for k, v in state.items() if isinstance(v, DTensor)}
@@ -212,12 +223,26 @@ def run_case(case: dict[str, Any], meshes: dict[str, Any], loaders: dict[str, Ca
     out["changed"] = sorted(k for k, v in after.items() if k in before and not same_bits(bits(v), before[k]))
     out["local_bytes"] = sum(v.nbytes for v in after.values())
     out["empty"] = sorted(k for k, v in after.items() if v.numel() == 0 and state[k].numel())
+    out["keys"] = sorted(state)
     out["wrong"] = None  # not compared: the load failed, or left tensors on meta
     if out["outcome"] == "ok" and case.get("expected") and not out["on_meta"]:
         want = expected_locals(model, full_state_dict(case["expected"]))
         out["wrong"] = [f"{k}: local {list(v.shape)} {v.dtype}, its slice {list(want[k].shape)} {want[k].dtype}"
                         for k, v in after.items() if not same_bits(bits(v), bits(want[k]))]
+    if case.get("forward") and out["wrong"] == []:
+        out["forward"] = same_forward(model, full_state_dict(case["expected"]))
     return out
+
+
+def same_forward(model: nn.Module, full: dict[str, torch.Tensor]) -> str | None:
+    """The sharded model's forward (FSDP2 gathers its shards) equals, bit for bit, that of the unsharded MLP
+    holding ``full``; what differs, or None."""
+    x = torch.randn(4, 13, generator=torch.Generator().manual_seed(2))
+    plain = mlp()
+    plain.load_state_dict(full)
+    with torch.no_grad():
+        got, want = model(x), plain(x)
+    return None if torch.equal(got, want) else f"forward differs by up to {float((got - want).abs().max())}"
 
 
 def run_cases(cases: list[dict[str, Any]], world: int, loaders: dict[str, Callable[..., Any]]) -> dict[str, dict[str, Any]]:

@@ -83,6 +83,11 @@ class PiecedRef:
         """``[(path, offset, nbytes), …]`` whose concatenation is the storage's bytes, or None."""
         raise NotImplementedError
 
+    def pieces(self) -> list[tuple[list[int], list[int], tuple[str, int, int]]] | None:
+        """``[(offsets, sizes, (path, offset, nbytes)), …]``: boxes of the tensor, each stored row-major in one
+        byte range, together covering it; or None (the bytes are computed)."""
+        return None
+
     def materialize(self) -> Any:
         """The whole tensor on the CPU, contiguous, its storage exactly ``nbytes`` long."""
         raise NotImplementedError

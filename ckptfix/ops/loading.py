@@ -26,10 +26,12 @@ from ..core.devices import DevicePlan, storage_id
 from ..core.positional import PositionalReader
 from ..core.units import few
 from ..errors import FormatError, LoadError
+from ..formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
 from ..formats import source_record
+from ..formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
 from ..reports import LoadReport
 from ..statedict import repair
-from . import shards
+from . import modelwalk, shards
 from .reading import read_checkpoint
 from .sources import Sources
 
@@ -52,6 +54,7 @@ class Plan:
     assign: list[tuple[Slot, Any, str]] = field(default_factory=list)  # (slot, source view, target device)
     sharded: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source on meta)
     by_torch: OrderedDict[str, Any] = field(default_factory=OrderedDict)  # key -> source view
+    materialise: list[tuple[Any, str]] = field(default_factory=list)  # (module, device): to_empty before the fill
     torch_assigns: bool = False  # the by-torch keys are assigned (their module is on meta, or assign=True)
     sources: list[Any] = field(default_factory=list)  # every source tensor (on meta: its ref says where its bytes are)
 
@@ -70,8 +73,9 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         with distributed.step():
             plan_devices = DevicePlan(map_location, source=path)
             ckpt = read_checkpoint(path, "meta", trust, select, refuse=True)
-            model_sd = model.state_dict(keep_vars=True)
-            target = repair.describe_target(model, state_dict=model_sd)
+            model_walk = modelwalk.walk(model)
+            target = repair.describe_target(model, state_dict=model_walk.state_dict,
+                                            module_names=model_walk.module_names)
             chosen, fit = _fit(ckpt, target, strict)
             sources = Sources(ckpt.refs, reader)
             if not all(sources.has_bytes(t) for t in _tensors(fit.state_dict)):
@@ -80,7 +84,7 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
                 chosen, fit = _fit(ckpt, target, strict)
                 sources = Sources({}, reader)
             sources.check_bounds()
-            plan = _plan(model, model_sd, fit.state_dict, sources, plan_devices, assign)
+            plan = _plan(model_walk, fit.state_dict, sources, plan_devices, assign)
             if strict_values:
                 _check_records(plan, sources, distributed)
                 local_bad = _precheck(plan, sources)
@@ -90,7 +94,7 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
                             "file?); pass strict_values=False to load it anyway")
         committed = _commit(model, plan, fit.state_dict, sources, check_values and not strict_values)
         nonfinite = distributed.gather_keys(committed)
-        _check_done(model, path)  # the postcondition (after the last collective): no tensor left on meta
+        _check_done(model_walk, path)  # the postcondition (after the last collective): no tensor left on meta
         bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src in plan.copy) + sum(
             _nbytes(src) for _s, src, _d in plan.assign)
         fetched = session.bytes_fetched if session.remote else None
@@ -137,7 +141,7 @@ def _zero_filled(fit: repair.Fit) -> None:
             fit.state_dict[t["key"]] = torch.zeros((), dtype=torch.long)
 
 
-def _plan(model: Any, model_sd: Any, state_dict: Any, sources: Sources, devices: DevicePlan,
+def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices: DevicePlan,
           assign: bool | None) -> Plan:
     """Sort every key into copy / assign / sharded / by-torch; refuse meta tensors nothing would fill."""
     plan = Plan()
@@ -149,8 +153,8 @@ def _plan(model: Any, model_sd: Any, state_dict: Any, sources: Sources, devices:
             targets[tag] = devices.target(tag)
         return targets[tag]
 
-    slots = _slots(model, model_sd, state_dict)
-    own = _own_loaders(model)
+    slots = _slots(walk, state_dict)
+    roots: dict[str, str] = {}  # modules whose to_empty materialises the DTensors whose shards are on meta
     for key, slot in slots.items():
         if key != slot.keys[0]:
             continue  # a tied name: filled with its group's first
@@ -159,8 +163,12 @@ def _plan(model: Any, model_sd: Any, state_dict: Any, sources: Sources, devices:
         plan.sources.append(src)
         if shards.is_dtensor(slot.tensor):
             shards.check_placements(key, slot.tensor, src)
+            shards.source_pieces(src, sources)  # DCP chunk records read and checked here, not in the commit
+            if slot.tensor.to_local().is_meta:
+                device = shards.local_device(key, slot.tensor, devices, _tag(src, sources))
+                roots.setdefault(shards.empty_root(key, walk.by_name), device)
             plan.sharded.append((slot, src))
-        elif module in own:  # torch's load_state_dict assigns as given: the model's dtype and device first
+        elif module in walk.own:  # torch's load_state_dict assigns as given: the model's dtype and device first
             view = sources.view(src)
             if slot.tensor.is_meta or assign:
                 view = view.to(dtype=slot.tensor.dtype, device=target(src))
@@ -170,7 +178,8 @@ def _plan(model: Any, model_sd: Any, state_dict: Any, sources: Sources, devices:
             plan.assign.append((slot, sources.view(src), target(src)))
         else:
             plan.copy.append((slot, sources.view(src)))
-    _refuse_meta_left(model, model_sd, slots, plan)
+    plan.materialise = [(walk.by_name[path], device) for path, device in shards.outermost(roots).items()]
+    _refuse_meta_left(walk, slots, plan)
     return plan
 
 
@@ -179,22 +188,14 @@ def _tag(src: Any, sources: Sources) -> str:
     return str(sources.refs[storage_id(src)].location if src.is_meta else src.device)
 
 
-def _slots(model: Any, model_sd: Any, state_dict: Any) -> dict[str, Slot]:
+def _slots(walk: modelwalk.ModelWalk, state_dict: Any) -> dict[str, Slot]:
     """Model key → its Slot, for the keys the (repaired) state dict fills; tied keys share one Slot."""
     by_id: dict[int, Slot] = {}
     out: dict[str, Slot] = {}
-    for key, value in model_sd.items():
+    for key, value in walk.state_dict.items():
         if key not in state_dict or not hasattr(value, "shape"):
             continue
-        owner, _, name = key.rpartition(".")
-        try:
-            module = model.get_submodule(owner)
-        except AttributeError:
-            module = None
-        is_param = module is not None and name in module._parameters
-        if module is None or not (is_param or name in module._buffers):
-            raise LoadError(f"model key {key!r} is not a parameter or buffer at that path (a state_dict hook renames "
-                            "it?); load this model with model.load_state_dict(ckptfix.load(path))")
+        module, name, is_param = walk.place(key)
         slot = by_id.get(id(value))
         if slot is None:
             slot = by_id[id(value)] = Slot([], [], value, is_param)
@@ -204,46 +205,24 @@ def _slots(model: Any, model_sd: Any, state_dict: Any) -> dict[str, Slot]:
     return out
 
 
-def _own_loaders(model: Any) -> set[Any]:
-    """Modules that load their tensors their own way: an overridden ``_load_from_state_dict``, or load hooks
-    (other than FSDP2's, which this loader honours itself)."""
-    import torch
-
-    base = torch.nn.Module._load_from_state_dict
-    out = set()
-    for module in model.modules():
-        hooks = [*module._load_state_dict_pre_hooks.values(), *module._load_state_dict_post_hooks.values()]
-        if type(module)._load_from_state_dict is not base or any(not shards.is_fsdp_hook(h) for h in hooks):
-            out.add(module)
-    return out
-
-
-def _refuse_meta_left(model: Any, model_sd: Any, slots: dict[str, Slot], plan: Plan) -> None:
-    """Every model tensor on meta has something filling it: the state dict's (``model_sd``) and the
-    non-persistent buffers, which no checkpoint holds."""
+def _refuse_meta_left(walk: modelwalk.ModelWalk, slots: dict[str, Slot], plan: Plan) -> None:
+    """Every model tensor on meta has something filling it: the state dict's and the non-persistent
+    buffers, which no checkpoint holds."""
     filled = {id(s.tensor) for s, *_ in plan.assign} | {id(s.tensor) for s, _ in plan.sharded}
     filled |= {id(slots[k].tensor) for k in plan.by_torch if k in slots}
-    tensors = [(k, t) for k, t in model_sd.items() if hasattr(t, "is_meta")]
-    tensors += [(f"{name}.{b}" if name else b, module._buffers[b]) for name, module in model.named_modules()
-                for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
-    left = [name for name, t in tensors if _on_meta(t) and id(t) not in filled]
+    left = [name for name, t in walk.tensors() if shards.on_meta(t) and id(t) not in filled]
     if left:
         raise LoadError(f"{len(left)} tensor(s) of the model are on the meta device and the checkpoint doesn't fill them: "
                         f"{few(left)}; nothing was loaded. Give them values first (model.to_empty(device=...) and their "
                         "initialisation, e.g. non-persistent buffers), or load a checkpoint that holds them")
 
 
-def _check_done(model: Any, path: str) -> None:
+def _check_done(walk: modelwalk.ModelWalk, path: str) -> None:
     """After the commit, every parameter and buffer has real storage (the plan promised it; this proves it)."""
-    left = [n for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
-            if _on_meta(t)]
+    left = modelwalk.left_on_meta(walk)
     if left:
         raise LoadError(f"{path}: after loading, {len(left)} tensor(s) of the model are still on the meta device: "
                         f"{few(left)} (a bug in ckptfix: please report it with CKPTFIX_DEBUG=1)")
-
-
-def _on_meta(t: Any) -> bool:
-    return bool(t.is_meta or (shards.is_dtensor(t) and t.to_local().is_meta))
 
 
 def _precheck(plan: Plan, sources: Sources) -> list[str]:
@@ -289,6 +268,7 @@ def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bo
             finite = tensorcopy.copy_checked(value, src, check)
         bad += [] if finite else slot.keys
         new.append((slot, value))
+    shards.materialise(plan.materialise)  # DTensors whose shards are on meta, allocated (or, failing, none)
     if plan.by_torch:
         sub: Any = OrderedDict(plan.by_torch)
         sub._metadata = getattr(state_dict, "_metadata", None) or {}

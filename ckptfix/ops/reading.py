@@ -5,6 +5,7 @@ Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,7 +69,7 @@ def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bo
         wrappers=wrappers.detect_wrappers(keys),
         inner_wrappers=wrappers.inner_wrappers(keys),
         ema_keys=sel.ema_keys,
-        stats=tensor_stats(sd, raw.tags, default_tag),
+        stats_of=functools.partial(tensor_stats, dict(sd), raw.tags, default_tag),  # the tensors as read
         notes=notes,
         raw=raw.obj,
         refs=raw.refs,

@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..core import tensorcopy
+from ..core.devices import DevicePlan, storage_id
 from ..errors import LoadError
-from .sources import Sources, byte_view
+from ..formats import PiecedRef, StorageRef
+from .sources import Segment, Sources, byte_view
 
 
 def is_dtensor(t: Any) -> bool:
@@ -59,11 +61,69 @@ def check_placements(key: str, dt: Any, src: Any) -> None:
     if odd:
         raise LoadError(f"{key}: DTensor placement {odd[0]} is not one ckptfix fills (Shard and Replicate are); "
                         "load a consolidated state dict with torch.distributed.checkpoint instead")
-    if dt.to_local().is_meta:
-        raise LoadError(f"{key}: the DTensor's local shard is on the meta device; call model.to_empty(device=...) "
-                        "after fully_shard, then load; nothing was loaded")
     if tuple(dt.shape) != tuple(src.shape):
         raise LoadError(f"{key}: the model's global shape {list(dt.shape)} differs from the checkpoint's {list(src.shape)}")
+
+
+def local_device(key: str, dt: Any, devices: DevicePlan, tag: str) -> str:
+    """Where a DTensor's local shard still on meta is allocated: the mesh's device (``map_location="auto"``:
+    ``cpu`` for gloo, this process's current GPU for a CUDA mesh), or the one ``map_location`` names for the
+    saved ``tag`` if it is of the mesh's kind."""
+    import torch
+
+    kind = dt.device_mesh.device_type
+    if devices.auto:
+        return "cpu" if kind == "cpu" else f"{kind}:{torch.get_device_module(kind).current_device()}"
+    device = devices.target(tag)
+    if torch.device(device).type != kind:
+        raise LoadError(f"{key}: the DTensor's mesh is on {kind} but map_location puts its shard on {device}; "
+                        f"pass map_location='auto' (or a {kind} device); nothing was loaded")
+    return device
+
+
+def empty_root(key: str, by_name: dict[str, Any]) -> str:
+    """The path of the module whose ``to_empty`` materialises the DTensor of model key ``key``: the FSDP2
+    module nearest above it (whose ``_apply`` resets the shards it manages), else the tensor's own module."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    parts = key.split(".")[:-1]
+    for depth in range(len(parts), -1, -1):
+        path = ".".join(parts[:depth])
+        if fsdp is not None and isinstance(by_name.get(path), getattr(fsdp, "FSDPModule", ())):
+            return path
+    return ".".join(parts)
+
+
+def outermost(paths: dict[str, str]) -> dict[str, str]:
+    """Of module ``path → device``, those not inside another (its ``to_empty`` reaches them)."""
+    def inside(path: str, other: str) -> bool:
+        return other != path and (other == "" or path.startswith(other + "."))
+
+    return {p: d for p, d in paths.items() if not any(inside(p, q) for q in paths)}
+
+
+def materialise(modules: list[tuple[Any, str]]) -> None:
+    """Each module's tensors still on meta allocated on its device, as ``module.to_empty(device=...)`` does it
+    (``_apply``, so FSDP2's own ``_apply`` re-registers the sharded parameters it manages), values unset until
+    the fill; tensors already off meta are left as they are. If one fails (out of memory), those allocated are
+    put back on meta and the error raised: the model as it was."""
+    import torch
+
+    places = [(d, name) for module, _ in modules for m in module.modules() for d in (m._parameters, m._buffers)
+              for name, t in d.items() if t is not None and on_meta(t)]
+    try:
+        for module, device in modules:
+            module._apply(lambda t, device=device: torch.empty_like(t, device=device) if on_meta(t) else t)
+    except BaseException:
+        # what is off meta now at a place that was on meta (the objects alive, so their ids are theirs)
+        allocated = {id(d[name]) for d, name in places if d.get(name) is not None and not on_meta(d[name])}
+        for module, _ in modules:
+            module._apply(lambda t: torch.empty_like(t, device="meta") if id(t) in allocated else t)
+        raise
+
+
+def on_meta(t: Any) -> bool:
+    """A tensor with no storage yet: on meta, or a DTensor whose local shard is."""
+    return bool(t.is_meta or (is_dtensor(t) and t.to_local().is_meta))
 
 
 def _read_box(src: Any, sources: Sources, offsets: list[int], sizes: list[int], out: Any) -> None:
@@ -73,8 +133,42 @@ def _read_box(src: Any, sources: Sources, offsets: list[int], sizes: list[int], 
     if runs is not None:
         sources.read_runs(runs, byte_view(out))
         return
+    pieces = source_pieces(src, sources)
+    if pieces is not None:
+        _read_pieces(pieces, src, sources, offsets, sizes, out)
+        return
     view = sources.view(src)
     out.copy_(view[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+
+
+def source_pieces(src: Any, sources: Sources) -> list[tuple[list[int], list[int], Segment]] | None:
+    """The boxes of ``src`` each stored row-major in one byte range (DCP chunks that don't tile it row-major
+    but are plain bytes), or None. Asked in the plan: a damaged chunk record is refused before anything loads."""
+    ref = sources.refs.get(storage_id(src)) if src.is_meta else None
+    if not isinstance(ref, PiecedRef) or not src.is_contiguous() or src.storage_offset() != 0:
+        return None
+    return ref.pieces()
+
+
+def _read_pieces(pieces: list[tuple[list[int], list[int], Segment]], src: Any, sources: Sources,
+                 offsets: list[int], sizes: list[int], out: Any) -> None:
+    """The box ``offsets + sizes`` of ``src`` into ``out``: from each piece, only the rows it shares with the box."""
+    import torch
+
+    for at, size, (path, start, nbytes) in pieces:
+        lo = [max(a, b) for a, b in zip(offsets, at)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, at, size)]
+        if any(h <= low for low, h in zip(lo, hi)):
+            continue
+        piece = torch.empty(size, dtype=src.dtype, device="meta")  # the piece as a tensor of its own bytes
+        own = Sources({storage_id(piece): StorageRef(path, start, nbytes, "cpu")}, sources.reader)
+        runs = own.box_runs(piece, [low - b for low, b in zip(lo, at)], [h - low for low, h in zip(lo, hi)])
+        assert runs is not None  # a contiguous tensor in one byte range
+        dst = out[tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))]
+        staged = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype)
+        sources.read_runs(runs, byte_view(staged))
+        if staged is not dst:
+            dst.copy_(staged)
 
 
 def fill_local(dt: Any, src: Any, sources: Sources, check: bool) -> bool:

@@ -170,8 +170,12 @@ def _is_unicode(text: str) -> bool:
 
 def _are_sizes(values: Any) -> bool:
     """A list of usize values (ints, not bools, from 0 to 2**64-1)."""
-    return type(values) is list and set(map(type, values)) <= {int} and (
-        not values or (min(values) >= 0 and max(values) < _USIZE_END))
+    if type(values) is not list:
+        return False
+    for v in values:  # (a loop: a header's lists are short, and this runs twice per tensor)
+        if type(v) is not int or not 0 <= v < _USIZE_END:
+            return False
+    return True
 
 
 def _entry(path: str, key: str, value: Any) -> dict:

@@ -35,9 +35,10 @@ class Target:
     wrappers: list[str]
 
 
-def describe_target(model: Any, float_dtype: Any = None, state_dict: Any = None) -> Target:
-    """Read a model's expectations from ``state_dict(keep_vars=True)`` (``state_dict``: that, when the caller
-    has it already); tied keys share one object.
+def describe_target(model: Any, float_dtype: Any = None, state_dict: Any = None,
+                    module_names: list[str] | None = None) -> Target:
+    """Read a model's expectations from ``state_dict(keep_vars=True)`` (``state_dict``, ``module_names``: those
+    and ``named_modules()``'s names, when the caller has them already); tied keys share one object.
 
     ``float_dtype`` (a torch dtype): the model as it will run after ``.to(float_dtype)``, every
     floating entry that dtype (integer and bool buffers keep theirs).
@@ -60,7 +61,7 @@ def describe_target(model: Any, float_dtype: Any = None, state_dict: Any = None)
         shapes=shapes,
         dtypes=dtypes,
         tied=[keys for keys in groups.values() if len(keys) > 1],
-        module_names=[name for name, _ in model.named_modules()],
+        module_names=[name for name, _ in model.named_modules()] if module_names is None else module_names,
         wrappers=wrappers.detect_wrappers(sd.keys()),
     )
 

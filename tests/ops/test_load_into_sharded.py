@@ -190,6 +190,12 @@ def write_checkpoints(root: Path, fixtures: Path) -> dict[str, Any]:
     ddp = torch.load(fixtures / "mlp_ddp.pth", weights_only=True)
     save_file(ddp, str(root / "ddp.safetensors"))
     torch.save({k.removeprefix("module."): v for k, v in ddp.items()}, root / "ddp-expected.pt")
+    import fsdp2_dirs
+
+    files["dcp-cols"] = fsdp2_dirs.make(root / "fsdp2", variants=("cols",), optim=False)["cols"]
+    files["dcp-cols-expected"] = root / "dcp-cols-expected.pt"
+    torch.save({k.removeprefix("model."): v for k, v in read_whole(files["dcp-cols"]).items()},
+               files["dcp-cols-expected"])
     files["real"] = {"ddp-torch": fixtures / "mlp_ddp.pth", "ddp-safetensors": root / "ddp.safetensors",
                      "fsdp2-dcp": fixtures / "mlp_fsdp2"}
     files["real-expected"] = {"ddp-torch": root / "ddp-expected.pt", "ddp-safetensors": root / "ddp-expected.pt",
@@ -294,7 +300,16 @@ def make_cases(files: dict[str, Any], world: int) -> list[dict[str, Any]]:
         cases += [{"id": case_id("fail", loader, failure, fmt), "loader": loader, "model": "fsdp2",
                    "path": files[failure][fmt], "kwargs": {"strict_values": True}} for failure in FAILURES for fmt in FORMATS]
         cases += [{"id": case_id("meta", loader, fmt), "loader": loader, "model": "fsdp2-meta-bare",
-                   "path": files["mixed"][fmt], "expected": "mixed"} for fmt in ("torch", "safetensors")]
+                   "path": files["mixed"][fmt], "expected": "mixed"} for fmt in FORMATS]
+        cases += [{"id": case_id("meta-forward", loader, fmt), "loader": loader, "model": "fsdp2-meta-mlp-bare",
+                   "path": files["real"][fmt], "expected": files["real-expected"][fmt], "forward": True}
+                  for fmt in ("ddp-torch", "ddp-safetensors")]
+        cases += [{"id": case_id("meta-cpu", loader), "loader": loader, "model": "fsdp2-meta-bare",
+                   "path": files["mixed"]["safetensors"], "expected": "mixed", "kwargs": {"map_location": "cpu"}}]
+        cases += [{"id": case_id("dcp-cols", loader), "loader": loader, "model": "fsdp2-dcp-net",
+                   "path": files["dcp-cols"], "expected": files["dcp-cols-expected"]}]
+        cases += [{"id": case_id("meta-fail", loader, failure, fmt), "loader": loader, "model": "fsdp2-meta-bare",
+                   "path": files[failure][fmt]} for failure in ("shape", "missing") for fmt in ("torch", "safetensors")]
     return cases
 
 
@@ -409,22 +424,62 @@ def test_a_failure_raises_on_every_rank_and_changes_nothing(outcomes: Callable[[
         assert res["changed"] == [], f"rank {rank} left half-loaded: {res['changed']} changed"
 
 
-@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
-@pytest.mark.parametrize("loader", list(LOADERS))
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_a_meta_model_is_filled_or_refused_by_name(outcomes: Callable[[int], Run], world: int, loader: str,
-                                                   fmt: str) -> None:
-    """FSDP2 built on meta and never materialised: either every tensor filled (nothing left on meta), or a
-    LoadError on every rank naming parameters on meta, the model left on meta."""
-    ranks = outcomes(world)("meta", loader, fmt)
-    if ranks[0]["outcome"] == "ok":
-        ok_on_every_rank(ranks)
-        assert [r["on_meta"] for r in ranks] == [[]] * world
-        return
+def test_an_fsdp2_model_whose_shards_are_on_meta_is_materialised_and_filled(outcomes: Callable[[int], Run], world: int,
+                                                                           fmt: str) -> None:
+    """FSDP2 applied to a meta-built model, never ``to_empty``'d (how torchtitan builds): each rank's shards
+    allocated on the mesh's device (``auto``: cpu for gloo) and filled, each its slice; nothing left on meta."""
+    ranks = outcomes(world)("meta", "ckptfix", fmt)
+    ok_on_every_rank(ranks)
+    assert [r["on_meta"] for r in ranks] == [[]] * world
+    assert all(r["sharded"] for r in ranks)
+    ok_on_every_rank(outcomes(world)("meta-cpu", "ckptfix"))  # map_location="cpu": the mesh's kind, allowed
+
+
+@pytest.mark.parametrize("fmt", ["ddp-torch", "ddp-safetensors"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_meta_built_fsdp2_model_loaded_runs_the_unsharded_models_forward(outcomes: Callable[[int], Run], world: int,
+                                                                          fmt: str) -> None:
+    """The real DDP fixture (``module.`` keys) into the MLP built on meta and sharded: the forward (FSDP2 gathering
+    the shards) equals, bit for bit, the unsharded MLP's holding the full tensors."""
+    ranks = outcomes(world)("meta-forward", "ckptfix", fmt)
+    ok_on_every_rank(ranks)
+    assert [r["forward"] for r in ranks] == [None] * world, [r["forward"] for r in ranks]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+@pytest.mark.parametrize("failure", ["shape", "missing"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_meta_fsdp2_model_that_doesnt_fit_is_refused_on_every_rank_and_stays_on_meta(
+        outcomes: Callable[[int], Run], world: int, failure: str, fmt: str) -> None:
+    """A checkpoint that doesn't fit: LoadError on every rank naming the key, nothing materialised."""
+    ranks = outcomes(world)("meta-fail", "ckptfix", failure, fmt)
     for rank, res in enumerate(ranks):
         assert res["outcome"] == "raised" and res["load_error"], f"rank {rank}: {res.get('type')}\n{res['traceback']}"
-        assert "meta" in res["message"] and any(k in res["message"] for k in res["on_meta"]), res["message"]
-        assert "a.weight" in res["on_meta"] and res["on_meta"] == ranks[0]["on_meta"], res["on_meta"]
+        assert FAILURES[failure] in res["message"], res["message"]
+        assert res["on_meta"] == res["keys"], f"rank {rank}: materialised {sorted(set(res['keys']) - set(res['on_meta']))}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_dcp_chunks_that_dont_tile_row_major_are_read_by_the_part_each_rank_needs(outcomes: Callable[[int], Run],
+                                                                                   world: int) -> None:
+    """A real FSDP2 DCP whose weights were saved as Shard(1) (column chunks: no single row-major run) into an
+    FSDP2 model sharded by rows: each rank reads from each chunk only its rows, no tensor assembled whole, and
+    counts about its share of the tensor bytes."""
+    ranks = outcomes(world)("dcp-cols", "ckptfix")
+    ok_on_every_rank(ranks)
+    whole = [[k for k in r["materialized"] if k.removeprefix("model.") in r["sharded"]] for r in ranks]
+    assert whole == [[]] * world, f"sharded tensors read whole: {whole}"  # (buffers are whole on every rank)
+    assert all(0 < r["report"]["bytes_read"] <= r["local_bytes"] for r in ranks), [
+        (r["report"]["bytes_read"], r["local_bytes"]) for r in ranks]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_reference_loader_refuses_a_meta_model(outcomes: Callable[[int], Run], world: int) -> None:
+    """The control: the naive loader can't fill shards on meta (what the tests above hold ckptfix to)."""
+    for res in outcomes(world)("meta", "reference", "torch"):
+        assert res["outcome"] == "raised" and "a.weight" in res["on_meta"], res
 
 
 @pytest.mark.slow

@@ -319,6 +319,7 @@ class TensorRef(PiecedRef):
         super().__init__(tensor_nbytes(md))
         self.source, self.fqn, self.md = source, fqn, md
         self._segments: Any = _UNSET
+        self._pieces: Any = _UNSET
 
     def segments(self) -> list[tuple[str, int, int]] | None:
         if self._segments is _UNSET:
@@ -327,6 +328,25 @@ class TensorRef(PiecedRef):
             finally:
                 self.source.close()
         return self._segments
+
+    def pieces(self) -> list[tuple[list[int], list[int], tuple[str, int, int]]] | None:
+        """``[(offsets, sizes, (file, offset, nbytes)), …]``: each non-empty chunk's box of the tensor and where
+        its elements lie, row-major, in its file — where every chunk is plain contiguous bytes (a reader of a box
+        takes from each chunk only what it needs); None where one isn't (strided, a view of more)."""
+        if self._pieces is _UNSET:
+            try:
+                dtype = self.md.properties.dtype
+                out: list[tuple[list[int], list[int], tuple[str, int, int]]] | None = []
+                for c in self.md.chunks:
+                    span = self.source._span(self.fqn, c, dtype) if math.prod(c.sizes) else []
+                    if span is None:
+                        out = None
+                        break
+                    out += [(list(c.offsets), list(c.sizes), span[0])] if span else []  # type: ignore[operator]
+                self._pieces = out
+            finally:
+                self.source.close()
+        return self._pieces
 
     def materialize(self) -> Any:
         md, n = self.md, self.nbytes

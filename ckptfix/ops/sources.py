@@ -76,6 +76,17 @@ class Sources:
             out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
         return out
 
+    def locate(self, view: Any) -> tuple[str, int] | None:
+        """``(path, offset)`` of a contiguous :meth:`view`'s bytes in its file, or None (not a view of a mapped file)."""
+        if not view.is_contiguous() or view.device.type != "cpu":
+            return None
+        ptr, nbytes = view.data_ptr(), view.numel() * view.element_size()
+        for path, mapped in self._maps.items():
+            base = mapped.data_ptr()
+            if base <= ptr and ptr + nbytes <= base + mapped.nbytes():
+                return path, ptr - base
+        return None
+
     def _map(self, path: str) -> Any:
         import torch
 

@@ -371,12 +371,12 @@ def skip_reason(case: Case) -> str | None:
     return None
 
 
-def _chosen(case: Case, rows: list[str] | None) -> bool:
-    """``case`` is one of ``rows`` (an id or a prefix of one), or the anchor of one (None: every row)."""
-    def named(c: Case) -> bool:
-        return rows is None or any(c.id == r or c.id.startswith(r) for r in rows)
-
-    return named(case) or any(named(c) and anchor_of(c) == case.id for c in CASES)
+def chosen(case: Case, prefixes: list[str] | None) -> bool:
+    """The row is asked for (``--cases``); a row's anchor comes with it."""
+    if prefixes is None:
+        return True
+    wanted = {c.id for c in CASES if c.id.startswith(tuple(prefixes))}
+    return case.id in wanted or case.id in {anchor_of(c) for c in CASES if c.id in wanted}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,9 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="where the files go (kept, and reused by the next run of the same size; default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
+    ap.add_argument("--cases", nargs="+", default=None, metavar="PREFIX",
+                    help="only the rows whose id starts with one of these (e.g. st. pth. ddp. meta.; default: all), "
+                         "and their anchors")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
-    ap.add_argument("--rows", nargs="+", default=None, metavar="ID",
-                    help="only these rows (ids or their prefixes, e.g. meta. st.load_model) and their anchors")
     args = ap.parse_args(argv)
     layers = max(1, round(args.size_mib * 2**20 / (4 * args.width * (args.width + 1))))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ckptfix-bench-load-", dir="/var/tmp"))
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         tiny = make_files(workdir / "tiny", TINY_WIDTH, 1)
         base = {"files": files, "tiny": tiny, "fingerprint": str(workdir / "fingerprint.pt"), "width": args.width,
                 "layers": layers, "timeout": args.timeout}
-        cases = [c for c in CASES if not skip_reason(c) and _chosen(c, args.rows)]
+        cases = [c for c in CASES if not skip_reason(c) and chosen(c, args.cases)]
         items = [(c.id, mode) for c in cases for mode in args.modes]
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {item: [] for item in items}
         with AnonSampler() as sampler:
@@ -427,9 +428,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows = [{"id": c.id, "group": c.group, "label": c.label, "file": FILES[c.file], "model": c.model,
                  "vs": anchor_of(c), "target": c.target, "mem_target": c.mem_target, "skip": skip_reason(c)}
-                for c in CASES if _chosen(c, args.rows)]
+                for c in CASES if chosen(c, args.cases)]
         report = summarise(rows, runs, setup)
         print(render_markdown(report))
+        for row in report["rows"]:  # the fastest run against the anchor's fastest: what a busy machine can't add
+            mins = ", ".join(f"{m} {row[m]['ratio_of_mins']:.2f}" for m in args.modes
+                             if row.get(m, {}).get("ratio_of_mins") is not None)
+            print(f"min/min ratio {row['id']}: {mins}", file=sys.stderr)
         if args.json:
             args.json.write_text(json.dumps(report, indent=1))
         return 1 if any(row["status"].startswith("failed") for row in report["rows"]) else 0

@@ -36,7 +36,9 @@ def summarise(rows: list[dict[str, Any]], runs: dict[tuple[str, str], list[dict[
             anchor = [run.get("seconds") for run in runs.get((row["vs"], mode), [])]
             ratios = [s / a for s, a in zip(secs, anchor) if s is not None and a]
             ratio = _median(ratios)
-            entry[mode] = {"runs": secs, "median": _median([s for s in secs if s is not None]), "ratio": ratio,
+            done, base = [s for s in secs if s is not None], [a for a in anchor if a]
+            entry[mode] = {"runs": secs, "median": _median(done), "ratio": ratio,
+                           "ratio_of_mins": min(done) / min(base) if done and base else None,
                            "ratio_met": None if row["target"] is None or ratio is None else ratio <= row["target"]}
         ok = [run for run in mine if "peak" in run]
         entry["peak_anon_mib"] = max(run["peak"] for run in ok) / MIB if ok else None

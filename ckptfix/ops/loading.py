@@ -253,6 +253,24 @@ def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) 
                               "written; nothing was loaded; restore it from a good copy")
 
 
+def _copy(copies: list[tuple[Slot, Any]], sources: Sources, check: bool) -> list[str]:
+    """Fill built tensors: read straight from the file into each where its bytes are as stored (contiguous,
+    the same dtype and shape, on the CPU), else copied from the mapped view (a cast, strides, a device); the keys
+    whose values are NaN/Inf (when ``check``)."""
+    fills, keys, bad = [], [], []
+    for slot, src in copies:
+        dst = slot.tensor.detach()
+        place = (sources.locate(src) if dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == src.dtype
+                 and dst.shape == src.shape else None)
+        if place is None:
+            bad += [] if tensorcopy.copy_checked(dst, src, check) else slot.keys
+        else:
+            fills.append((dst, sources.reader.fd(place[0]), place[1], place[0]))
+            keys.append(slot.keys)
+    finite = tensorcopy.fill_from_file(fills, check)
+    return bad + [k for ok, names in zip(finite, keys) if not ok for k in names]
+
+
 def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool) -> list[str]:
     """Fill the model; the keys whose values are NaN/Inf (checked as they are copied, when ``check``)."""
     import torch
@@ -276,8 +294,7 @@ def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bo
         model_sd = model.state_dict()
         bad += [k for k in plan.by_torch if check and not tensorcopy.all_finite(model_sd[k])]
     shards.reshard(model)
-    for slot, src in plan.copy:
-        bad += [] if tensorcopy.copy_checked(slot.tensor.detach(), src, check) else slot.keys
+    bad += _copy(plan.copy, sources, check)
     for slot, src in plan.sharded:
         bad += [] if shards.fill_local(slot.tensor, src, sources, check) else slot.keys
     for slot, value in new:

@@ -122,6 +122,17 @@ class Sources:
             return zlib.crc32(byte_view(torch.empty(0, dtype=torch.uint8).set_(fetched)))
         return self.reader.crc32(path, offset, size)
 
+    def locate(self, view: Any) -> tuple[str, int] | None:
+        """``(path, offset)`` of a contiguous :meth:`view`'s bytes in its file, or None (not a view of a mapped file)."""
+        if not view.is_contiguous() or view.device.type != "cpu":
+            return None
+        ptr, nbytes = view.data_ptr(), view.numel() * view.element_size()
+        for path, mapped in self._maps.items():
+            base = mapped.data_ptr()
+            if base <= ptr and ptr + nbytes <= base + mapped.nbytes():
+                return path, ptr - base
+        return None
+
     def _map(self, path: str) -> Any:
         import torch
 

@@ -154,6 +154,8 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
         return targets[tag]
 
     slots = _slots(walk, state_dict)
+    sources.fetch_ahead(state_dict[key] for key, slot in slots.items()  # a URL's storages, at once (not a shard's)
+                        if key == slot.keys[0] and not shards.is_dtensor(slot.tensor))
     roots: dict[str, str] = {}  # modules whose to_empty materialises the DTensors whose shards are on meta
     for key, slot in slots.items():
         if key != slot.keys[0]:

@@ -34,6 +34,7 @@ def read(path: str, fmt: str, plan: DevicePlan, trust: bool, select: str | None)
     with PositionalReader(locations.open_source) as reader:
         sources = Sources(raw.refs, reader)
         sources.check_bounds()
+        sources.fetch_ahead()  # (every storage is read: all at once, not one round trip after another)
         raw.obj = _replace_meta(raw.obj, _Materialise(path, sources, plan.torch_map_location(tags)))
     raw.tags = {**raw.tags, **tags}
     raw.refs = {}

@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..core.devices import storage_id
@@ -23,6 +24,8 @@ from ..formats import PiecedRef, StorageRef
 
 #: a run of bytes in one file: (path, offset, nbytes)
 Segment = tuple[str, int, int]
+#: remote storages fetched at once (a large one fetches its parts concurrently too: core.positional.WORKERS)
+AHEAD = 8
 
 
 class Sources:
@@ -100,6 +103,23 @@ class Sources:
         if pos != nbytes:
             raise FormatError(f"{runs[0][0] if runs else 'checkpoint'}: a tensor's pieces hold {pos} bytes, it needs {nbytes}")
         return buf.untyped_storage()
+
+    def fetch_ahead(self, tensors: Iterable[Any] | None = None) -> None:
+        """Fetch the remote storages of ``tensors`` (meta tensors; None: every ref) at once, :data:`AHEAD` at a
+        time (a large one in concurrent parts of its own), so a checkpoint of many small tensors costs a few
+        round trips, not one per tensor; :meth:`storage` then finds them fetched. Local files and refs that
+        aren't one byte range are left to :meth:`storage`."""
+        refs = self.refs.values() if tensors is None else [self.refs.get(storage_id(t)) for t in tensors if t.is_meta]
+        wanted = list(dict.fromkeys((ref.path, ref.offset, ref.nbytes) for ref in refs
+                                    if isinstance(ref, StorageRef) and ref.path is not None and ref.nbytes
+                                    and self.reader.is_remote(ref.path)))
+        wanted = [key for key in wanted if key not in self._fetched]
+        if len(wanted) < 2:
+            return
+        for path in {path for path, _o, _n in wanted}:
+            self.reader.size(path)  # (opened here: the pool's threads don't see the verb's session)
+        with ThreadPoolExecutor(min(AHEAD, len(wanted))) as pool:
+            list(pool.map(lambda key: self._fetch(*key), wanted))
 
     def _fetch(self, path: str, offset: int, nbytes: int) -> Any:
         import torch

@@ -222,6 +222,7 @@ class _Reader:
                  check: bool) -> None:
         self.fills, self.jobs, self.finite = fills, jobs, finite
         self.checks = [check and checks_values(f[0]) for f in fills]
+        self.kinds = [_numpy_kind(f[0].dtype) for f in fills]  # (per fill, not per chunk: chunks are many)
         self.lock = threading.Lock()
         self.next = 0
         self.ahead: dict[int, tuple[int, int]] = {}  # fd -> the range last asked for
@@ -246,7 +247,7 @@ class _Reader:
             n, buf, offset, first, count = self.jobs[j]
             dst, fd, _start, name = self.fills[n]
             self._read(fd, buf, offset, name)
-            if self.checks[n] and not _chunk_finite(dst.reshape(-1)[first : first + count], buf):
+            if self.checks[n] and not _chunk_finite(dst, first, count, buf, self.kinds[n]):
                 self.finite[n] = False
 
     def _read(self, fd: int, buf: Any, offset: int, name: str) -> None:
@@ -280,18 +281,27 @@ class _Reader:
             os.posix_fadvise(fd, offset, READAHEAD_BYTES, os.POSIX_FADV_WILLNEED)
 
 
-def _chunk_finite(part: Any, raw: Any) -> bool:
-    """Every element of the chunk ``part`` (a CPU tensor; ``raw``: its bytes as a numpy array) is finite:
-    fp32/fp64 (and complex) by numpy's ``x·x``, other dtypes by torch's sum; exactly where that is non-finite."""
+def _numpy_kind(dtype: Any) -> Any:
+    """The numpy float type whose ``x·x`` checks a chunk of ``dtype`` (fp32/fp64, complex as pairs), else None."""
     import numpy as np
     import torch
 
-    kind = {torch.float32: np.float32, torch.complex64: np.float32, torch.float64: np.float64,
-            torch.complex128: np.float64}.get(part.dtype)
+    return {torch.float32: np.float32, torch.complex64: np.float32, torch.float64: np.float64,
+            torch.complex128: np.float64}.get(dtype)
+
+
+def _chunk_finite(dst: Any, first: int, count: int, raw: Any, kind: Any) -> bool:
+    """Elements ``first .. first + count`` of ``dst`` (a contiguous CPU tensor; ``raw``: their bytes as a numpy
+    array) are all finite: by numpy's ``x·x`` where ``kind`` (:func:`_numpy_kind`) is one, else by torch's sum;
+    exactly where that is non-finite. The chunk's tensor view is made only when torch needs it."""
+    import numpy as np
+    import torch
+
     if kind is not None:
         x = raw.view(kind)
         if math.isfinite(float(np.dot(x, x))):
             return True
-    elif bool(torch.isfinite(_reduce(part))):
+    part = dst.reshape(-1)[first : first + count]
+    if kind is None and bool(torch.isfinite(_reduce(part))):
         return True
     return bool(_exact(part))

@@ -182,9 +182,11 @@ class FileServer:
         file = self.file_for(name)
         assert file is not None, name
         old = file.stat().st_mtime_ns
-        file.write_bytes(pending[1])
+        fresh = file.with_name(file.name + ".replacing")
+        fresh.write_bytes(pending[1])
         later = old + 2_000_000_000  # Last-Modified has whole seconds
-        os.utime(file, ns=(later, later))
+        os.utime(fresh, ns=(later, later))
+        os.replace(fresh, file)  # (as a deploy replaces a file: a request already answering keeps the old one)
 
     def file_for(self, path: str) -> Path | None:
         """The file a URL path names under root, or None (outside root, or not a file)."""

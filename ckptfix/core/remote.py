@@ -125,6 +125,8 @@ class HttpSource(ByteSource):
             return changed(self.name, self.validator, "a failed If-Match")
         if code == 416 and self.validator is None:
             return RemoteError(f"{self.name}: the server refuses Range requests for this file (HTTP 416)")
+        if code == 416:  # a range inside the size the first answer gave: the file is shorter now
+            return changed(self.name, self.validator, f"a file shorter than its {self.size} bytes (HTTP 416)")
         if code in _RETRY_STATUS:
             return _Transient(f"the server failed (HTTP {code} {reason})")
         return RemoteError(f"{self.name}: the server answered HTTP {code} {reason}")

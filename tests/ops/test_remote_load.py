@@ -256,7 +256,7 @@ def _requests(server: FileServer, path: str) -> int:
         return server.counts.requests.get(path, 0)
 
 
-@pytest.mark.parametrize("failure", ["missing", "changing"])
+@pytest.mark.parametrize("failure", ["missing", "changing", "shrinking"])
 def test_a_failed_fetch_is_one_error_and_the_model_is_untouched(http_server: FileServer, failure: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "0")
@@ -268,12 +268,13 @@ def test_a_failed_fetch_is_one_error_and_the_model_is_untouched(http_server: Fil
     else:  # the file replaced once its structure has been read: while its tensors are being fetched
         ckptfix.inspect(http_server.url(name))
         structure = _requests(http_server, f"/{name}")
-        http_server.change_after(name, 2 * structure + 1, (http_server.root / name).read_bytes())
+        content = (http_server.root / name).read_bytes()  # shrinking: its tensors now past its end (HTTP 416)
+        http_server.change_after(name, 2 * structure + 1, content if failure == "changing" else content[:1])
         url, error, message = http_server.url(name), errors.RemoteError, "changed while it was being read"
     with pytest.raises(error, match=message) as raised:
         ckptfix.load_into(model, url)
     assert isinstance(raised.value, errors.CkptfixError)
-    if failure == "changing":
+    if failure != "missing":
         assert _requests(http_server, f"/{name}") > 2 * structure + 1  # it failed on a tensor's fetch
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 

@@ -187,23 +187,29 @@ def v_pread_threads(chunk: int) -> Callable[..., Any]:
     return run
 
 
-def v_pool(chunk: int, workers: int, window: int = 0, check: bool = True) -> Callable[..., Any]:
+def v_pool(chunk: int, workers: int, window: int = 0, check: bool = True, dot: str = "torch") -> Callable[..., Any]:
     """``workers`` threads take chunks in turn, each preadv's its chunk and checks it on its own core, in its cache.
-    ``window``: POSIX_FADV_WILLNEED that many bytes ahead of the reads (a cold file read in the background)."""
+    ``window``: POSIX_FADV_WILLNEED that many bytes ahead of the reads (a cold file read in the background).
+    ``dot``: ``torch`` (``torch.dot``: an OpenMP team per call) or ``numpy`` (``np.dot``: single-threaded OpenBLAS
+    at these sizes, no team)."""
     import itertools
+
+    import numpy as np
+
+    reduce = (lambda x: np.dot(x, x)) if dot == "numpy" else (lambda x: torch.dot(x, x))
 
     def run(model: dict[str, torch.Tensor], path: str) -> None:
         offs = _offsets(path)
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        jobs = []
+        step = chunk // 4
+        jobs = []  # (the chunk's bytes to read into, its file offset, the chunk as the reduction takes it)
         for k, t in model.items():
             flat = t.view(-1)
-            buf = view_bytes(t)
-            step = chunk // 4
+            arr, buf = flat.numpy(), view_bytes(t)
             for i in range(0, flat.numel(), step):
                 n = min(step, flat.numel() - i)
-                jobs.append((buf[i * 4:(i + n) * 4], offs[k] + i * 4, flat[i:i + n]))
+                jobs.append((buf[i * 4:(i + n) * 4], offs[k] + i * 4, arr[i:i + n] if dot == "numpy" else flat[i:i + n]))
         sums: list[Any] = [None] * len(jobs)
         counter = itertools.count()
         advised = [0]
@@ -218,7 +224,7 @@ def v_pool(chunk: int, workers: int, window: int = 0, check: bool = True) -> Cal
                         os.posix_fadvise(fd, start, 2 * window, os.POSIX_FADV_WILLNEED)
                     os.preadv(fd, [b], off)
                     if check:
-                        sums[j] = torch.dot(part, part)
+                        sums[j] = reduce(part)  # (kept as it comes: no sync per chunk)
 
         threads = [threading.Thread(target=work) for _ in range(workers - 1)]
         for th in threads:
@@ -228,51 +234,7 @@ def v_pool(chunk: int, workers: int, window: int = 0, check: bool = True) -> Cal
             th.join()
         os.close(fd)
         if check:
-            assert bool(torch.isfinite(torch.stack(sums)).all())
-    return run
-
-
-def v_np(chunk: int, workers: int, check: bool = True, window: int = 0) -> Callable[..., Any]:
-    """preadv into numpy slices of each destination tensor, ``np.dot`` on each (single-threaded OpenBLAS for
-    these sizes, no OpenMP team); ``workers`` threads take chunks in turn."""
-    import itertools
-
-    import numpy as np
-
-    def run(model: dict[str, torch.Tensor], path: str) -> None:
-        offs = _offsets(path)
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        step = chunk // 4
-        jobs = []
-        for k, t in model.items():
-            arr = t.view(-1).numpy()
-            for i in range(0, arr.size, step):
-                jobs.append((arr[i:i + step], offs[k] + i * 4))
-        sums: list[Any] = [0.0] * len(jobs)
-        counter = itertools.count()
-        advised = [0]
-
-        def work() -> None:
-            while (j := next(counter)) < len(jobs):
-                part, off = jobs[j]
-                if window and off + window > advised[0]:
-                    start = max(advised[0], off)
-                    advised[0] = start + 2 * window
-                    os.posix_fadvise(fd, start, 2 * window, os.POSIX_FADV_WILLNEED)
-                os.preadv(fd, [part], off)
-                if check:
-                    sums[j] = np.dot(part, part)
-
-        threads = [threading.Thread(target=work) for _ in range(workers - 1)]
-        for th in threads:
-            th.start()
-        work()
-        for th in threads:
-            th.join()
-        os.close(fd)
-        if check:
-            assert bool(np.isfinite(np.array(sums)).all())
+            assert bool(np.isfinite(np.array(sums)).all() if dot == "numpy" else torch.isfinite(torch.stack(sums)).all())
     return run
 
 
@@ -307,14 +269,14 @@ def main() -> int:
         "pread_whole_then_dot": v_pread_whole_then_dot,
         "pread_threads_1M": v_pread_threads(2**20),
         "pool2_1M": v_pool(2**20, 2),
-        "np1_1M": v_np(2**20, 1),
-        "np1_512K": v_np(2**19, 1),
-        "np1_256K": v_np(2**18, 1),
-        "np1_1M_nocheck": v_np(2**20, 1, check=False),
-        "np2_1M": v_np(2**20, 2),
-        "np2_512K": v_np(2**19, 2),
-        "np2_1M_nocheck": v_np(2**20, 2, check=False),
-        "np2_1M_win64M": v_np(2**20, 2, window=64 * 2**20),
+        "np1_1M": v_pool(2**20, 1, dot="numpy"),
+        "np1_512K": v_pool(2**19, 1, dot="numpy"),
+        "np1_256K": v_pool(2**18, 1, dot="numpy"),
+        "np1_1M_nocheck": v_pool(2**20, 1, check=False, dot="numpy"),
+        "np2_1M": v_pool(2**20, 2, dot="numpy"),
+        "np2_512K": v_pool(2**19, 2, dot="numpy"),
+        "np2_1M_nocheck": v_pool(2**20, 2, check=False, dot="numpy"),
+        "np2_1M_win64M": v_pool(2**20, 2, window=64 * 2**20, dot="numpy"),
         "pool2_512K": v_pool(2**19, 2),
         "pool2_256K": v_pool(2**18, 2),
         "pool2_1M_nocheck": v_pool(2**20, 2, check=False),

@@ -50,7 +50,7 @@ class Slot:
 class Plan:
     """What the commit step does, decided before anything is touched."""
 
-    copy: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source view)
+    copy: list[tuple[Slot, Any, Any]] = field(default_factory=list)  # (slot, source view, (path, offset) or None)
     assign: list[tuple[Slot, Any, str]] = field(default_factory=list)  # (slot, source view, target device)
     sharded: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source on meta)
     by_torch: OrderedDict[str, Any] = field(default_factory=OrderedDict)  # key -> source view
@@ -95,7 +95,7 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         committed = _commit(model, plan, fit.state_dict, sources, check_values and not strict_values)
         nonfinite = distributed.gather_keys(committed)
         _check_done(model_walk, path)  # the postcondition (after the last collective): no tensor left on meta
-        bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src in plan.copy) + sum(
+        bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src, _p in plan.copy) + sum(
             _nbytes(src) for _s, src, _d in plan.assign)
         fetched = session.bytes_fetched if session.remote else None
     notes = list(ckpt.notes)
@@ -110,7 +110,7 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         path=ckpt.path, state_dict_key=ckpt.state_dict_key, checkpoint_wrappers=ckpt.wrappers,
         model_wrappers=target.wrappers, fix=chosen.description, matched=chosen.matched, missing=fit.missing,
         unexpected=fit.unexpected, notes=notes, tolerated=[t["key"] for t in fit.tolerated], nonfinite=nonfinite,
-        copied=sum(len(s.keys) for s, _ in plan.copy) + (0 if plan.torch_assigns else len(plan.by_torch)),
+        copied=sum(len(s.keys) for s, *_ in plan.copy) + (0 if plan.torch_assigns else len(plan.by_torch)),
         assigned=sum(len(s.keys) for s, _, _ in plan.assign) + (len(plan.by_torch) if plan.torch_assigns else 0),
         sharded=sum(len(s.keys) for s, _ in plan.sharded),
         bytes_read=bytes_read, bytes_fetched=fetched,
@@ -179,7 +179,7 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
         elif slot.tensor.is_meta or assign:
             plan.assign.append((slot, sources.view(src), target(src)))
         else:
-            plan.copy.append((slot, sources.view(src)))
+            plan.copy.append((slot, sources.view(src), sources.place(src)))
     plan.materialise = [(walk.by_name[path], device) for path, device in shards.outermost(roots).items()]
     _refuse_meta_left(walk, slots, plan)
     return plan
@@ -230,7 +230,7 @@ def _check_done(walk: modelwalk.ModelWalk, path: str) -> None:
 def _precheck(plan: Plan, sources: Sources) -> list[str]:
     """strict_values: the keys whose values in the file are NaN/Inf, found before anything is loaded."""
     bad = []
-    for slot, src in plan.copy:
+    for slot, src, _place in plan.copy:
         bad += [] if tensorcopy.all_finite(src) else slot.keys
     for slot, src, _dev in plan.assign:
         bad += [] if tensorcopy.all_finite(src) else slot.keys
@@ -255,16 +255,15 @@ def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) 
                               "written; nothing was loaded; restore it from a good copy")
 
 
-def _copy(copies: list[tuple[Slot, Any]], sources: Sources, check: bool) -> list[str]:
+def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool) -> list[str]:
     """Fill built tensors: read straight from the file into each where its bytes are as stored (contiguous,
     the same dtype and shape, on the CPU), else copied from the mapped view (a cast, strides, a device); the keys
     whose values are NaN/Inf (when ``check``)."""
     fills, keys, bad = [], [], []
-    for slot, src in copies:
+    for slot, src, place in copies:
         dst = slot.tensor.detach()
-        place = (sources.locate(src) if dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == src.dtype
-                 and dst.shape == src.shape else None)
-        if place is None:
+        if place is None or not (dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == src.dtype
+                                 and dst.shape == src.shape):
             bad += [] if tensorcopy.copy_checked(dst, src, check) else slot.keys
         else:
             fills.append((dst, sources.reader.fd(place[0]), place[1], place[0]))

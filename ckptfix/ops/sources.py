@@ -142,16 +142,14 @@ class Sources:
             return zlib.crc32(byte_view(torch.empty(0, dtype=torch.uint8).set_(fetched)))
         return self.reader.crc32(path, offset, size)
 
-    def locate(self, view: Any) -> tuple[str, int] | None:
-        """``(path, offset)`` of a contiguous :meth:`view`'s bytes in its file, or None (not a view of a mapped file)."""
-        if not view.is_contiguous() or view.device.type != "cpu":
+    def place(self, t: Any) -> tuple[str, int] | None:
+        """``(path, byte offset)`` of the meta tensor ``t``'s elements when they are one contiguous run of a local
+        file (a loader may read them straight into a tensor), else None (remote, pieced, computed, strided)."""
+        ref = self.refs.get(storage_id(t)) if t.is_meta else None
+        if not isinstance(ref, StorageRef) or ref.path is None or self.reader.is_remote(ref.path) \
+                or not t.is_contiguous():
             return None
-        ptr, nbytes = view.data_ptr(), view.numel() * view.element_size()
-        for path, mapped in self._maps.items():
-            base = mapped.data_ptr()
-            if base <= ptr and ptr + nbytes <= base + mapped.nbytes():
-                return path, ptr - base
-        return None
+        return ref.path, ref.offset + t.storage_offset() * t.element_size()
 
     def _map(self, path: str) -> Any:
         import torch

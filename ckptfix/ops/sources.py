@@ -37,6 +37,7 @@ class Sources:
         self._maps: dict[str, Any] = {}
         self._pieces: dict[int, Any] = {}
         self._fetched: dict[Segment, Any] = {}  # a remote storage's byte range -> its bytes in CPU memory
+        self._checked: set[Segment] = set()  # the fetched ranges whose zip record's CRC-32 matched
 
     def has_bytes(self, t: Any) -> bool:
         """A meta tensor whose storage a ref places in files (else the loader reads the file with torch)."""
@@ -82,7 +83,7 @@ class Sources:
         ref = self.refs[sid]
         if isinstance(ref, StorageRef) and ref.path is not None:
             if self.reader.is_remote(ref.path):
-                return self._fetch(ref.path, ref.offset, ref.nbytes)
+                return self._fetched_checked(ref)
             return self._map(ref.path)[ref.offset : ref.offset + ref.nbytes]
         if sid not in self._pieces:
             segs = ref.segments() if isinstance(ref, PiecedRef) else None
@@ -120,6 +121,21 @@ class Sources:
             self.reader.size(path)  # (opened here: the pool's threads don't see the verb's session)
         with ThreadPoolExecutor(min(AHEAD, len(wanted))) as pool:
             list(pool.map(lambda key: self._fetch(*key), wanted))
+
+    def _fetched_checked(self, ref: StorageRef) -> Any:
+        """A remote storage's bytes, fetched once; where they are exactly one zip record, its CRC-32 checked against
+        the one the zip records (the bytes came over a network: a damaged or altered record is refused, nothing
+        loaded)."""
+        data = self._fetch(ref.path, ref.offset, ref.nbytes)
+        record, key = ref.record, (ref.path, ref.offset, ref.nbytes)
+        if record is not None and (record.offset, record.size) == (ref.offset, ref.nbytes) and key not in self._checked:
+            crc = self.crc32(*key)
+            if crc != record.crc:
+                raise FormatError(f"{record.path}: record {record.name} does not match the CRC-32 its zip records "
+                                  f"({crc:08x}, recorded {record.crc:08x}): the file was damaged or altered after it "
+                                  "was written; nothing was loaded; restore it from a good copy")
+            self._checked.add(key)
+        return data
 
     def _fetch(self, path: str, offset: int, nbytes: int) -> Any:
         import torch

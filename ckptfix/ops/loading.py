@@ -25,7 +25,7 @@ from ..core import locations, tensorcopy
 from ..core.devices import DevicePlan, storage_id
 from ..core.positional import PositionalReader
 from ..core.units import few
-from ..errors import FormatError, LoadError
+from ..errors import LoadError
 from ..formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
 from ..formats import source_record
 from ..formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
@@ -33,7 +33,7 @@ from ..reports import LoadReport
 from ..statedict import repair
 from . import modelwalk, shards
 from .reading import read_checkpoint
-from .sources import Sources
+from .sources import Sources, damaged
 
 
 @dataclass
@@ -250,9 +250,7 @@ def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) 
     for record in records[rank::world]:
         crc = sources.crc32(record.path, record.offset, record.size)
         if crc != record.crc:
-            raise FormatError(f"{record.path}: record {record.name} does not match the CRC-32 its zip records "
-                              f"({crc:08x}, recorded {record.crc:08x}): the file was damaged or altered after it was "
-                              "written; nothing was loaded; restore it from a good copy")
+            raise damaged(record, crc)
 
 
 def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool) -> list[str]:

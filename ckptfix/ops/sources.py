@@ -131,9 +131,7 @@ class Sources:
         if record is not None and (record.offset, record.size) == (ref.offset, ref.nbytes) and key not in self._checked:
             crc = self.crc32(*key)
             if crc != record.crc:
-                raise FormatError(f"{record.path}: record {record.name} does not match the CRC-32 its zip records "
-                                  f"({crc:08x}, recorded {record.crc:08x}): the file was damaged or altered after it "
-                                  "was written; nothing was loaded; restore it from a good copy")
+                raise damaged(record, crc)
             self._checked.add(key)
         return data
 
@@ -237,3 +235,10 @@ def byte_view(t: Any) -> memoryview:
     import torch
 
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def damaged(record: Any, crc: int) -> FormatError:
+    """The error for a zip record whose bytes' CRC-32 (``crc``) isn't the one its zip records."""
+    return FormatError(f"{record.path}: record {record.name} does not match the CRC-32 its zip records ({crc:08x}, "
+                       f"recorded {record.crc:08x}): the file was damaged or altered after it was written; nothing "
+                       "was loaded; restore it from a good copy")

@@ -87,6 +87,19 @@ class RemoteError(CkptfixError, OSError):
         return str(self.args[0]) if self.args else ""
 
 
+class NeedsLocalCopy(RemoteError):
+    """A URL given where only a local file will do (a verb, an option or a format that reads the whole file).
+
+    The one message for it: ``URL: WHAT needs a local copy (WHY); download it first``. ``what`` names the
+    request (``"reading a tar archive"``, ``"converting it with --dtype bf16"``), ``why`` the reason when it
+    is not obvious (``"torch.load reads the whole file"``)."""
+
+    def __init__(self, location: str, what: str, why: str | None = None):
+        self.location, self.what, self.why = location, what, why
+        reason = f" ({why})" if why else ""
+        super().__init__(f"{location}: {what} needs a local copy{reason}; download it first")
+
+
 class ConversionError(CkptfixError, ValueError):
     """The checkpoint can't be written in the requested format as asked."""
 

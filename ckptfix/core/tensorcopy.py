@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import math
+import mmap
 import os
 import threading
 from typing import Any
@@ -94,9 +95,13 @@ def _finite(parts: list[Any], sums: list[Any]) -> bool:
 
 
 def all_finite(t: Any) -> bool:
-    """Every element of ``t`` is finite, checked chunk by chunk (no tensor-sized temporary)."""
+    """Every element of ``t`` is finite, checked chunk by chunk (no tensor-sized temporary). A CPU tensor (a view of
+    a mapped file, say) is checked by numpy on its bytes (:func:`_bytes_finite`), by a few threads, never by an
+    OpenMP team: on a busy machine those wait for every core, on page faults too."""
     if not checks_values(t) or t.numel() == 0:
         return True
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()) and _rule(t.dtype):
+        return _cpu_finite(t)
     if not t.is_contiguous():  # a strided view: its rows, in chunk-sized groups
         if t.dim() == 0:
             return bool(_exact(t))
@@ -122,12 +127,16 @@ def copy_checked(dst: Any, src: Any, check: bool = True) -> bool:
             dst.copy_(src)
             return all_finite(dst)
         step = max(1, CHUNK_BYTES // max(dst.element_size(), src.element_size()))
-        parts, sums = [], []
+        parts, sums, finite = [], [], True
+        on_bytes = dst.device.type == "cpu" and not (dst.is_conj() or dst.is_neg()) and _rule(dst.dtype) is not None
         for part, piece in zip(dst.view(-1).split(step), src.reshape(-1).split(step)):
             part.copy_(piece)
-            sums.append(_reduce(part))  # while the chunk is still in cache
-            parts.append(part)
-        return _finite(parts, sums)
+            if on_bytes:  # checked by numpy on its bytes while the chunk is still in cache (no OpenMP team)
+                finite = finite and _bytes_finite(part.view(torch.uint8).numpy(), dst.dtype)
+            else:
+                sums.append(_reduce(part))  # while the chunk is still in cache
+                parts.append(part)
+        return finite and _finite(parts, sums)
 
 
 def _to_device(dst: Any, src: Any, check: bool) -> bool:
@@ -165,6 +174,122 @@ def _to_device(dst: Any, src: Any, check: bool) -> bool:
     return _finite(parts, sums)
 
 
+def _cpu_finite(t: Any) -> bool:
+    """:func:`all_finite` of a contiguous CPU tensor: its bytes in :data:`READ_BYTES` chunks, checked by up to
+    :data:`MAX_READERS` threads (torch's thread count at most) after one ``MADV_WILLNEED`` over its pages (a mapped
+    file's tensor region read ahead, whatever the mapping's advice: the header reads ask for ``MADV_RANDOM``)."""
+    import torch
+
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    if raw.nbytes >= READ_BYTES:
+        _will_need(raw.ctypes.data, raw.nbytes)
+    step = max(1, READ_BYTES // t.element_size()) * t.element_size()
+    chunks = [raw[i : i + step] for i in range(0, raw.nbytes, step)]
+    bad = threading.Event()
+
+    def check(j: int) -> None:
+        if not bad.is_set() and not _bytes_finite(chunks[j], t.dtype):
+            bad.set()
+
+    run_jobs(len(chunks), check, min(MAX_READERS, torch.get_num_threads()))
+    return not bad.is_set()
+
+
+def run_jobs(count: int, job: Any, workers: int) -> None:
+    """``job(0) … job(count - 1)`` by up to ``workers`` threads (this one among them), each taking the next index;
+    the first exception stops the others and is raised here. One thread (no thread started) for a single job."""
+    lock = threading.Lock()
+    state: dict[str, Any] = {"next": 0, "error": None}
+
+    def work() -> None:
+        try:
+            while state["error"] is None:
+                with lock:
+                    j = state["next"]
+                    state["next"] = j + 1
+                if j >= count:
+                    return
+                job(j)
+        except BaseException as e:
+            state["error"] = state["error"] or e
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, min(workers, count)) - 1)]
+    for th in threads:
+        th.start()
+    work()
+    for th in threads:
+        th.join()
+    if state["error"] is not None:
+        raise state["error"]
+
+
+def _will_need(address: int, nbytes: int) -> None:
+    """``madvise(MADV_WILLNEED)`` over the pages of ``address .. address + nbytes`` (a mapped file's: the kernel
+    reads them ahead; anonymous memory: nothing happens). Best effort: nothing where libc can't be had."""
+    global _MADVISE
+    if _MADVISE is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            _MADVISE = fn
+        except (OSError, AttributeError):
+            _MADVISE = False
+    if _MADVISE:
+        start = address - address % mmap.PAGESIZE
+        _MADVISE(start, address + nbytes - start, getattr(mmap, "MADV_WILLNEED", 3))
+
+
+_MADVISE: Any = None
+
+
+def _rule(dtype: Any) -> tuple[int, int | None, int | None, int | None] | None:
+    """How NaN and Inf show in ``dtype``'s bits: ``(width in bytes, unsigned max, signed max, signed min)``, each
+    bound exclusive (None: no such bound); None for a dtype this table doesn't know (torch checks it).
+
+    A float is NaN or Inf exactly when its exponent bits are all ones (IEEE kinds): as an unsigned integer that is
+    ``>= sign | exponent`` for the negative ones and, as a signed integer, ``>= exponent`` for the positive ones —
+    so two maxima over the chunk's bits decide it, exactly, without a temporary. float8 ``e4m3fn`` has only NaN
+    (``S.1111.111``); ``e8m0fnu`` NaN is 0xFF; the ``fnuz`` kinds' one NaN is 0x80 (-128 as int8); ``float4`` has
+    none. tests/core/test_tensorcopy.py checks every bit pattern of the 8- and 16-bit kinds against ``torch.isfinite``.
+    """
+    import torch
+
+    rules = {torch.float64: (8, 0xFFF0000000000000, 0x7FF0000000000000, None),
+             torch.float32: (4, 0xFF800000, 0x7F800000, None), torch.complex64: (4, 0xFF800000, 0x7F800000, None),
+             torch.complex128: (8, 0xFFF0000000000000, 0x7FF0000000000000, None),
+             torch.float16: (2, 0xFC00, 0x7C00, None), torch.complex32: (2, 0xFC00, 0x7C00, None),
+             torch.bfloat16: (2, 0xFF80, 0x7F80, None),
+             torch.float8_e5m2: (1, 0xFC, 0x7C, None), torch.float8_e4m3fn: (1, 0xFF, 0x7F, None),
+             torch.float8_e5m2fnuz: (1, None, None, -128), torch.float8_e4m3fnuz: (1, None, None, -128)}
+    for name, rule in (("float8_e8m0fnu", (1, 0xFF, None, None)), ("float4_e2m1fn_x2", (1, None, None, None))):
+        if hasattr(torch, name):
+            rules[getattr(torch, name)] = rule
+    return rules.get(dtype)
+
+
+def _bytes_finite(raw: Any, dtype: Any) -> bool:
+    """The values of ``dtype`` whose bytes are the numpy uint8 array ``raw`` are all finite. fp32/fp64 (complex as
+    pairs): numpy's ``x·x`` first (one pass at memory speed; finite proves it), then the exact bit test."""
+    import numpy as np
+
+    rule = _rule(dtype)
+    assert rule is not None, dtype
+    width, umax, smax, smin = rule
+    if width >= 4 and raw.nbytes:
+        x = raw.view(np.float32 if width == 4 else np.float64)
+        with np.errstate(all="ignore"):  # an overflowing x·x is no warning: the exact test decides
+            if math.isfinite(float(np.dot(x, x))):
+                return True
+    unsigned = raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
+    signed = raw.view({1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[width])
+    if not raw.nbytes:
+        return True
+    return ((umax is None or int(unsigned.max()) < umax) and (smax is None or int(signed.max()) < smax)
+            and (smin is None or int(signed.min()) > smin))
+
+
 def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True) -> list[bool]:
     """Fill each contiguous CPU tensor ``dst`` of ``fills`` — ``(dst, fd, offset, name)`` — with the bytes of the
     file ``fd`` from ``offset`` (``dst.nbytes`` of them; ``name`` names the file in errors), read in chunks by up
@@ -173,32 +298,25 @@ def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True) -
     is a FormatError naming it and the range."""
     import torch
 
-    jobs = []  # (fill index, byte view of the chunk, file offset, first element, elements)
+    jobs = []  # (fill index, byte view of the chunk, file offset)
     for n, (dst, _fd, offset, _name) in sorted(enumerate(fills), key=lambda f: (f[1][1], f[1][2])):
         if dst.numel() == 0:
             continue
         raw = dst.reshape(-1).view(torch.uint8).numpy()
-        size = dst.element_size()
-        step = max(1, READ_BYTES // size) * size
-        jobs += [(n, raw[i : i + step], offset + i, i // size, min(step, raw.size - i) // size)
-                 for i in range(0, raw.size, step)]
+        step = max(1, READ_BYTES // dst.element_size()) * dst.element_size()
+        jobs += [(n, raw[i : i + step], offset + i) for i in range(0, raw.size, step)]
     finite = [True] * len(fills)
     own = {fd: _sequential(fd) for fd in {f[1] for f in fills}}
     try:
         reader = _Reader([(d, own[fd], o, name) for d, fd, o, name in fills], jobs, finite, check)
-        workers = max(1, min(MAX_READERS, torch.get_num_threads(), len(jobs)))
-        threads = [threading.Thread(target=reader.work, daemon=True) for _ in range(workers - 1)]
-        for t in threads:
-            t.start()
-        reader.work()
-        for t in threads:
-            t.join()
+        run_jobs(len(jobs), reader.job, min(MAX_READERS, torch.get_num_threads()))
     finally:
         for fd, mine in own.items():
             if mine != fd:
                 os.close(mine)
-    if reader.error is not None:
-        raise reader.error
+    for n, (dst, _fd, _offset, _name) in enumerate(fills):  # a float kind the bit table doesn't know: torch's test
+        if check and checks_values(dst) and _rule(dst.dtype) is None:
+            finite[n] = all_finite(dst)
     return finite
 
 
@@ -216,39 +334,24 @@ def _sequential(fd: int) -> int:
 
 
 class _Reader:
-    """The shared state of :func:`fill_from_file`'s threads: the next job, the readahead asked for per file."""
+    """The shared state of :func:`fill_from_file`'s threads (:func:`run_jobs`): the readahead asked for per file."""
 
     def __init__(self, fills: list[tuple[Any, int, int, str]], jobs: list[Any], finite: list[bool],
                  check: bool) -> None:
         self.fills, self.jobs, self.finite = fills, jobs, finite
-        self.checks = [check and checks_values(f[0]) for f in fills]
-        self.kinds = [_numpy_kind(f[0].dtype) for f in fills]  # (per fill, not per chunk: chunks are many)
+        self.checks = [check and checks_values(f[0]) and _rule(f[0].dtype) is not None for f in fills]
         self.lock = threading.Lock()
-        self.next = 0
         self.ahead: dict[int, tuple[int, int]] = {}  # fd -> the range last asked for
         self.nowait = getattr(os, "RWF_NOWAIT", 0)
-        self.error: BaseException | None = None
 
-    def work(self) -> None:
-        import numpy as np
+    def job(self, j: int) -> None:
+        """Read chunk ``j`` into its tensor, then check it while it is still in this core's cache."""
 
-        try:
-            with np.errstate(all="ignore"):  # an overflowing x·x is no warning: the exact test decides
-                self._work()
-        except BaseException as e:  # raised by fill_from_file, in its caller's thread
-            self.error = self.error or e
-
-    def _work(self) -> None:
-        while True:
-            with self.lock:
-                j, self.next = self.next, self.next + 1
-            if j >= len(self.jobs) or self.error is not None:
-                return
-            n, buf, offset, first, count = self.jobs[j]
-            dst, fd, _start, name = self.fills[n]
-            self._read(fd, buf, offset, name)
-            if self.checks[n] and not _chunk_finite(dst, first, count, buf, self.kinds[n]):
-                self.finite[n] = False
+        n, buf, offset = self.jobs[j]
+        dst, fd, _start, name = self.fills[n]
+        self._read(fd, buf, offset, name)
+        if self.checks[n] and self.finite[n] and not _bytes_finite(buf, dst.dtype):
+            self.finite[n] = False
 
     def _read(self, fd: int, buf: Any, offset: int, name: str) -> None:
         done, total = 0, buf.nbytes
@@ -279,29 +382,3 @@ class _Reader:
             self.ahead[fd] = (offset, offset + READAHEAD_BYTES)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, READAHEAD_BYTES, os.POSIX_FADV_WILLNEED)
-
-
-def _numpy_kind(dtype: Any) -> Any:
-    """The numpy float type whose ``x·x`` checks a chunk of ``dtype`` (fp32/fp64, complex as pairs), else None."""
-    import numpy as np
-    import torch
-
-    return {torch.float32: np.float32, torch.complex64: np.float32, torch.float64: np.float64,
-            torch.complex128: np.float64}.get(dtype)
-
-
-def _chunk_finite(dst: Any, first: int, count: int, raw: Any, kind: Any) -> bool:
-    """Elements ``first .. first + count`` of ``dst`` (a contiguous CPU tensor; ``raw``: their bytes as a numpy
-    array) are all finite: by numpy's ``x·x`` where ``kind`` (:func:`_numpy_kind`) is one, else by torch's sum;
-    exactly where that is non-finite. The chunk's tensor view is made only when torch needs it."""
-    import numpy as np
-    import torch
-
-    if kind is not None:
-        x = raw.view(kind)
-        if math.isfinite(float(np.dot(x, x))):
-            return True
-    part = dst.reshape(-1)[first : first + count]
-    if kind is None and bool(torch.isfinite(_reduce(part))):
-        return True
-    return bool(_exact(part))

@@ -134,3 +134,60 @@ def test_built_model_is_read_from_the_file_not_copied_from_a_mapping(tmp_path: P
     assert report.nonfinite == [] and report.copied == len(sd)
     for k, v in want.state_dict().items():
         assert torch.equal(_bits(got.state_dict()[k]), _bits(v)), k
+
+
+BIT_KINDS = [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+             torch.float8_e5m2fnuz, torch.float8_e8m0fnu]
+
+
+@pytest.mark.parametrize("dtype", BIT_KINDS, ids=str)
+def test_bit_test_agrees_with_torch_on_every_bit_pattern(dtype: torch.dtype) -> None:
+    """The 8- and 16-bit kinds: every bit pattern, one at a time, judged as torch.isfinite judges it."""
+    width = torch.empty((), dtype=dtype).element_size()
+    ints = torch.arange(2 ** (8 * width), dtype=torch.int32)
+    patterns = (ints.to(torch.uint8) if width == 1 else ints.to(torch.int16)).view(dtype)
+    want = torch.isfinite(patterns.float())  # (the cast keeps NaN and Inf; torch has no isfinite for float8)
+    raw = patterns.view(torch.uint8).numpy()
+    got = [tensorcopy._bytes_finite(raw[i * width : (i + 1) * width], dtype) for i in range(patterns.numel())]
+    assert got == want.tolist()
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.complex128, torch.float8_e4m3fnuz, torch.float8_e8m0fnu], ids=str)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "big", "none"])
+@pytest.mark.parametrize("where", ["first", "chunk_edge", "last"])
+def test_all_finite_of_a_cpu_tensor_needs_no_torch_reduction(dtype: torch.dtype, value: str, where: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU tensor of three chunks and a bit is checked on its bytes by numpy (torch's reductions, which start an
+    OpenMP team per call, are made to fail here): a NaN/Inf anywhere is found, huge finite values are finite."""
+    size = torch.empty((), dtype=dtype).element_size()
+    n = 3 * tensorcopy.READ_BYTES // size + 5
+    t = (torch.rand(n, dtype=torch.float64) + 0.5).to(dtype)
+    i = {"first": 0, "chunk_edge": tensorcopy.READ_BYTES // size, "last": n - 1}[where]
+    special = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "big": 2.0**100 if size >= 4 else 1.0,
+               "none": 1.0}[value]
+    if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e8m0fnu) and "inf" in value:
+        special = float("nan")  # (no Inf in these kinds: torch casts one to NaN)
+    t[i] = special
+    want = bool(torch.isfinite(t if t.is_complex() else t.double()).all())
+    for name in ("dot", "aminmax", "isfinite"):
+        monkeypatch.setattr(torch, name, _refuse)
+    monkeypatch.setattr(torch.Tensor, "sum", _refuse)
+    assert tensorcopy.all_finite(t) is want
+    assert want is (value in ("none", "big"))
+
+
+def _refuse(*_a: Any, **_k: Any) -> Any:
+    raise AssertionError("a torch reduction was called")
+
+
+def test_run_jobs_raises_the_first_error_and_stops() -> None:
+    done: list[int] = []
+
+    def job(j: int) -> None:
+        if j == 3:
+            raise OSError("boom")
+        done.append(j)
+
+    with pytest.raises(OSError, match="boom"):
+        tensorcopy.run_jobs(1000, job, 4)
+    assert len(done) < 1000

@@ -47,6 +47,7 @@ import platform
 import queue
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -130,8 +131,18 @@ def _fsdp_plain(model: nn.Module, path: str) -> None:
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
 
 
+def _floor(_model: nn.Module, path: str) -> None:
+    """The floor of any check that looks at every value: every byte of the file read once (numpy sums it as
+    uint64 through a memmap, one thread)."""
+    import numpy as np
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    data[: data.size // 8 * 8].view(np.uint64).sum()
+    del data
+
+
 LOADERS: dict[str, Callable[[nn.Module, str], None]] = {
-    "load_model": _load_model, "torch_mmap": _torch_mmap, "torch_read": _torch_read, "assign": _load_file_assign,
+    "floor": _floor, "load_model": _load_model, "torch_mmap": _torch_mmap, "torch_read": _torch_read, "assign": _load_file_assign,
     "runai": _runai, "ckptfix": _ckptfix, "ckptfix_unchecked": _ckptfix_unchecked, "fsdp_plain": _fsdp_plain,
 }
 
@@ -153,10 +164,12 @@ class Case:
     mem_target: bool = False
 
 
+FLOOR = "the floor: every byte read once (numpy sums the safetensors file through a memmap, one thread)"
 ST, PTH, META, FSDP = ("safetensors file, CPU-built model", "torch zip file, CPU-built model",
                        "safetensors file, meta-built model", f"FSDP2, {WORLD} ranks (gloo), torch zip file, slowest rank")
 KEYS = {"pth": "plain keys", "ddp": "`module.` keys", "compiled": "`_orig_mod.` keys"}
 CASES: list[Case] = [
+    Case("floor", FLOOR, "numpy memmap sum (uint64, one thread)", "floor", "st", "meta"),
     Case("st.load_model", ST, "safetensors.torch.load_model", "load_model", "st"),
     Case("st.ckptfix", ST, "ckptfix.load_into", "ckptfix", "st", target=1.25, mem_target=True),
     Case("st.ckptfix_unchecked", ST, "ckptfix.load_into(check_values=False)", "ckptfix_unchecked", "st",
@@ -287,7 +300,7 @@ def _one_run(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         path = spec["files"][case.file]
         stayed = 0
         if rank == 0:
-            if spec["mode"] == "cold":
+            if spec["mode"].startswith("cold"):
                 stayed = drop_from_page_cache(path)
             else:
                 read_through(path)
@@ -300,7 +313,7 @@ def _one_run(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
         end = time.monotonic()
         after = rss_anon()
-        wrong = mismatch(model, spec["fingerprint"])
+        wrong = None if case.loader == "floor" else mismatch(model, spec["fingerprint"])
         if world > 1:
             dist.barrier()
         return {"seconds": seconds, "start": start, "end": end, "before": before, "after": after, "error": wrong,
@@ -330,6 +343,7 @@ def run_once(ctx: Any, sampler: AnonSampler, spec: dict[str, Any]) -> dict[str, 
     spec = {**spec, "port": _free_port() if world > 1 else 0}
     results = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(spec, rank, results)) for rank in range(world)]
+    spinners = busy(spec["busy"] if spec["mode"].endswith("-busy") else 0)
     for p in procs:
         p.start()
         sampler.watch(p.pid)
@@ -345,6 +359,9 @@ def run_once(ctx: Any, sampler: AnonSampler, spec: dict[str, Any]) -> dict[str, 
                 if dead or time.monotonic() > deadline:
                     return {"error": f"exit codes {dead}" if dead else f"no result after {spec['timeout']} s"}
     finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
         for p in procs:
             p.join(timeout=30)
             if p.exitcode is None:
@@ -363,6 +380,15 @@ def run_once(ctx: Any, sampler: AnonSampler, spec: dict[str, Any]) -> dict[str, 
             sampler.forget(p.pid)
 
 
+def busy(count: int) -> list[subprocess.Popen[bytes]]:
+    """``count`` CPU-bound processes, spinning before the run starts (a machine whose cores are shared: a server's
+    other workers, a CI neighbour)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    if spinners:
+        time.sleep(0.3)
+    return spinners
+
+
 # -- the whole bench ---------------------------------------------------------------------------------------
 
 def skip_reason(case: Case) -> str | None:
@@ -373,7 +399,7 @@ def skip_reason(case: Case) -> str | None:
 
 def chosen(case: Case, prefixes: list[str] | None) -> bool:
     """The row is asked for (``--cases``); a row's anchor comes with it."""
-    if prefixes is None:
+    if prefixes is None or case.loader == "floor":  # (the floor: every row's second ratio)
         return True
     wanted = {c.id for c in CASES if c.id.startswith(tuple(prefixes))}
     return case.id in wanted or case.id in {anchor_of(c) for c in CASES if c.id in wanted}
@@ -384,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=float, default=1024, help="fp32 weights of the model (default 1 GiB)")
     ap.add_argument("--width", type=int, default=2048, help="the Linear layers' width (default 2048: 16 MiB each)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--modes", nargs="+", choices=("warm", "cold"), default=["warm", "cold"])
+    ap.add_argument("--modes", nargs="+", choices=("warm", "cold", "warm-busy", "cold-busy"), default=["warm", "cold"],
+                    help="warm / cold page cache; -busy: with --busy CPU-bound processes running beside each run")
+    ap.add_argument("--busy", type=int, default=2, help="CPU-bound processes of the -busy modes (default 2)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="where the files go (kept, and reused by the next run of the same size; default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
@@ -402,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         files = make_files(workdir, args.width, layers)
         tiny = make_files(workdir / "tiny", TINY_WIDTH, 1)
         base = {"files": files, "tiny": tiny, "fingerprint": str(workdir / "fingerprint.pt"), "width": args.width,
-                "layers": layers, "timeout": args.timeout}
+                "layers": layers, "timeout": args.timeout, "busy": args.busy}
         cases = [c for c in CASES if not skip_reason(c) and chosen(c, args.cases)]
         items = [(c.id, mode) for c in cases for mode in args.modes]
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {item: [] for item in items}
@@ -424,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "safetensors": importlib.metadata.version("safetensors"),
             "load_into": f"ckptfix.load_into({', '.join(inspect.signature(ckptfix.load_into).parameters)})",
             "size_mib": os.path.getsize(files["st"]) / 2**20, "size_mib_arg": args.size_mib,
-            "width": args.width, "layers": layers, "rounds": args.rounds, "modes": args.modes,
+            "width": args.width, "layers": layers, "rounds": args.rounds, "modes": args.modes, "busy": args.busy,
         }
         rows = [{"id": c.id, "group": c.group, "label": c.label, "file": FILES[c.file], "model": c.model,
                  "vs": anchor_of(c), "target": c.target, "mem_target": c.mem_target, "skip": skip_reason(c)}

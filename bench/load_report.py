@@ -36,8 +36,10 @@ def summarise(rows: list[dict[str, Any]], runs: dict[tuple[str, str], list[dict[
             anchor = [run.get("seconds") for run in runs.get((row["vs"], mode), [])]
             ratios = [s / a for s, a in zip(secs, anchor) if s is not None and a]
             ratio = _median(ratios)
+            floor = [run.get("seconds") for run in runs.get(("floor", mode), [])]
+            floor_ratio = _median([s / f for s, f in zip(secs, floor) if s is not None and f])
             done, base = [s for s in secs if s is not None], [a for a in anchor if a]
-            entry[mode] = {"runs": secs, "median": _median(done), "ratio": ratio,
+            entry[mode] = {"runs": secs, "median": _median(done), "ratio": ratio, "floor_ratio": floor_ratio,
                            "ratio_of_mins": min(done) / min(base) if done and base else None,
                            "ratio_met": None if row["target"] is None or ratio is None else ratio <= row["target"]}
         ok = [run for run in mine if "peak" in run]
@@ -72,15 +74,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"process (forked from a server that imported torch and ckptfix), model built and the loader run once on a "
         f"tiny file before the timer; median of {s['rounds']} alternating rounds; × = median of the per-round ratios "
         f"to the anchor; peak RssAnon sampled every 5 ms during the load. Warm: the file read once before; cold: "
-        f"`os.sync()` + POSIX_FADV_DONTNEED on it first.",
+        f"`os.sync()` + POSIX_FADV_DONTNEED on it first; -busy: {s.get('busy', 2)} CPU-bound processes spinning beside "
+        f"the run, started before it; × floor: the median of the per-round ratios to the floor row.",
     ]
     by_id = {r["id"]: r for r in rows}
     for group in dict.fromkeys(r["group"] for r in rows):
         members = [r for r in rows if r["group"] == group]
         lines += ["", f"### {group} (anchor: {by_id[members[0]['vs']]['label']})", "",
-                  "| row | file | " + " | ".join(f"{m} (s) | {m} ×" for m in modes)
+                  "| row | file | " + " | ".join(f"{m} (s) | {m} × | {m} × floor" for m in modes)
                   + " | target | peak RssAnon growth (MiB) | peak − anchor's (MiB) |",
-                  "|---|---|" + "---:|---:|" * len(modes) + "---|---:|---:|"]
+                  "|---|---|" + "---:|---:|---:|" * len(modes) + "---|---:|---:|"]
         for r in members:
             target = "" if r["target"] is None else f"≤ {r['target']:g}×"
             if target and r["vs"] != members[0]["id"]:  # a ratio to another group's row
@@ -88,15 +91,17 @@ def render_markdown(report: dict[str, Any]) -> str:
             if r["mem_target"]:
                 target += f", ≤ +{MEM_TARGET_MIB} MiB"
             if r["status"] != "ok":
-                cells = [r["status"].replace("|", "\\|")] + ["–"] * (2 * len(modes) - 1)
+                cells = [r["status"].replace("|", "\\|")] + ["–"] * (3 * len(modes) - 1)
                 lines.append(f"| {r['label']} | {r['file']} | " + " | ".join(cells) + f" | {target} | – | – |")
                 continue
             cells = []
             for m in modes:
                 ratio = r[m]["ratio"]
                 anchor_row = r["id"] == r["vs"]
+                floor = r[m]["floor_ratio"]
                 cells += [f"{r[m]['median']:.3f}", "anchor" if anchor_row else
-                          "–" if ratio is None else f"{ratio:.2f}{_mark(r[m]['ratio_met'])}"]
+                          "–" if ratio is None else f"{ratio:.2f}{_mark(r[m]['ratio_met'])}",
+                          "–" if floor is None else f"{floor:.2f}"]
             over = "–" if r["over_anchor_mib"] is None else f"{r['over_anchor_mib']:+.0f}{_mark(r['mem_met'])}"
             lines.append(f"| {r['label']} | {r['file']} | " + " | ".join(cells)
                          + f" | {target} | {r['growth_mib']:.0f} | {over} |")

@@ -100,7 +100,7 @@ def all_finite(t: Any) -> bool:
     OpenMP team: on a busy machine those wait for every core, on page faults too."""
     if not checks_values(t) or t.numel() == 0:
         return True
-    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()) and _rule(t.dtype):
+    if _on_bytes(t):
         return _cpu_finite(t)
     if not t.is_contiguous():  # a strided view: its rows, in chunk-sized groups
         if t.dim() == 0:
@@ -128,7 +128,7 @@ def copy_checked(dst: Any, src: Any, check: bool = True) -> bool:
             return all_finite(dst)
         step = max(1, CHUNK_BYTES // max(dst.element_size(), src.element_size()))
         parts, sums, finite = [], [], True
-        on_bytes = dst.device.type == "cpu" and not (dst.is_conj() or dst.is_neg()) and _rule(dst.dtype) is not None
+        on_bytes = _on_bytes(dst)
         for part, piece in zip(dst.view(-1).split(step), src.reshape(-1).split(step)):
             part.copy_(piece)
             if on_bytes:  # checked by numpy on its bytes while the chunk is still in cache (no OpenMP team)
@@ -174,25 +174,43 @@ def _to_device(dst: Any, src: Any, check: bool) -> bool:
     return _finite(parts, sums)
 
 
+def _on_bytes(t: Any) -> bool:
+    """``t`` is checked by numpy on its bytes (:func:`_bytes_finite`): a contiguous CPU tensor of a known kind."""
+    return bool(t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()) and _rule(t.dtype))
+
+
 def _cpu_finite(t: Any) -> bool:
-    """:func:`all_finite` of a contiguous CPU tensor: its bytes in :data:`READ_BYTES` chunks, checked by up to
-    :data:`MAX_READERS` threads (torch's thread count at most) after one ``MADV_WILLNEED`` over its pages (a mapped
-    file's tensor region read ahead, whatever the mapping's advice: the header reads ask for ``MADV_RANDOM``)."""
+    return all_finite_many([t])[0]
+
+
+def all_finite_many(tensors: list[Any]) -> list[bool]:
+    """:func:`all_finite` of each tensor. The contiguous CPU ones (views of a mapped file, say) are checked on their
+    bytes in :data:`READ_BYTES` chunks, all tensors' chunks shared by up to :data:`MAX_READERS` threads (torch's
+    thread count at most), each tensor's pages asked for first (``MADV_WILLNEED``: a mapped file's tensor region is
+    read ahead whatever the mapping's advice; the header reads ask for ``MADV_RANDOM``)."""
     import torch
 
-    raw = t.reshape(-1).view(torch.uint8).numpy()
-    if raw.nbytes >= READ_BYTES:
-        _will_need(raw.ctypes.data, raw.nbytes)
-    step = max(1, READ_BYTES // t.element_size()) * t.element_size()
-    chunks = [raw[i : i + step] for i in range(0, raw.nbytes, step)]
-    bad = threading.Event()
+    finite = [True] * len(tensors)
+    chunks = []  # (tensor index, its bytes' chunk)
+    for n, t in enumerate(tensors):
+        if not checks_values(t) or t.numel() == 0:
+            continue
+        if not _on_bytes(t):
+            finite[n] = all_finite(t)
+            continue
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        if raw.nbytes >= READ_BYTES:
+            _will_need(raw.ctypes.data, raw.nbytes)
+        step = max(1, READ_BYTES // t.element_size()) * t.element_size()
+        chunks += [(n, raw[i : i + step]) for i in range(0, raw.nbytes, step)]
 
     def check(j: int) -> None:
-        if not bad.is_set() and not _bytes_finite(chunks[j], t.dtype):
-            bad.set()
+        n, raw = chunks[j]
+        if finite[n] and not _bytes_finite(raw, tensors[n].dtype):
+            finite[n] = False
 
     run_jobs(len(chunks), check, min(MAX_READERS, torch.get_num_threads()))
-    return not bad.is_set()
+    return finite
 
 
 def run_jobs(count: int, job: Any, workers: int) -> None:

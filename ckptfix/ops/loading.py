@@ -276,10 +276,12 @@ def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bo
 
     bad: list[str] = []
     new = []
+    views = [src for slot, src, device in plan.assign if device == "cpu" and src.dtype == slot.tensor.dtype]
+    views_finite = iter(tensorcopy.all_finite_many(views) if check else [True] * len(views))  # (all chunks at once)
     for slot, src, device in plan.assign:  # built first: a failure here (out of memory) leaves the model as it was
         want = slot.tensor.dtype
         if device == "cpu" and src.dtype == want:
-            value, finite = src, (tensorcopy.all_finite(src) if check else True)
+            value, finite = src, next(views_finite)
         else:
             value = torch.empty(src.shape, dtype=want, device=device)
             finite = tensorcopy.copy_checked(value, src, check)

@@ -10,6 +10,11 @@ Importing ckptfix does not import torch; each function imports it when called.
 The package is layered (ARCHITECTURE.md): ``core`` → ``parse`` → ``safety`` → ``statedict`` → ``formats`` →
 ``ops`` → ``model`` → ``cli``. The names below are loaded on first use from the module that defines them;
 the ``TYPE_CHECKING`` block names the same ones for type checkers (tests/test_package.py keeps both in step).
+
+A URL scheme beyond ``https://``, ``s3://`` and ``hf://`` is one :class:`UrlBackend` subclass (``open`` returns a
+``ckptfix.core.remote.ByteSource`` whose ``_fetch(offset, n)`` returns those bytes; listing and writing optional)
+and one ``ckptfix.register_url_scheme("gs", GcsBackend())``: every verb then takes ``gs://`` URLs
+(``unregister_url_scheme("gs")`` undoes it).
 """
 
 from __future__ import annotations
@@ -44,15 +49,20 @@ _LAZY = {
     "wrappers": "statedict.wrappers",
     "devices": "core.devices",
     "limits": "core.limits",
+    "register_url_scheme": "core.remote:register",
+    "unregister_url_scheme": "core.remote:unregister",
+    "UrlBackend": "core.remote:Backend",
 }
 
 __all__ = ["CkptfixError", "errors", "__version__", "verify", "VerifyReport", "diff", "DiffReport", "describe", "load",
            "read", "inspect", "convert", "load_into", "Checkpoint", "ConvertReport", "LoadReport", "scan", "ScanReport",
-           "reports", "safety", "formats", "wrappers", "devices", "limits"]
+           "reports", "safety", "formats", "wrappers", "devices", "limits", "register_url_scheme", "unregister_url_scheme",
+           "UrlBackend"]
 
 if TYPE_CHECKING:
     from . import formats, reports, safety
     from .core import devices, limits
+    from .core.remote import Backend as UrlBackend, register as register_url_scheme, unregister as unregister_url_scheme
     from .model.verify import VerifyReport, verify
     from .ops.api import convert, describe, inspect, load, load_into, read
     from .ops.diff import DiffReport, diff

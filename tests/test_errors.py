@@ -73,6 +73,7 @@ CASES: list[tuple[type[errors.CkptfixError], type[Exception] | None, Callable[[P
      lambda tmp, fx: ckptfix.verify(fx / "mlp_single.pth", torch.nn.Linear(2, 2), record_golden=True)),
     (errors.ForwardError, RuntimeError, _forward),
     (errors.RemoteError, OSError, lambda tmp, fx: ckptfix.read("https://example.com/model.pth")),  # (no request sent)
+    (errors.NeedsLocalCopy, OSError, lambda tmp, fx: ckptfix.read("https://example.com/model.pth", trust=True)),
 ]
 
 

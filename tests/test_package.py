@@ -44,7 +44,8 @@ def test_every_public_name_resolves_without_torch() -> None:
             "    assert isinstance(getattr(ckptfix, name), types.ModuleType) == (':' not in target), name\n"
             "assert callable(ckptfix.limits.override) and callable(ckptfix.safety.scan)\n"
             "assert ckptfix.verify.__name__ == 'verify' and ckptfix.diff.__name__ == 'diff'\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n")
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "assert not {'boto3', 'huggingface_hub'} & set(sys.modules), 'a remote client imported'\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
 

@@ -4,7 +4,8 @@ questions readers ask of it.
 ``open_source(location)`` picks the backend by scheme: a local path (``pread``, readahead off), ``http(s)://``
 (Range requests), ``s3://bucket/key`` (boto3: endpoint and credentials the standard AWS way, ``AWS_ENDPOINT_URL``
 included) or ``hf://org/repo[@revision]/path`` (huggingface_hub: ``HF_ENDPOINT``, ``HF_TOKEN``, a file already in
-the local HF cache read from there). The remote backends live in :mod:`ckptfix.core.remote`.
+the local HF cache read from there). The schemes are a table of backends, :mod:`ckptfix.core.remote`: every
+question below about a URL is asked of its scheme's backend.
 
 A :class:`RangeBuffer` stands in for the memory map the format readers slice (``len()`` and ``buf[a:b]``): each
 slice is served from a small block cache that fetches what is missing, concurrently where a reader announces many
@@ -22,7 +23,7 @@ import contextlib
 import contextvars
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,16 +31,14 @@ from . import remote
 from ..errors import MissingFileError
 from .positional import WORKERS, ByteSource, LocalSource, RangeBuffer, SourceFile, prefetch, window
 
-__all__ = ["ByteSource", "RangeBuffer", "Session", "as_file", "dirname", "is_dir", "is_file", "is_remote", "join", "listdir",
-           "open_buffer", "open_source", "opened", "prefetch", "read_all", "read_head", "session", "size_of", "warm", "window"]
-
-#: the schemes open_source reads remotely
-REMOTE_SCHEMES = ("http://", "https://", "s3://", "hf://")
+__all__ = ["ByteSource", "RangeBuffer", "Session", "as_file", "dirname", "first_file", "is_dir", "is_file", "is_remote",
+           "join", "listdir", "open_buffer", "open_source", "opened", "prefetch", "read_all", "read_head", "session",
+           "size_of", "warm", "window"]
 
 
 def is_remote(location: Any) -> bool:
-    """Whether ``location`` names a remote object (a URL of a scheme :func:`open_source` reads)."""
-    return isinstance(location, str) and location.lower().startswith(REMOTE_SCHEMES)
+    """Whether ``location`` names a remote object: a URL of a scheme registered in :mod:`ckptfix.core.remote`."""
+    return remote.backend_for(location) is not None
 
 
 class Session:
@@ -97,12 +96,13 @@ def session() -> Iterator[Session]:
 
 def open_source(location: str) -> ByteSource:
     """The :class:`ByteSource` for a local path or a remote URL (inside a :func:`session`, opened once)."""
-    if not is_remote(location):
+    backend = remote.backend_for(location)
+    if backend is None:
         return LocalSource(location)
     current = _SESSION.get()
     if current is not None and location in current.sources:
         return current.sources[location]
-    source = remote.open_remote(location)
+    source = backend.open(location)
     if current is not None:
         current.sources[location] = source
     return source
@@ -155,14 +155,13 @@ def join(location: str, name: str) -> str:
 
 def listdir(location: str) -> list[str] | None:
     """The names in a directory (folders end in ``/`` remotely); None where a URL can't be listed (https)."""
-    if not is_remote(location):
+    backend = remote.backend_for(location)
+    if backend is None:
         return sorted(os.listdir(location)) if os.path.isdir(location) else None
-    if location.lower().startswith("s3://"):
-        names, fetched = remote.s3_list(location)
-    elif location.lower().startswith("hf://"):
-        names, fetched = remote.hub_list(location)
-    else:
+    listed = backend.listdir(location)
+    if listed is None:
         return None
+    names, fetched = listed
     current = _SESSION.get()
     if current is not None:
         current.listed += fetched
@@ -170,15 +169,13 @@ def listdir(location: str) -> list[str] | None:
 
 
 def is_dir(location: str) -> bool:
-    """A directory: locally one, remotely an S3 prefix or Hub folder with something in it, or an http(s) URL whose
-    last segment has no extension (a web server lists nothing: its files are asked for by name)."""
-    if not is_remote(location):
+    """A directory: locally one; remotely what the scheme's backend says of the URL (an http(s) URL whose last
+    segment has no extension, a Hub repository), else a prefix or folder with something in it."""
+    backend = remote.backend_for(location)
+    if backend is None:
         return os.path.isdir(location)
-    if location.lower().startswith(("http://", "https://")):
-        return "." not in location.rstrip("/").rsplit("/", 1)[-1] or location.endswith("/")
-    if location.lower().startswith("hf://") and not remote.split_hub(location).path:
-        return True  # the repository itself
-    return bool(listdir(location))
+    answer = backend.is_dir(location)
+    return answer if answer is not None else bool(listdir(location))
 
 
 def is_file(location: str) -> bool:
@@ -190,6 +187,15 @@ def is_file(location: str) -> bool:
     except MissingFileError:
         return False
     return True
+
+
+def first_file(directory: str, names: Iterable[str]) -> str | None:
+    """The first of ``names`` that ``directory`` holds as a file: locally a stat each; remotely one listing where the
+    scheme lists, else each file asked for by name."""
+    if not is_remote(directory):
+        return next((n for n in names if os.path.isfile(os.path.join(directory, n))), None)
+    listed = listdir(directory)
+    return next((n for n in names if (n in listed if listed is not None else is_file(join(directory, n)))), None)
 
 
 def dirname(location: str) -> str:

@@ -15,7 +15,7 @@ from . import loading
 from .. import formats
 from ..statedict import transforms
 from ..core import locations, torch_free
-from ..errors import RemoteError
+from ..errors import NeedsLocalCopy
 from ..core.torch_free import NeedsTorch
 from .convert_options import ConvertOptions, takes
 from .reading import read_checkpoint, summarise
@@ -59,7 +59,7 @@ def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str]
     either way.
 
     A remote ``path`` (``https://``, ``s3://bucket/key``, ``hf://org/repo[@revision]/path``) is described from the
-    byte ranges its headers take (``bytes_fetched`` says how many); one only torch can describe raises RemoteError.
+    byte ranges its headers take (``bytes_fetched`` says how many); one only torch can describe raises NeedsLocalCopy.
     """
     path = os.fspath(path)
     remote = locations.is_remote(path)
@@ -70,8 +70,7 @@ def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str]
                 raw = formats.describe(path, fmt, select)
             except NeedsTorch as e:
                 if remote:
-                    raise RemoteError(f"{path}: this {fmt} checkpoint is described by torch ({e}), which needs a local "
-                                      "copy for now; download it first") from None
+                    raise NeedsLocalCopy(path, f"describing this {fmt} checkpoint", f"torch describes it: {e}") from None
             else:
                 ckpt = summarise(path, fmt, raw, select, refuse=False, allow=allow)
                 if remote:

@@ -13,7 +13,7 @@ from .. import formats
 from ..statedict import locate, placeholders, wrappers
 from ..core import locations
 from ..core.devices import DevicePlan
-from ..errors import RemoteError
+from ..errors import NeedsLocalCopy
 from ..parse.format_registry import get
 from ..reports import Checkpoint, tensor_stats
 from . import remote_read
@@ -25,27 +25,22 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
     ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`).
 
     A URL is read by the same format readers from the byte ranges they ask for, its values fetched once each
-    (:mod:`ckptfix.ops.remote_read`); what only ``torch.load`` of the whole file reads raises RemoteError."""
+    (:mod:`ckptfix.ops.remote_read`); what only ``torch.load`` of the whole file reads raises NeedsLocalCopy."""
     if not locations.is_remote(path):
         fmt = fmt or formats.sniff(path)
         plan = DevicePlan(map_location, source=path)
         return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow)
     if trust:  # (the trusted path is torch.load's, of the whole file)
-        raise RemoteError(f"{path}: reading it with trust (--trust) takes torch.load of the whole file, which needs a "
-                          "local copy; download it first, or read it without trust")
+        raise NeedsLocalCopy(path, "reading it with trust (--trust)",
+                             "torch.load reads the whole file; without trust it is read in place")
     with locations.session() as s, s.reporting():
         fmt = fmt or formats.sniff(path)
+        if "read" not in get(fmt).from_url:
+            raise NeedsLocalCopy(path, f"reading this {fmt} file", "torch reads the whole file")
         plan = DevicePlan(map_location, source=path)
         ckpt = summarise(path, fmt, remote_read.read(path, fmt, plan, trust, select), select, refuse, allow)
         ckpt.bytes_fetched = s.bytes_fetched
     return ckpt
-
-
-def refuse_remote(path: str, what: str) -> None:
-    """A verb that doesn't read URLs yet (``what``) refuses one before fetching anything."""
-    if locations.is_remote(path):
-        raise RemoteError(f"{path}: {what} needs a local copy for now (a URL is inspected, scanned, read, loaded, "
-                          "verified and diffed in place); download it first")
 
 
 def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool,

@@ -12,19 +12,19 @@ from __future__ import annotations
 from typing import Any
 
 from ..core import locations, torch_free
-from ..errors import RemoteError
+from ..errors import NeedsLocalCopy
 from ..parse import format_registry as registry
 
 
 def refuse_torch(req: Any, why: str | None = None) -> None:
-    """Raise RemoteError for a remote source the conversion would read with torch (``why``: what needs it, when the
-    torch-free writer said so); nothing for a local one."""
+    """Raise NeedsLocalCopy for a remote source the conversion would read with torch (``why``: what needs it, when
+    the torch-free writer said so); nothing for a local one."""
     if not locations.is_remote(req.src):
         return
-    why = why or _why(req)
-    raise RemoteError(f"{req.src}: converting it needs a local copy: {why} needs torch's reader, which reads a "
-                      "local file (a remote torch zip, safetensors or sharded checkpoint converts to .pth, "
-                      ".safetensors or shards without torch: drop the option, or download the file first)")
+    sources = ", ".join(f.label or f.name for f in registry.FORMATS.values() if "convert" in f.from_url)
+    outputs = ", ".join(f.extensions[0] for f in registry.FORMATS.values() if f.write_without_torch)
+    raise NeedsLocalCopy(req.src, "converting it", f"{why or _why(req)} needs torch's reader, which reads a local file; "
+                         f"a URL of {sources} converts to {outputs} or shards without torch: drop the option")
 
 
 def _why(req: Any) -> str:
@@ -36,7 +36,7 @@ def _why(req: Any) -> str:
         return "--by-order"
     if not torch_free.enabled():
         return f"{torch_free.ENV_SWITCH}=0"
-    if not registry.get(req.fmt_in).copy_without_torch:
+    if "convert" not in registry.get(req.fmt_in).from_url:
         return f"a {req.fmt_in} source"
     if not registry.get(req.fmt_out).write_without_torch:
         return f"{req.fmt_out} output"

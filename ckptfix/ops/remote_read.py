@@ -20,7 +20,7 @@ from .. import formats
 from ..core import locations
 from ..core.devices import DevicePlan, storage_id
 from ..core.positional import PositionalReader
-from ..errors import RemoteError
+from ..errors import NeedsLocalCopy
 from .sources import Sources
 
 
@@ -55,9 +55,8 @@ class _Materialise:
         if sid not in self.storages:
             ref = self.sources.refs.get(sid)
             if ref is None or not self.sources.has_bytes(t):
-                raise RemoteError(f"{self.path}: a tensor of this checkpoint has no byte range torch-free reading finds "
-                                  "(one inside a DCP entry's plain value?); reading it takes torch.load, which needs a "
-                                  "local copy; download it first")
+                raise NeedsLocalCopy(self.path, "reading a tensor with no byte range torch-free reading finds (one "
+                                     "inside a DCP entry's plain value?)", "torch.load reads it")
             self.storages[sid] = self.restore(self.sources.storage(t), ref.location)
         storage = self.storages[sid]
         out = torch.empty(0, dtype=t.dtype, device=storage.device)  # as torch's _rebuild_tensor

@@ -42,28 +42,10 @@ def no_duplicate_keys(what: str) -> Any:
 def find_index(path: str) -> str | None:
     """The index json for ``path``: ``path`` itself if it is one (``*.index.json``), else the
     safetensors or torch index in the directory ``path`` (safetensors when both); else None."""
-    if locations.is_remote(path):
-        return _find_remote_index(path)
-    if os.path.isfile(path):
-        return path if path.endswith(".index.json") else None
-    if not os.path.isdir(path):
-        return None
-    for fmt in SHARDED:
-        candidate = os.path.join(path, str(get(fmt).index_name))
-        if os.path.isfile(candidate):
-            return candidate
-    return None
-
-
-def _find_remote_index(path: str) -> str | None:
-    if path.endswith(".index.json"):
-        return path if locations.is_file(path) else None
-    names = locations.listdir(path)
-    for fmt in SHARDED:
-        name = str(get(fmt).index_name)
-        if name in names if names is not None else locations.is_file(locations.join(path, name)):
-            return locations.join(path, name)
-    return None
+    if path.endswith(".index.json") if locations.is_remote(path) else os.path.isfile(path):  # (a file: a URL's name says)
+        return path if path.endswith(".index.json") and locations.is_file(path) else None
+    name = locations.first_file(path, [str(get(fmt).index_name) for fmt in SHARDED])
+    return locations.join(path, name) if name is not None else None
 
 
 def index_format(index_path: str) -> str:
@@ -128,10 +110,7 @@ def load_index(index_path: str) -> dict[str, str]:
 
 def is_dcp_dir(path: str) -> bool:
     """A directory holding a DCP ``.metadata`` file."""
-    if locations.is_remote(path):
-        names = locations.listdir(path)
-        return METADATA in names if names is not None else locations.is_file(locations.join(path, METADATA))
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
+    return locations.first_file(path, [METADATA]) is not None
 
 
 # -- DeepSpeed -------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Each :class:`Format` names what :func:`ckptfix.parse.sniff.sniff` calls it and how sniffing recognises it,
 what it can do (read with torch, describe without torch, stream its byte ranges, be written, with or
 without torch, under which ``--format`` names and extensions), what serving code loads it with
-(``verify --exact``), and which family under :mod:`ckptfix.formats` implements it.
+(``verify --exact``), which verbs read it from a URL without a local copy, and which family under
+:mod:`ckptfix.formats` implements it.
 It imports nothing, so every layer that asks a capability question (the scanner, ops, verify, text, the
 CLI's ``--format`` choices) reads it without importing a format module; :mod:`ckptfix.formats` resolves
 ``family`` to its module by name only when a read or write needs it, so a conversion imports the modules
@@ -55,32 +56,40 @@ class Format:
     shard_pattern: str | None = None  #: a sharded format's shard names (``{suffix}``: ``-00001-of-00003``)
     shard_format: str | None = None  #: the single-file format a sharded format's shards are written in
     label: str = ""  #: how messages name it, where not by ``name``
+    from_url: frozenset[str] = frozenset()  #: the verbs (:data:`URL_VERBS`) that read it from a URL, no local copy
 
+
+#: what a URL may be given to: ``describe``; ``scan``; ``read`` (read, load, load_into, inspect, verify, diff);
+#: ``convert`` (as the source)
+URL_VERBS = ("describe", "scan", "read", "convert")
+_ALL = frozenset(URL_VERBS)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(TORCH_ZIP, "torchsave", "a zip archive holding data.pkl", "torch-zip", describe=True, copy_without_torch=True,
            stream=True, write_names=("pth", "pt", "bin", "torch"), extensions=(".pth", ".pt", ".bin"),
            other_extensions=(".ckpt", ".tar"),
            write_without_torch=True, writes_from_refs=True, keeps_objects=True, record_keys=True,
-           exact_loader="torch.load(weights_only=True)", shards_as=SHARDED_PTH, zip=True),
+           exact_loader="torch.load(weights_only=True)", shards_as=SHARDED_PTH, zip=True, from_url=_ALL),
     Format(TORCH_LEGACY, "torchsave", "a pickle stream starting with torch's magic number, or a tar",
            "torch-legacy", exact_loader="torch.load(weights_only=True)", shards_as=SHARDED_PTH),
     Format(TORCHSCRIPT, "torchscript", "a zip archive holding constants.pkl or code/", "torchscript", zip=True,
-           inspect_layout="TorchScript archive (tensors listed without running its code)"),
+           inspect_layout="TorchScript archive (tensors listed without running its code)", from_url=frozenset({"scan"})),
     Format(SAFETENSORS, "safetensors", "an 8-byte header length, then '{'", "safetensors", describe=True,
            copy_without_torch=True, stream=True, write_names=("safetensors",), extensions=(".safetensors",),
            write_without_torch=True, writes_from_refs=True, stores_aliases=True, default_device="cpu",
-           exact_loader="safetensors.torch.load_file", fixed_ext=".safetensors", shards_as=SHARDED_SAFETENSORS),
+           exact_loader="safetensors.torch.load_file", fixed_ext=".safetensors", shards_as=SHARDED_SAFETENSORS,
+           from_url=_ALL),
     Format(SHARDED_SAFETENSORS, "sharded", "a directory or index json: model.safetensors.index.json", "sharded",
            describe=True, copy_without_torch=True, stream=True, default_device="cpu", fixed_ext=".safetensors",
            index_name="model.safetensors.index.json", shard_pattern="model{suffix}.safetensors",
-           shard_format=SAFETENSORS, label="sharded safetensors"),
+           shard_format=SAFETENSORS, label="sharded safetensors", from_url=_ALL),
     Format(SHARDED_PTH, "sharded", "a directory or index json: pytorch_model.bin.index.json", "sharded",
            describe=True, copy_without_torch=True, stream=True, record_keys=True, zip=True,
            index_name="pytorch_model.bin.index.json", shard_pattern="pytorch_model{suffix}.bin",
-           shard_format=TORCH_ZIP, label="sharded pth"),
+           shard_format=TORCH_ZIP, label="sharded pth", from_url=_ALL),
     Format(DCP, "dcp", "a directory holding .metadata", "dcp", describe=True, stream=True, write_names=("dcp",),
-           directory_output=True, keeps_objects=True, refuses_stand_ins=True, default_device="cpu"),
+           directory_output=True, keeps_objects=True, refuses_stand_ins=True, default_device="cpu",
+           from_url=frozenset({"describe", "scan", "read"})),
     Format(DEEPSPEED, "deepspeed", "a directory holding latest or *_model_states.pt files", "deepspeed", stream=True),
 )}
 

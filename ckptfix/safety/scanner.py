@@ -26,7 +26,7 @@ from ..core import limits as _limits, locations
 from .allowlist import UNSAFE
 from ..parse.checkpoint_dirs import find_index, load_index, locate, member_path
 from .deepspeed_policy import optim_names
-from ..errors import FormatError, RemoteError, UnsafeCheckpointError, trust_advice
+from ..errors import FormatError, NeedsLocalCopy, UnsafeCheckpointError, trust_advice
 from ..parse.safetensors_header import check_file
 from .file_scanners import (PICKLE, Collector, Finding, GlobalRef, ScanReport, scan_legacy, scan_tar, scan_zip,
                             starts_with_magic)
@@ -56,9 +56,9 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
             raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors), "
                               f"sharded checkpoints and DCP directories, not {fmt}")
         scanner = spec.scanner if spec is not None else PICKLE
-        if remote and scanner not in _REMOTE_SCANNERS:
-            raise RemoteError(f"{path}: scanning a {fmt} file needs a local copy (a remote scan reads torch zips, "
-                              "safetensors files, sharded checkpoints and DCP directories); download it first")
+        if remote and (spec is None or "scan" not in spec.from_url):
+            raise NeedsLocalCopy(path, f"scanning a {fmt} file", "a URL is scanned in place only as " + ", ".join(
+                f.label or f.name for f in FORMATS.values() if "scan" in f.from_url))
         report = _SCANNERS[scanner](path, fmt, check_crc and not remote, unpickled_by_caller)
         if remote:
             report.bytes_fetched = s.bytes_fetched
@@ -169,8 +169,6 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
 _SCANNERS = {"safetensors": _scan_safetensors, "torch-zip": _scan_zip, "torchscript": _scan_torchscript,
              "torch-legacy": _scan_legacy, PICKLE: _scan_pickle, "sharded": _scan_sharded, "dcp": _scan_dcp,
              "deepspeed": _scan_deepspeed}
-#: the scans that read only byte ranges (the others read a file from its start: a local copy)
-_REMOTE_SCANNERS = {"safetensors", "torch-zip", "torchscript", "sharded", "dcp"}
 
 
 def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_caller: str | None = None,

@@ -82,7 +82,7 @@ def test_convert_json_reports_bytes_fetched(cli_runner: Any, request: pytest.Fix
 
 @pytest.mark.parametrize("case, message", [("404", "no such file (HTTP 404)"),
                                            ("damaged", "does not match the CRC-32 its zip records"),
-                                           ("dtype", "converting it needs a local copy: --dtype bf16")])
+                                           ("dtype", "converting it needs a local copy (--dtype bf16")])
 def test_convert_failures_are_one_error_line(cli_runner: Any, http_server: FileServer, tmp_path: Path,
                                              case: str, message: str) -> None:
     write_sources(http_server.root)

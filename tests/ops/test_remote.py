@@ -148,7 +148,7 @@ def test_remote_torch_path_is_refused_not_downloaded(http_server: FileServer) ->
     for verb in (ckptfix.read, ckptfix.inspect, ckptfix.load):
         with pytest.raises(errors.RemoteError, match="needs a local copy"):
             verb(http_server.url(names["legacy"]))
-    with pytest.raises(errors.RemoteError, match="with trust .*takes torch.load of the whole file, which needs a local copy"):
+    with pytest.raises(errors.NeedsLocalCopy, match="with trust .*needs a local copy \\(torch.load reads the whole file"):
         ckptfix.inspect(http_server.url(names["zip"]), trust=True)
     # the sniff's first block per call (a 3 MB file), nothing for the trusted read
     assert http_server.counts.total_bytes <= 4 * 16 * 1024 and http_server.counts.requests == {"/legacy.pth": 4}

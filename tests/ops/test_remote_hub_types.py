@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix import errors
-from ckptfix.core.remote import HubPath, split_hub
+from ckptfix.core.remote.hub import HubPath, split_hub
 from hub_server import COMMIT, REPO, HubServer
 from remote_servers import hub_server
 from test_remote import _hub_bytes, _same, _state_dict, write_checkpoints

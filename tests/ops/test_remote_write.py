@@ -2,7 +2,7 @@
 (tests/remote_servers.py): the object is byte for byte the local convert's output, uploaded in parts (or one
 put_object when it is one part or less); nothing is at the key until the upload completes, and a failure or a
 signal mid-upload aborts it (no multipart upload left) and removes the local temp file. The failures are injected
-at ckptfix's own seam (``upload.send_part``), the S3 server is real.
+at ckptfix's own seam (``s3_backend.send_part``), the S3 server is real.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 import ckptfix
 from ckptfix import errors
 from ckptfix.core import upload
+from ckptfix.core.remote import s3 as s3_backend
 from remote_servers import S3Server, s3_server
 
 SERVERS = (s3_server,)  # the fixture, registered by being in this module's namespace
@@ -120,8 +121,8 @@ def test_hashed_name_on_s3(s3_server: S3Server, tmp_path: Path, temp_dir: Path) 
 
 
 def _failing_part(monkeypatch: pytest.MonkeyPatch, on_part: int, action: Callable[[], None]) -> list[int]:
-    """``upload.send_part`` runs ``action`` instead of sending part ``on_part``; the parts sent, in order."""
-    real, sent = upload.send_part, []
+    """``s3_backend.send_part`` runs ``action`` instead of sending part ``on_part``; the parts sent, in order."""
+    real, sent = s3_backend.send_part, []
 
     def send_part(client: Any, url: str, upload_id: str, number: int, body: Any, stop: Any) -> str:
         if number == on_part:
@@ -130,7 +131,7 @@ def _failing_part(monkeypatch: pytest.MonkeyPatch, on_part: int, action: Callabl
         sent.append(number)
         return etag
 
-    monkeypatch.setattr(upload, "send_part", send_part)
+    monkeypatch.setattr(s3_backend, "send_part", send_part)
     return sent
 
 

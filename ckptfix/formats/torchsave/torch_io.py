@@ -16,7 +16,7 @@ from typing import Any
 
 from ...core import locations
 from ...safety import guards, scanner
-from ...errors import CkptfixError, FormatError, RemoteError, UnsafeCheckpointError, trust_advice
+from ...errors import CkptfixError, FormatError, NeedsLocalCopy, UnsafeCheckpointError, trust_advice
 from ...safety.standins import pickle_module_for
 from ...parse.unpickler import Refused, SafePickle
 from ...parse.format_registry import get
@@ -27,8 +27,8 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     """``torch.load`` of ``path`` with the device plan, restricted unless ``trust`` (a zip mapped, not read;
     a legacy file on meta without its tensor bytes)."""
     if locations.is_remote(path):
-        raise RemoteError(f"{path}: reading this {fmt} file{' with trust' if trust else ''} takes torch.load of the whole "
-                          "file, which needs a local copy; download it first")
+        raise NeedsLocalCopy(path, f"reading this {fmt} file{' with trust' if trust else ''}",
+                             "torch.load reads the whole file")
     zipped = get(fmt).zip
     if not trust:
         scanner.ensure_safe(path, fmt, placeholders=True)  # others: inert, refused in the state dict

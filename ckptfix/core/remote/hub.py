@@ -1,0 +1,139 @@
+"""``hf://[datasets/|spaces/]ORG/REPO[@REVISION]/PATH``: a file on the Hugging Face Hub (huggingface_hub, imported
+when an hf:// URL is first used: ``HF_ENDPOINT``, ``HF_TOKEN``).
+
+A file already in the local HF cache is read from there; else over HTTP (:class:`~.http.HttpSource`), pinned to
+the commit the first answer names, so a push mid-read changes nothing. Folders are listed with the Hub's tree API;
+the repository itself is a directory. Nothing is written to the Hub (``huggingface-cli upload`` does that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from ...errors import DestinationError, MissingFileError, RemoteError
+from ..positional import ByteSource, LocalSource
+from .backend import Backend
+from .common import import_client, timeout
+from .http import HttpSource
+
+
+class HubBackend(Backend):
+    """``hf://``: read from the HF cache or over HTTP, folders listed, never written."""
+
+    def open(self, location: str) -> ByteSource:
+        return hub_source(location)
+
+    def listdir(self, location: str) -> tuple[list[str], int]:
+        return hub_list(location)
+
+    def is_dir(self, location: str) -> bool | None:
+        return True if not split_hub(location).path else None  # the repository itself
+
+    def check_writable(self, location: str, directory: bool = False) -> None:
+        raise DestinationError(f"{location}: ckptfix does not write to the Hugging Face Hub; write a local file and "
+                               "upload it with `huggingface-cli upload ORG/REPO FILE PATH`")
+
+
+class HubPath(NamedTuple):
+    """A Hub URL's parts: ``hf://[datasets/|spaces/]org/repo[@revision]/path`` as huggingface_hub's HfFileSystem
+    spells them (a model repo has no prefix)."""
+
+    repo_id: str
+    revision: str | None
+    path: str
+    repo_type: str = "model"
+
+
+#: HfFileSystem's URL prefixes of the repo types other than models
+_HUB_PREFIXES = {"datasets": "dataset", "spaces": "space"}
+
+
+def split_hub(location: str) -> HubPath:
+    """``hf://org/repo[@revision]/path`` (or ``hf://datasets/…``, ``hf://spaces/…``) → its :class:`HubPath`."""
+    parts = location[len("hf://"):].strip("/").split("/")
+    repo_type = _HUB_PREFIXES.get(parts[0], "model")
+    if repo_type != "model":
+        parts = parts[1:]
+    if len(parts) < 2:
+        raise RemoteError(f"{location}: a Hub URL is hf://ORG/REPO[@REVISION]/PATH (a dataset's hf://datasets/ORG/REPO…, "
+                          "a Space's hf://spaces/ORG/REPO…)")
+    repo, _, revision = parts[1].partition("@")
+    return HubPath(f"{parts[0]}/{repo}", revision or None, "/".join(parts[2:]), repo_type)
+
+
+def _hub_settings() -> tuple[str | None, str | None]:
+    """``HF_ENDPOINT`` and the HF cache directory as the environment says now (huggingface_hub reads them once,
+    when imported)."""
+    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME")
+                                                else None)
+    return os.environ.get("HF_ENDPOINT") or None, cache
+
+
+def hub_source(location: str) -> ByteSource:
+    """A file on the Hub: from the local HF cache when it is there, else over HTTP, pinned to one commit."""
+    hub = import_client("huggingface_hub", "hf:// URLs")
+    endpoint, cache = _hub_settings()
+    repo_id, revision, filename, repo_type = split_hub(location)
+    cached = hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache, revision=revision, repo_type=repo_type)
+    if isinstance(cached, str) and os.path.isfile(cached):
+        local = LocalSource(cached)
+        local.name = location
+        return local
+    try:
+        meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, filename, repo_type=repo_type, revision=revision,
+                                                       endpoint=endpoint), endpoint=endpoint, timeout=timeout())
+    except hub.errors.EntryNotFoundError:
+        raise MissingFileError(f"{location}: no such file in {repo_id}", location) from None
+    except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
+        raise MissingFileError(f"{location}: no such repository or revision ({type(e).__name__}); for a private "
+                               "repository set HF_TOKEN", location) from None
+    except hub.errors.HfHubHTTPError as e:
+        raise RemoteError(f"{location}: the Hub answered {e}") from None
+    except OSError as e:
+        raise RemoteError(f"{location}: can't reach the Hub ({e}); check HF_ENDPOINT and the network") from None
+    pinned = hub.hf_hub_url(repo_id, filename, repo_type=repo_type, revision=meta.commit_hash or revision,
+                            endpoint=endpoint)
+    return HttpSource(pinned, hub.utils.build_hf_headers(), name=location)
+
+
+def hub_list(location: str) -> tuple[list[str], int]:
+    """The names directly under a folder of a Hub repository (folders end in ``/``), and the bytes the listing took
+    (its pages' bodies)."""
+    hub = import_client("huggingface_hub", "hf:// URLs")
+    repo_id, revision, folder, repo_type = split_hub(location)
+    api = hub.HfApi(endpoint=_hub_settings()[0])
+    hub.utils.build_hf_headers()  # (its user-agent probe, huggingface_hub's own once a process, is not the listing)
+    with _responses_counted(hub.utils.get_session()) as fetched:
+        try:
+            items = api.list_repo_tree(repo_id, folder or None, revision=revision, repo_type=repo_type)
+            names = [item.path.rsplit("/", 1)[-1] + ("/" if type(item).__name__ == "RepoFolder" else "") for item in items]
+        except hub.errors.EntryNotFoundError:
+            names = []
+        except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
+            raise MissingFileError(f"{location}: no such repository or revision ({type(e).__name__})", location) from None
+        except hub.errors.HfHubHTTPError as e:
+            raise RemoteError(f"{location}: the Hub answered {e}") from None
+    return names, fetched[0]
+
+
+@contextlib.contextmanager
+def _responses_counted(client: Any) -> Iterator[list[int]]:
+    """The body bytes of the responses huggingface_hub's shared HTTP client receives in this thread meanwhile
+    (``[n]``): a response hook, on that client only while inside."""
+    me, fetched = threading.get_ident(), [0]
+
+    def hook(response: Any) -> None:
+        if threading.get_ident() == me:
+            response.read()  # (read before the client would: what it downloaded is then known)
+            fetched[0] += response.num_bytes_downloaded
+
+    hooks = client.event_hooks
+    hooks.setdefault("response", []).append(hook)
+    try:
+        yield fetched
+    finally:
+        hooks["response"].remove(hook)

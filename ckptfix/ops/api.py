@@ -10,15 +10,15 @@ import os
 import time
 from typing import Any
 
-from . import convert as conversion
-from . import loading
+from .convert import steps as conversion
+from .load_into import loading
 from .. import formats
 from ..statedict import transforms
 from ..core import locations, torch_free
 from ..errors import RemoteError
 from ..core.torch_free import NeedsTorch
 from .convert_options import ConvertOptions, takes
-from .reading import read_checkpoint, summarise
+from .read.reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core import locations, torch_free
-from ..errors import RemoteError
-from ..parse import format_registry as registry
+from ...core import locations, torch_free
+from ...errors import RemoteError
+from ...parse import format_registry as registry
 
 
 def refuse_torch(req: Any, why: str | None = None) -> None:

@@ -1,6 +1,6 @@
 """A checkpoint file read into a :class:`~ckptfix.reports.Checkpoint`: sniff → read → find the state dict.
 
-Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`ckptfix.ops.convert`.
+Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`ckptfix.ops.convert.steps`.
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from .. import formats
-from ..statedict import locate, placeholders, wrappers
-from ..core import locations
-from ..core.devices import DevicePlan
-from ..errors import RemoteError
-from ..parse.format_registry import get
-from ..reports import Checkpoint, tensor_stats
+from ... import formats
+from ...statedict import locate, placeholders, wrappers
+from ...core import locations
+from ...core.devices import DevicePlan
+from ...errors import RemoteError
+from ...parse.format_registry import get
+from ...reports import Checkpoint, tensor_stats
 from . import remote_read
 
 
@@ -25,7 +25,7 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
     ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`).
 
     A URL is read by the same format readers from the byte ranges they ask for, its values fetched once each
-    (:mod:`ckptfix.ops.remote_read`); what only ``torch.load`` of the whole file reads raises RemoteError."""
+    (:mod:`ckptfix.ops.read.remote_read`); what only ``torch.load`` of the whole file reads raises RemoteError."""
     if not locations.is_remote(path):
         fmt = fmt or formats.sniff(path)
         plan = DevicePlan(map_location, source=path)

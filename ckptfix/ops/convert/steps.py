@@ -22,24 +22,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .. import formats
-from ..statedict import locate, ties, transforms, wrappers
-from ..core import locations, torch_free
-from ..core.bytecopy import CrcCheck
-from ..core.atomic import hashed_name, sha256_file
-from ..core.upload import check_destination, check_destination_dir, check_scheme, output_path
-from ..core.devices import DevicePlan, normalise_device, storage_id
-from ..core.torch_free import NeedsTorch
-from ..errors import ConversionError, DeviceError, WrapperError
-from ..core.progress import Progress, peak_rss_bytes
-from ..core.units import few, parse_size
+from ... import formats
+from ...statedict import locate, ties, transforms, wrappers
+from ...core import locations, torch_free
+from ...core.bytecopy import CrcCheck
+from ...core.atomic import hashed_name, sha256_file
+from ...core.upload import check_destination, check_destination_dir, check_scheme, output_path
+from ...core.devices import DevicePlan, normalise_device, storage_id
+from ...core.torch_free import NeedsTorch
+from ...errors import ConversionError, DeviceError, WrapperError
+from ...core.progress import Progress, peak_rss_bytes
+from ...core.units import few, parse_size
 from . import remote_convert
-from .convert_options import ConvertOptions
-from .reading import read_checkpoint, summarise
-from ..parse import format_registry as registry, inert
-from ..reports import Checkpoint, ConvertReport, tensor_stats
-from ..safety.standins import contains_stand_ins
-from ..core.tensorinfo import TensorInfo
+from ..convert_options import ConvertOptions
+from ..read.reading import read_checkpoint, summarise
+from ...parse import format_registry as registry, inert
+from ...reports import Checkpoint, ConvertReport, tensor_stats
+from ...safety.standins import contains_stand_ins
+from ...core.tensorinfo import TensorInfo
 
 TORCH_FREE, STREAMED, LOADED = "torch-free", "streamed", "loaded"
 

@@ -9,7 +9,7 @@
    NaN/Inf check fused into the copy: :mod:`ckptfix.core.tensorcopy`), assigned (meta tensors: a zero-copy
    view of the file where the target is the CPU and the dtype as stored, else materialised on the target
    device; tied parameters stay one tensor), or — for a DTensor — its local shard read from exactly its
-   byte ranges (:mod:`ckptfix.ops.shards`). Modules whose ``_load_from_state_dict`` or load hooks are their
+   byte ranges (:mod:`ckptfix.ops.load_into.shards`). Modules whose ``_load_from_state_dict`` or load hooks are their
    own (BatchNorm's version handling, user hooks) are loaded through torch's ``load_state_dict``.
 """
 
@@ -21,19 +21,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import locations, tensorcopy
-from ..core.devices import DevicePlan, storage_id
-from ..core.positional import PositionalReader
-from ..core.units import few
-from ..errors import LoadError
-from ..formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
-from ..formats import source_record
-from ..formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
-from ..reports import LoadReport
-from ..statedict import repair
+from ...core import locations, tensorcopy
+from ...core.devices import DevicePlan, storage_id
+from ...core.positional import PositionalReader
+from ...core.units import few
+from ...errors import LoadError
+from ...formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
+from ...formats import source_record
+from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
+from ...reports import LoadReport
+from ...statedict import repair
 from . import modelwalk, shards
-from .reading import read_checkpoint
-from .sources import Sources, damaged
+from ..read.reading import read_checkpoint
+from ..sources import Sources, damaged
 
 
 @dataclass

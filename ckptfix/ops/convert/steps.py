@@ -24,7 +24,7 @@ from typing import Any
 
 from ... import formats
 from ...statedict import locate, ties, transforms, wrappers
-from ...core import locations, torch_free
+from ...core import locations
 from ...core.bytecopy import CrcCheck
 from ...core.atomic import hashed_name, sha256_file
 from ...core.upload import check_destination, check_destination_dir, check_scheme, output_path
@@ -124,7 +124,7 @@ def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
             or req.plan.user_fn is not None:
         remote_convert.refuse_torch(req)
         return _load(req), LOADED
-    if torch_free and _needs_no_torch(req):
+    if torch_free and remote_convert.needs_torch(req) is None:
         ckpt = _describe(req)
         if ckpt is not None:
             return ckpt, TORCH_FREE
@@ -158,12 +158,6 @@ def _check_unrecorded(req: Request, refs: dict) -> None:
     members = [m for m in formats.recorded_members(req.src, req.fmt_in, req.select) if m.path not in copied]
     with CrcCheck(members) as check:
         check.verify()
-
-
-def _needs_no_torch(req: Request) -> bool:
-    return (torch_free.enabled() and req.dtype is None and req.by_order is None
-            and registry.get(req.fmt_in).copy_without_torch and registry.get(req.fmt_out).write_without_torch
-            and (req.plan.fixed == "cpu" or req.plan.mapping is not None))
 
 
 def _describe(req: Request) -> Checkpoint | None:

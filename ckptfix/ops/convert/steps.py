@@ -35,7 +35,7 @@ from ...core.progress import Progress, peak_rss_bytes
 from ...core.units import few, parse_size
 from . import remote_convert
 from ..convert_options import ConvertOptions
-from ..read.reading import read_checkpoint, summarise
+from ..read.reading import read_checkpoint, structure_first, summarise
 from ...parse import format_registry as registry, inert
 from ...reports import Checkpoint, ConvertReport, tensor_stats
 from ...safety.standins import contains_stand_ins
@@ -131,11 +131,19 @@ def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
     remote_convert.refuse_torch(req)  # (a URL: the torch-free path or nothing, for now)
     if req.plan.fixed is not None and req.plan.fixed != "cpu":  # every storage goes there: load once
         return _load(req), LOADED
-    ckpt = read_checkpoint(req.src, "meta", False, req.select, refuse=True, fmt=req.fmt_in, allow=req.allow)
-    if not ckpt.refs or any(req.plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
-        return _load(req), LOADED  # a device other than the CPU asked for: load the tensors for real
-    _check_unrecorded(req, ckpt.refs)
+    ckpt, refs = structure_first(req.src, req.select, lambda c: _cpu_refs(req, c), lambda: _load(req), fmt=req.fmt_in,
+                                 allow=req.allow)
+    if refs is None:
+        return ckpt, LOADED
+    _check_unrecorded(req, refs)
     return ckpt, STREAMED
+
+
+def _cpu_refs(req: Request, ckpt: Checkpoint) -> dict | None:
+    """The structure's refs, where every storage is bound for the CPU (else torch loads the tensors for real)."""
+    if not ckpt.refs or any(req.plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
+        return None
+    return ckpt.refs
 
 
 def _load(req: Request) -> Checkpoint:

@@ -32,7 +32,7 @@ from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in 
 from ...reports import LoadReport
 from ...statedict import repair
 from . import modelwalk, shards
-from ..read.reading import read_checkpoint
+from ..read.reading import read_checkpoint, structure_first
 from ..sources import Sources, damaged
 
 
@@ -72,17 +72,21 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         # here (a file missing on its node) makes every rank raise, so none waits forever
         with distributed.step():
             plan_devices = DevicePlan(map_location, source=path)
-            ckpt = read_checkpoint(path, "meta", trust, select, refuse=True)
             model_walk = modelwalk.walk(model)
             target = repair.describe_target(model, state_dict=model_walk.state_dict,
                                             module_names=model_walk.module_names)
-            chosen, fit = _fit(ckpt, target, strict)
-            sources = Sources(ckpt.refs, reader)
-            if not all(sources.has_bytes(t) for t in _tensors(fit.state_dict)):
-                # bytes only torch.load produces (legacy files, DeepSpeed, DCP values): read on the CPU, then fill
-                ckpt = read_checkpoint(path, "cpu", trust, select, refuse=True)
+
+            def placed(ckpt: Any) -> tuple[repair.Repair, repair.Fit] | None:
+                """The structure's fit to the model, where its refs place every tensor the model takes."""
                 chosen, fit = _fit(ckpt, target, strict)
-                sources = Sources({}, reader)
+                sources = Sources(ckpt.refs, reader)
+                return (chosen, fit) if all(sources.has_bytes(t) for t in _tensors(fit.state_dict)) else None
+
+            # else bytes only torch.load produces (legacy files, DeepSpeed, DCP values): read on the CPU, then fill
+            ckpt, found = structure_first(path, select, placed,
+                                          lambda: read_checkpoint(path, "cpu", trust, select, refuse=True), trust=trust)
+            chosen, fit = found or _fit(ckpt, target, strict)
+            sources = Sources(ckpt.refs if found else {}, reader)
             sources.check_bounds()
             plan = _plan(model_walk, fit.state_dict, sources, plan_devices, assign)
             if strict_values:

@@ -6,8 +6,8 @@ Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from ... import formats
 from ...statedict import locate, placeholders, wrappers
@@ -17,6 +17,8 @@ from ...errors import RemoteError
 from ...parse.format_registry import get
 from ...reports import Checkpoint, tensor_stats
 from . import remote_read
+
+T = TypeVar("T")
 
 
 def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refuse: bool,
@@ -39,6 +41,17 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
         ckpt = summarise(path, fmt, remote_read.read(path, fmt, plan, trust, select), select, refuse, allow)
         ckpt.bytes_fetched = s.bytes_fetched
     return ckpt
+
+
+def structure_first(path: str, select: str, serves: Callable[[Checkpoint], T | None], load: Callable[[], Checkpoint],
+                    *, trust: bool = False, fmt: str | None = None, allow: Iterable[str] = ()) -> tuple[Checkpoint, T | None]:
+    """The cheap path, else the fallback, for a verb that reads tensor bytes itself (convert's stream, load_into):
+    the structure read on meta, no tensor byte read, kept where ``serves`` makes something of it (its refs place the
+    bytes the verb reads by position); else ``load()``: torch reads the values (legacy files, DeepSpeed's gathered
+    weights, DCP values, a device other than the CPU). Returns the checkpoint and what ``serves`` gave (None: loaded)."""
+    ckpt = read_checkpoint(path, "meta", trust, select, refuse=True, fmt=fmt, allow=allow)
+    served = serves(ckpt)
+    return (ckpt, served) if served is not None else (load(), None)
 
 
 def refuse_remote(path: str, what: str) -> None:

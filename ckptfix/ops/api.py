@@ -12,6 +12,7 @@ from typing import Any
 
 from .convert import steps as conversion
 from .load_into import loading
+from .load_into.loading import LoadOptions
 from .. import formats
 from ..statedict import transforms
 from ..core import locations, torch_free
@@ -140,17 +141,8 @@ def convert(src: Any, dst: Any, **options: Any) -> ConvertReport:
     return report
 
 
-def load_into(
-    model: Any,
-    path: Any,
-    map_location: Any = "auto",
-    strict: bool = True,
-    select: str = "auto",
-    trust: bool = False,
-    strict_values: bool = False,
-    check_values: bool = True,
-    assign: bool | None = None,
-) -> LoadReport:
+@takes(LoadOptions)
+def load_into(model: Any, path: Any, *args: Any, **options: Any) -> LoadReport:
     """Load a checkpoint into ``model`` whatever the wrapping of either (plain, DP/DDP, compiled), however
     the model was built: on a device, on ``meta``, or sharded as DTensors (FSDP2, tensor parallel).
 
@@ -176,4 +168,4 @@ def load_into(
     >>> with torch.device("meta"): model = Net()                       # doctest: +SKIP
     >>> ckptfix.load_into(model, "ddp.pth").fix                          # 'strip module.'
     """
-    return loading.load_into(model, path, map_location, strict, select, trust, strict_values, check_values, assign)
+    return loading.load_into(model, path, LoadOptions(*args, **options))

@@ -34,6 +34,11 @@ TOP_LEVEL = {"errors": "core", "reports": "ops", "text": "ops", "__main__": "cli
 #: (importer, imported) -> why it may point up; keep this short, and empty where possible
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
+#: ops' packages, one per verb -> the other verbs' packages it may import: only ``read``, every verb's first step
+#: (a checkpoint read into a Checkpoint). What two verbs share beyond that is an ``ops`` module (``sources``,
+#: ``convert_options``), and ``api`` and ``diff`` sit above the packages.
+OPS_VERBS: dict[str, set[str]] = {"read": set(), "convert": {"read"}, "load_into": {"read"}}
+
 #: modules that may still import ckptfix modules inside functions, and why (everything else imports at the top)
 DEFERRED: dict[str, str] = {
     "cli.commands": "`ckptfix --help` stays instant: the library (and through it torch) is imported by the command run",
@@ -233,3 +238,21 @@ def test_no_format_tests_outside_the_registry() -> None:
                     if named in names or literal in names:
                         found.append(f"{_name(module)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "format names compared outside the registry (add an ability to it instead):\n  " + "\n  ".join(found)
+
+
+def test_each_verbs_package_imports_no_other_verbs() -> None:
+    """ops/ holds one package per verb; none imports another (but ``read``, which every verb starts from), at module
+    level or inside a function, and an ops-level module every verb shares imports none of them."""
+    packages = {p.name for p in (PACKAGE / "ops").iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(OPS_VERBS), f"ops/ packages {sorted(packages)}: name each in OPS_VERBS"
+
+    def verb(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if parts[0] == "ops" and len(parts) > 1 and parts[1] in OPS_VERBS else None
+
+    above = {"ops", "ops.api", "ops.diff"}  # the public verbs, over every package
+    crossing = [_edge(a, b, line, top) for a, b, top, line in EDGES
+                if (vb := verb(b)) is not None and verb(a) != vb and a.split(".")[0] == "ops" and a not in above
+                and vb not in OPS_VERBS.get(verb(a) or "", set())]
+    assert not crossing, "a verb's package imports another's (move what they share to an ops module):\n  " + \
+        "\n  ".join(crossing)

@@ -1,5 +1,6 @@
-"""The library's operations on checkpoints: read, load, inspect, describe, load_into and convert (``api``,
-with ``reading`` and the conversion steps in ``convert``), and diff.
+"""The library's operations on checkpoints, one package per verb: ``read`` (a checkpoint, file or URL, read into
+a Checkpoint: read, inspect, describe, and every verb's first step), ``convert`` and ``load_into``; ``api``
+defines the public verbs over them, ``diff`` is one module; ``convert_options`` and ``sources`` are shared.
 
 May import: every layer below (core, parse, safety, statedict, formats) and the top-level ``errors``,
 ``reports`` and ``text``.

@@ -10,15 +10,16 @@ import os
 import time
 from typing import Any
 
-from . import convert as conversion
-from . import loading
+from .convert import steps as conversion
+from .load_into import loading
+from .load_into.loading import LoadOptions
 from .. import formats
 from ..statedict import transforms
 from ..core import locations, torch_free
 from ..errors import NeedsLocalCopy
 from ..core.torch_free import NeedsTorch
 from .convert_options import ConvertOptions, takes
-from .reading import read_checkpoint, summarise
+from .read.reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
 
 
@@ -139,17 +140,8 @@ def convert(src: Any, dst: Any, **options: Any) -> ConvertReport:
     return report
 
 
-def load_into(
-    model: Any,
-    path: Any,
-    map_location: Any = "auto",
-    strict: bool = True,
-    select: str = "auto",
-    trust: bool = False,
-    strict_values: bool = False,
-    check_values: bool = True,
-    assign: bool | None = None,
-) -> LoadReport:
+@takes(LoadOptions)
+def load_into(model: Any, path: Any, *args: Any, **options: Any) -> LoadReport:
     """Load a checkpoint into ``model`` whatever the wrapping of either (plain, DP/DDP, compiled), however
     the model was built: on a device, on ``meta``, or sharded as DTensors (FSDP2, tensor parallel).
 
@@ -175,4 +167,4 @@ def load_into(
     >>> with torch.device("meta"): model = Net()                       # doctest: +SKIP
     >>> ckptfix.load_into(model, "ddp.pth").fix                          # 'strip module.'
     """
-    return loading.load_into(model, path, map_location, strict, select, trust, strict_values, check_values, assign)
+    return loading.load_into(model, path, LoadOptions(*args, **options))

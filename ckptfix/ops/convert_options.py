@@ -2,7 +2,7 @@
 
 Each field of :class:`ConvertOptions` is one keyword of :func:`ckptfix.convert` (name, type, default) and
 carries its command-line :class:`Flag` (spelling, help, choices): ``ckptfix.cli.options`` builds
-``ckptfix convert``'s click options from these fields, in this order, and :mod:`ckptfix.ops.convert`
+``ckptfix convert``'s click options from these fields, in this order, and :mod:`ckptfix.ops.convert.steps`
 validates them in one place (``validate``). Options other commands share (``--select``, ``--trust``,
 ``--map-location``, ``--json``) are made from the same declarations.
 

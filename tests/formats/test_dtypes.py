@@ -21,7 +21,7 @@ from safetensors.torch import _SIZE, save_file
 
 from ckptfix.cli import cli
 from ckptfix.core.torch_free import ENV_SWITCH
-from ckptfix.ops import convert as conversion
+from ckptfix.ops.convert import steps as conversion
 from ckptfix.parse.safetensors_header import DTYPES
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

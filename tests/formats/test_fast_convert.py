@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfix
-from ckptfix.ops import convert as conversion
+from ckptfix.ops.convert import steps as conversion
 from ckptfix.errors import UnsafeCheckpointError
 from ckptfix.core.torch_free import ENV_SWITCH
 from ckptfix.formats import describe, sniff

@@ -118,3 +118,30 @@ def test_library_md_shows_convert_s_signature() -> None:
     shown = ", ".join(f"{p.name}={p.default!r}" for p in params).replace("'", '"')
     line = next(line for line in (ROOT / "docs" / "library.md").read_text().splitlines() if line.startswith("- `convert("))
     assert re.fullmatch(r"- `convert\(src, dst, \*, (.*)\) -> ConvertReport`", line).group(1) == shown  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("options, dst, why", [
+    ({}, "out.safetensors", None),
+    ({"trust": True}, "out.safetensors", "--trust"),
+    ({"dtype": "bf16"}, "out.pth", "--dtype bf16 (the cast)"),
+    ({"by_order": torch.nn.Linear(2, 2, bias=False)}, "out.safetensors", "--by-order"),
+    ({"format": "dcp"}, "out", "dcp output"),
+    ({"torch_free": "0"}, "out.safetensors", "CKPTFIX_TORCH_FREE=0"),
+])
+def test_one_answer_says_why_a_conversion_needs_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      options: dict[str, Any], dst: str, why: str | None) -> None:
+    """The planner takes the torch-free path exactly where the answer the URL refusal gives is None; it names an
+    option by the flag ConvertOptions declares."""
+    from safetensors.torch import save_file
+
+    from ckptfix.core.torch_free import ENV_SWITCH
+    from ckptfix.ops.convert import remote_convert, steps
+
+    options = dict(options)
+    if "torch_free" in options:
+        monkeypatch.setenv(ENV_SWITCH, options.pop("torch_free"))
+    save_file({"weight": torch.ones(2, 2)}, str(tmp_path / "m.safetensors"))
+    req = steps.validate(str(tmp_path / "m.safetensors"), str(tmp_path / dst), ConvertOptions(**options))
+    assert remote_convert.needs_torch(req) == why
+    _ckpt, mode = steps.plan_read(req)
+    assert (mode == steps.TORCH_FREE) == (why is None), mode

@@ -162,3 +162,22 @@ def test_nonfinite_values_warn_or_are_refused(fixtures_dir: Path, tmp_path: Path
 def test_finite_values_load_without_a_warning(fixtures_dir: Path, train: Any, recwarn: pytest.WarningsRecorder) -> None:
     report = ckptfix.load_into(train.mlp(), fixtures_dir / "mlp_single.pth", strict_values=True)
     assert report.nonfinite == [] and not [w for w in recwarn if "NaN" in str(w.message)]
+
+
+def test_the_signature_is_declared_once(tmp_path: Path) -> None:
+    """``ckptfix.load_into``'s options are LoadOptions' fields (names, defaults, order), passed by position or keyword."""
+    import inspect
+    from dataclasses import fields
+
+    from ckptfix.ops.load_into.loading import LoadOptions
+
+    params = list(inspect.signature(ckptfix.load_into).parameters.values())
+    assert [p.name for p in params] == ["model", "path"] + [f.name for f in fields(LoadOptions)]
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+    assert [p.default for p in params[2:]] == [f.default for f in fields(LoadOptions)]
+    torch.save({"weight": torch.ones(2, 2)}, tmp_path / "m.pth")  # no bias: a strict load refuses it
+    by_position = ckptfix.load_into(nn.Linear(2, 2), tmp_path / "m.pth", "cpu", False)
+    by_keyword = ckptfix.load_into(nn.Linear(2, 2), tmp_path / "m.pth", map_location="cpu", strict=False)
+    assert by_position.missing == by_keyword.missing == ["bias"]
+    with pytest.raises(TypeError, match="no_such_option"):
+        ckptfix.load_into(nn.Linear(2, 2), tmp_path / "m.pth", no_such_option=True)

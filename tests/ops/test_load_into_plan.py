@@ -1,4 +1,4 @@
-"""load_into's plan: the model read once (ops/modelwalk) agrees with torch's own ``state_dict(keep_vars=True)``
+"""load_into's plan: the model read once (ops/load_into/modelwalk) agrees with torch's own ``state_dict(keep_vars=True)``
 on every kind of module; the loader never computes the checkpoint's stats; a failed materialisation of meta
 tensors puts back what it allocated."""
 
@@ -14,7 +14,7 @@ from torch import nn
 
 import ckptfix
 from ckptfix.errors import LoadError
-from ckptfix.ops import modelwalk, shards
+from ckptfix.ops.load_into import modelwalk, shards
 
 
 class Shared(nn.Module):
@@ -87,7 +87,7 @@ def test_a_hook_renaming_a_key_is_refused_by_name(tmp_path: Path) -> None:
 
 def test_load_into_never_computes_the_checkpoints_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stats (counts over every tensor) are computed when first read: inspect reads them, load_into doesn't."""
-    from ckptfix.ops import reading
+    from ckptfix.ops.read import reading
 
     model = nn.Linear(3, 2)
     save_file(dict(model.state_dict()), str(tmp_path / "m.safetensors"))

@@ -9,7 +9,7 @@
    NaN/Inf check fused into the copy: :mod:`ckptfix.core.tensorcopy`), assigned (meta tensors: a zero-copy
    view of the file where the target is the CPU and the dtype as stored, else materialised on the target
    device; tied parameters stay one tensor), or — for a DTensor — its local shard read from exactly its
-   byte ranges (:mod:`ckptfix.ops.shards`). Modules whose ``_load_from_state_dict`` or load hooks are their
+   byte ranges (:mod:`ckptfix.ops.load_into.shards`). Modules whose ``_load_from_state_dict`` or load hooks are their
    own (BatchNorm's version handling, user hooks) are loaded through torch's ``load_state_dict``.
 """
 
@@ -21,19 +21,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import locations, tensorcopy
-from ..core.devices import DevicePlan, storage_id
-from ..core.positional import PositionalReader
-from ..core.units import few
-from ..errors import LoadError
-from ..formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
-from ..formats import source_record
-from ..formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
-from ..reports import LoadReport
-from ..statedict import repair
+from ...core import locations, tensorcopy
+from ...core.devices import DevicePlan, storage_id
+from ...core.positional import PositionalReader
+from ...core.units import few
+from ...errors import LoadError
+from ...formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
+from ...formats import source_record
+from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
+from ...reports import LoadReport
+from ...statedict import repair
 from . import modelwalk, shards
-from .reading import read_checkpoint
-from .sources import Sources, damaged
+from ..read.reading import read_checkpoint, structure_first
+from ..sources import Sources, damaged
 
 
 @dataclass
@@ -59,9 +59,21 @@ class Plan:
     sources: list[Any] = field(default_factory=list)  # every source tensor (on meta: its ref says where its bytes are)
 
 
-def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = True, select: str = "auto",
-              trust: bool = False, strict_values: bool = False, check_values: bool = True,
-              assign: bool | None = None) -> LoadReport:
+@dataclass(frozen=True)
+class LoadOptions:
+    """Everything :func:`ckptfix.load_into` takes after ``model`` and ``path``, declared once: its signature is this
+    (``ckptfix.ops.api.load_into`` takes it, as convert takes ``ConvertOptions``)."""
+
+    map_location: Any = "auto"
+    strict: bool = True
+    select: str = "auto"
+    trust: bool = False
+    strict_values: bool = False
+    check_values: bool = True
+    assign: bool | None = None
+
+
+def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
     """See :func:`ckptfix.load_into`."""
     path = os.fspath(path)
     distributed = shards.Agreement(model)
@@ -71,28 +83,20 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         # everything that can fail, before anything is written; no collectives inside: a rank that raises
         # here (a file missing on its node) makes every rank raise, so none waits forever
         with distributed.step():
-            plan_devices = DevicePlan(map_location, source=path)
-            ckpt = read_checkpoint(path, "meta", trust, select, refuse=True)
+            plan_devices = DevicePlan(o.map_location, source=path)
             model_walk = modelwalk.walk(model)
             target = repair.describe_target(model, state_dict=model_walk.state_dict,
                                             module_names=model_walk.module_names)
-            chosen, fit = _fit(ckpt, target, strict)
-            sources = Sources(ckpt.refs, reader)
-            if not all(sources.has_bytes(t) for t in _tensors(fit.state_dict)):
-                # bytes only torch.load produces (legacy files, DeepSpeed, DCP values): read on the CPU, then fill
-                ckpt = read_checkpoint(path, "cpu", trust, select, refuse=True)
-                chosen, fit = _fit(ckpt, target, strict)
-                sources = Sources({}, reader)
-            sources.check_bounds()
-            plan = _plan(model_walk, fit.state_dict, sources, plan_devices, assign)
-            if strict_values:
+            ckpt, chosen, fit, sources = _read_fitted(path, o, target, reader)
+            plan = _plan(model_walk, fit.state_dict, sources, plan_devices, o.assign)
+            if o.strict_values:
                 _check_records(plan, sources, distributed)
                 local_bad = _precheck(plan, sources)
         bad = distributed.gather_keys(local_bad)
         if bad:
             raise LoadError(f"{ckpt.path}: {_values(bad)}; nothing was loaded (a diverged run, or a damaged "
                             "file?); pass strict_values=False to load it anyway")
-        committed = _commit(model, plan, fit.state_dict, sources, check_values and not strict_values)
+        committed = _commit(model, plan, fit.state_dict, sources, o.check_values and not o.strict_values)
         nonfinite = distributed.gather_keys(committed)
         _check_done(model_walk, path)  # the postcondition (after the last collective): no tensor left on meta
         bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src, _p in plan.copy) + sum(
@@ -115,6 +119,25 @@ def load_into(model: Any, path: Any, map_location: Any = "auto", strict: bool = 
         sharded=sum(len(s.keys) for s, _ in plan.sharded),
         bytes_read=bytes_read, bytes_fetched=fetched,
     )
+
+
+def _read_fitted(path: str, o: LoadOptions, target: repair.Target,
+                 reader: PositionalReader) -> tuple[Any, repair.Repair, repair.Fit, Sources]:
+    """The checkpoint, its keys fitted to the model, and its tensors' bytes: the structure, where its refs place every
+    tensor the model takes (each read by position), else what torch.load reads on the CPU (legacy files, DeepSpeed,
+    DCP values)."""
+
+    def placed(ckpt: Any) -> tuple[repair.Repair, repair.Fit] | None:
+        chosen, fit = _fit(ckpt, target, o.strict)
+        sources = Sources(ckpt.refs, reader)
+        return (chosen, fit) if all(sources.has_bytes(t) for t in _tensors(fit.state_dict)) else None
+
+    ckpt, found = structure_first(path, o.select, placed,
+                                  lambda: read_checkpoint(path, "cpu", o.trust, o.select, refuse=True), trust=o.trust)
+    chosen, fit = found or _fit(ckpt, target, o.strict)
+    sources = Sources(ckpt.refs if found else {}, reader)
+    sources.check_bounds()
+    return ckpt, chosen, fit, sources
 
 
 def _fit(ckpt: Any, target: repair.Target, strict: bool) -> tuple[repair.Repair, repair.Fit]:

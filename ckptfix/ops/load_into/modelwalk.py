@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LoadError
+from ...errors import LoadError
 from . import shards
 
 

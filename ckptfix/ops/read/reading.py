@@ -1,22 +1,24 @@
 """A checkpoint file read into a :class:`~ckptfix.reports.Checkpoint`: sniff → read → find the state dict.
 
-Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`ckptfix.ops.convert`.
+Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`ckptfix.ops.convert.steps`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
-from .. import formats
-from ..statedict import locate, placeholders, wrappers
-from ..core import locations
-from ..core.devices import DevicePlan
-from ..errors import NeedsLocalCopy
-from ..parse.format_registry import get
-from ..reports import Checkpoint, tensor_stats
+from ... import formats
+from ...statedict import locate, placeholders, wrappers
+from ...core import locations
+from ...core.devices import DevicePlan
+from ...errors import NeedsLocalCopy
+from ...parse.format_registry import get
+from ...reports import Checkpoint, tensor_stats
 from . import remote_read
+
+T = TypeVar("T")
 
 
 def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refuse: bool,
@@ -25,7 +27,7 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
     ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`).
 
     A URL is read by the same format readers from the byte ranges they ask for, its values fetched once each
-    (:mod:`ckptfix.ops.remote_read`); what only ``torch.load`` of the whole file reads raises NeedsLocalCopy."""
+    (:mod:`ckptfix.ops.read.remote_read`); what only ``torch.load`` of the whole file reads raises NeedsLocalCopy."""
     if not locations.is_remote(path):
         fmt = fmt or formats.sniff(path)
         plan = DevicePlan(map_location, source=path)
@@ -41,6 +43,17 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
         ckpt = summarise(path, fmt, remote_read.read(path, fmt, plan, trust, select), select, refuse, allow)
         ckpt.bytes_fetched = s.bytes_fetched
     return ckpt
+
+
+def structure_first(path: str, select: str, serves: Callable[[Checkpoint], T | None], load: Callable[[], Checkpoint],
+                    *, trust: bool = False, fmt: str | None = None, allow: Iterable[str] = ()) -> tuple[Checkpoint, T | None]:
+    """The cheap path, else the fallback, for a verb that reads tensor bytes itself (convert's stream, load_into):
+    the structure read on meta, no tensor byte read, kept where ``serves`` makes something of it (its refs place the
+    bytes the verb reads by position); else ``load()``: torch reads the values (legacy files, DeepSpeed's gathered
+    weights, DCP values, a device other than the CPU). Returns the checkpoint and what ``serves`` gave (None: loaded)."""
+    ckpt = read_checkpoint(path, "meta", trust, select, refuse=True, fmt=fmt, allow=allow)
+    served = serves(ckpt)
+    return (ckpt, served) if served is not None else (load(), None)
 
 
 def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool,

@@ -16,11 +16,11 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..core import tensorcopy
-from ..core.devices import DevicePlan, storage_id
-from ..errors import LoadError
-from ..formats import PiecedRef, StorageRef
-from .sources import Segment, Sources, byte_view
+from ...core import tensorcopy
+from ...core.devices import DevicePlan, storage_id
+from ...errors import LoadError
+from ...formats import PiecedRef, StorageRef
+from ..sources import Segment, Sources, byte_view
 
 
 def is_dtensor(t: Any) -> bool:

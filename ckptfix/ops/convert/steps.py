@@ -22,24 +22,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .. import formats
-from ..statedict import locate, ties, transforms, wrappers
-from ..core import locations, torch_free
-from ..core.bytecopy import CrcCheck
-from ..core.atomic import hashed_name, sha256_file
-from ..core.upload import check_destination, check_destination_dir, check_scheme, output_path
-from ..core.devices import DevicePlan, normalise_device, storage_id
-from ..core.torch_free import NeedsTorch
-from ..errors import ConversionError, DeviceError, WrapperError
-from ..core.progress import Progress, peak_rss_bytes
-from ..core.units import few, parse_size
+from ... import formats
+from ...statedict import locate, ties, transforms, wrappers
+from ...core import locations
+from ...core.bytecopy import CrcCheck
+from ...core.atomic import hashed_name, sha256_file
+from ...core.upload import check_destination, check_destination_dir, check_scheme, output_path
+from ...core.devices import DevicePlan, normalise_device, storage_id
+from ...core.torch_free import NeedsTorch
+from ...errors import ConversionError, DeviceError, WrapperError
+from ...core.progress import Progress, peak_rss_bytes
+from ...core.units import few, parse_size
 from . import remote_convert
-from .convert_options import ConvertOptions
-from .reading import read_checkpoint, summarise
-from ..parse import format_registry as registry, inert
-from ..reports import Checkpoint, ConvertReport, tensor_stats
-from ..safety.standins import contains_stand_ins
-from ..core.tensorinfo import TensorInfo
+from ..convert_options import ConvertOptions
+from ..read.reading import read_checkpoint, structure_first, summarise
+from ...parse import format_registry as registry, inert
+from ...reports import Checkpoint, ConvertReport, tensor_stats
+from ...safety.standins import contains_stand_ins
+from ...core.tensorinfo import TensorInfo
 
 TORCH_FREE, STREAMED, LOADED = "torch-free", "streamed", "loaded"
 
@@ -124,18 +124,26 @@ def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
             or req.plan.user_fn is not None:
         remote_convert.refuse_torch(req)
         return _load(req), LOADED
-    if torch_free and _needs_no_torch(req):
+    if torch_free and remote_convert.needs_torch(req) is None:
         ckpt = _describe(req)
         if ckpt is not None:
             return ckpt, TORCH_FREE
     remote_convert.refuse_torch(req)  # (a URL: the torch-free path or nothing, for now)
     if req.plan.fixed is not None and req.plan.fixed != "cpu":  # every storage goes there: load once
         return _load(req), LOADED
-    ckpt = read_checkpoint(req.src, "meta", False, req.select, refuse=True, fmt=req.fmt_in, allow=req.allow)
-    if not ckpt.refs or any(req.plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
-        return _load(req), LOADED  # a device other than the CPU asked for: load the tensors for real
-    _check_unrecorded(req, ckpt.refs)
+    ckpt, refs = structure_first(req.src, req.select, lambda c: _cpu_refs(req, c), lambda: _load(req), fmt=req.fmt_in,
+                                 allow=req.allow)
+    if refs is None:
+        return ckpt, LOADED
+    _check_unrecorded(req, refs)
     return ckpt, STREAMED
+
+
+def _cpu_refs(req: Request, ckpt: Checkpoint) -> dict | None:
+    """The structure's refs, where every storage is bound for the CPU (else torch loads the tensors for real)."""
+    if not ckpt.refs or any(req.plan.target(ref.location) != "cpu" for ref in ckpt.refs.values()):
+        return None
+    return ckpt.refs
 
 
 def _load(req: Request) -> Checkpoint:
@@ -158,12 +166,6 @@ def _check_unrecorded(req: Request, refs: dict) -> None:
     members = [m for m in formats.recorded_members(req.src, req.fmt_in, req.select) if m.path not in copied]
     with CrcCheck(members) as check:
         check.verify()
-
-
-def _needs_no_torch(req: Request) -> bool:
-    return (torch_free.enabled() and req.dtype is None and req.by_order is None
-            and registry.get(req.fmt_in).copy_without_torch and registry.get(req.fmt_out).write_without_torch
-            and (req.plan.fixed == "cpu" or req.plan.mapping is not None))
 
 
 def _describe(req: Request) -> Checkpoint | None:

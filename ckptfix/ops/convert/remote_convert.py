@@ -9,11 +9,13 @@ torch reads exactly) would read the whole file with torch: refused here, never d
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
-from ..core import locations, torch_free
-from ..errors import NeedsLocalCopy
-from ..parse import format_registry as registry
+from ...core import locations, torch_free
+from ...errors import NeedsLocalCopy
+from ...parse import format_registry as registry
+from ..convert_options import ConvertOptions, flag_of
 
 
 def refuse_torch(req: Any, why: str | None = None) -> None:
@@ -28,18 +30,31 @@ def refuse_torch(req: Any, why: str | None = None) -> None:
 
 
 def _why(req: Any) -> str:
+    """What sends ``req`` to torch's reader: an option or the file's format (:func:`needs_torch`), else the checkpoint."""
+    return needs_torch(req) or "this checkpoint (a tensor bound for another device, or a value only torch reads exactly)"
+
+
+def needs_torch(req: Any) -> str | None:
+    """Why the conversion ``req`` (a validated :class:`~ckptfix.ops.convert.steps.Request`) needs torch's reader, by
+    the option (its command-line flag) or the format that asks for it; None where the torch-free path can take it
+    (then only what the checkpoint holds can still need torch). The planner asks this, and a URL's refusal says it."""
     if req.trust:
-        return "--trust"
+        return _flag("trust")
     if req.dtype is not None:
-        return f"--dtype {req.dtype} (the cast)"
+        return f"{_flag('dtype')} {req.dtype} (the cast)"
     if req.by_order is not None:
-        return "--by-order"
+        return _flag("by_order")
     if not torch_free.enabled():
         return f"{torch_free.ENV_SWITCH}=0"
-    if "convert" not in registry.get(req.fmt_in).from_url:
+    if not registry.get(req.fmt_in).copy_without_torch:
         return f"a {req.fmt_in} source"
     if not registry.get(req.fmt_out).write_without_torch:
         return f"{req.fmt_out} output"
     if req.plan.fixed != "cpu" and req.plan.mapping is None:
         return "map_location other than the CPU"
-    return "this checkpoint (a tensor bound for another device, or a value only torch reads exactly)"
+    return None
+
+
+def _flag(option: str) -> str:
+    """``--dtype`` for ``dtype``: the command-line spelling :class:`ConvertOptions` declares for the option."""
+    return flag_of(next(f for f in fields(ConvertOptions) if f.name == option)).decls[0]

@@ -100,7 +100,7 @@ with requests.get({url!r}, stream=True, timeout=60) as r, open({str(dst)!r}, "wb
 
 #: imported before the timer by every load row, the ckptfix ones and the plain ones alike
 LOAD_SETUP = ("import requests, torch, safetensors.torch, huggingface_hub, ckptfix\n"
-              "import ckptfix.ops.api, ckptfix.ops.load_into.loading, ckptfix.ops.read.remote_read, ckptfix.core.remote\n")
+              "import ckptfix.ops.api, ckptfix.ops.load_into.loading, ckptfix.ops.remote_read, ckptfix.core.remote\n")
 #: the plain loaders of a downloaded file (``{path}``): the state dict, and into ``model``
 PLAIN_READ = {"safetensors": ("load_file", "sd = safetensors.torch.load_file({path!r})"),
               "pth": ("torch.load(mmap=True)", "sd = torch.load({path!r}, mmap=True, weights_only=True)")}

@@ -34,10 +34,9 @@ TOP_LEVEL = {"errors": "core", "reports": "ops", "text": "ops", "__main__": "cli
 #: (importer, imported) -> why it may point up; keep this short, and empty where possible
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
-#: ops' packages, one per verb -> the other verbs' packages it may import: only ``read``, every verb's first step
-#: (a checkpoint read into a Checkpoint). What two verbs share beyond that is an ``ops`` module (``sources``,
-#: ``convert_options``), and ``api`` and ``diff`` sit above the packages.
-OPS_VERBS: dict[str, set[str]] = {"read": set(), "convert": {"read"}, "load_into": {"read"}}
+#: ops' packages, one per verb -> the other verbs' packages it may import: none. What two verbs share is an ``ops``
+#: module (``reading``, every verb's first step; ``sources``, ``convert_options``); ``api`` and ``diff`` sit above.
+OPS_VERBS: dict[str, set[str]] = {"convert": set(), "load_into": set()}
 
 #: modules that may still import ckptfix modules inside functions, and why (everything else imports at the top)
 DEFERRED: dict[str, str] = {

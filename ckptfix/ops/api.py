@@ -19,7 +19,7 @@ from ..core import locations, torch_free
 from ..errors import NeedsLocalCopy
 from ..core.torch_free import NeedsTorch
 from .convert_options import ConvertOptions, takes
-from .read.reading import read_checkpoint, summarise
+from .reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
 
 

@@ -8,7 +8,7 @@ OBJ or INST would have made of it as an :class:`InertObject` (the name, the argu
 state, as the pickle holds them). Nothing is imported and nothing is called: not the class, not
 its ``__new__``/``__setstate__``, not a payload nested in the state (a nested ``os.system`` is one
 more InertObject). Whether a placeholder may stay where it sits is the reader's decision
-(:func:`ckptfix.ops.read.reading.summarise`: never inside the selected state dict unless allowed).
+(:func:`ckptfix.ops.reading.summarise`: never inside the selected state dict unless allowed).
 
 >>> obj.config                                  # doctest: +SKIP
 <inert myproj.config.RunConfig (not imported)>

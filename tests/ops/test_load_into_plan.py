@@ -87,7 +87,7 @@ def test_a_hook_renaming_a_key_is_refused_by_name(tmp_path: Path) -> None:
 
 def test_load_into_never_computes_the_checkpoints_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stats (counts over every tensor) are computed when first read: inspect reads them, load_into doesn't."""
-    from ckptfix.ops.read import reading
+    from ckptfix.ops import reading
 
     model = nn.Linear(3, 2)
     save_file(dict(model.state_dict()), str(tmp_path / "m.safetensors"))

@@ -35,7 +35,7 @@ from ...core.progress import Progress, peak_rss_bytes
 from ...core.units import few, parse_size
 from . import remote_convert
 from ..convert_options import ConvertOptions
-from ..read.reading import read_checkpoint, structure_first, summarise
+from ..reading import read_checkpoint, structure_first, summarise
 from ...parse import format_registry as registry, inert
 from ...reports import Checkpoint, ConvertReport, tensor_stats
 from ...safety.standins import contains_stand_ins

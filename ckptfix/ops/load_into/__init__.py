@@ -1,6 +1,6 @@
 """The load_into verb's machinery: ``loading`` (the plan, then the commit), ``modelwalk`` (the model read once for
 the plan) and ``shards`` (DTensor shards, each rank filling its own).
 
-May import: :mod:`ckptfix.ops.read`, the ``ops`` modules every verb shares (``sources``) and the layers below; not
+May import: the ``ops`` modules every verb shares (``reading``, ``sources``) and the layers below; not
 :mod:`ckptfix.ops.convert`.
 """

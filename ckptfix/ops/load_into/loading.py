@@ -32,7 +32,7 @@ from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in 
 from ...reports import LoadReport
 from ...statedict import repair
 from . import modelwalk, shards
-from ..read.reading import read_checkpoint, structure_first
+from ..reading import read_checkpoint, structure_first
 from ..sources import Sources, damaged
 
 

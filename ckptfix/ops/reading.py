@@ -9,13 +9,13 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from ... import formats
-from ...statedict import locate, placeholders, wrappers
-from ...core import locations
-from ...core.devices import DevicePlan
-from ...errors import NeedsLocalCopy
-from ...parse.format_registry import get
-from ...reports import Checkpoint, tensor_stats
+from .. import formats
+from ..statedict import locate, placeholders, wrappers
+from ..core import locations
+from ..core.devices import DevicePlan
+from ..errors import NeedsLocalCopy
+from ..parse.format_registry import get
+from ..reports import Checkpoint, tensor_stats
 from . import remote_read
 
 T = TypeVar("T")
@@ -27,7 +27,7 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
     ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`).
 
     A URL is read by the same format readers from the byte ranges they ask for, its values fetched once each
-    (:mod:`ckptfix.ops.read.remote_read`); what only ``torch.load`` of the whole file reads raises NeedsLocalCopy."""
+    (:mod:`ckptfix.ops.remote_read`); what only ``torch.load`` of the whole file reads raises NeedsLocalCopy."""
     if not locations.is_remote(path):
         fmt = fmt or formats.sniff(path)
         plan = DevicePlan(map_location, source=path)

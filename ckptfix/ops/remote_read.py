@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from ... import formats
-from ...core import locations
-from ...core.devices import DevicePlan, storage_id
-from ...core.positional import PositionalReader
-from ...errors import NeedsLocalCopy
-from ..sources import Sources
+from .. import formats
+from ..core import locations
+from ..core.devices import DevicePlan, storage_id
+from ..core.positional import PositionalReader
+from ..errors import NeedsLocalCopy
+from .sources import Sources
 
 
 def read(path: str, fmt: str, plan: DevicePlan, trust: bool, select: str | None) -> formats.RawRead:

@@ -65,8 +65,8 @@ def mask(text: str, literals: Mapping[str, str] | None = None) -> str:
 
 def fixed_serialization_id(data: bytes) -> bytes:
     """A torch zip's bytes with its ``.data/serialization_id`` (random when ckptfix's torch-free writer made it)
-    made all zeros, CRC-32s rewritten so the
-    file stays valid (local header or data descriptor, and central directory); other bytes unchanged."""
+    made all zeros, its CRC-32 rewritten (local header or data descriptor, and central directory) so the file stays
+    valid; other bytes unchanged."""
     import io
 
     with zipfile.ZipFile(io.BytesIO(data)) as z:
@@ -418,10 +418,10 @@ def record(out_file: Path, fixtures: Path) -> int:
                 assert key not in invocations, f"twice: {key}"
                 _fresh_remote_state(root)
                 invocations[key] = _invoke(runner, cli, argv, root / "out" / str(n) if writes else None, literals)
-        meta = {"ckptfix": str(Path(ckptfix.__file__).resolve().parent), "seconds": round(time.monotonic() - start, 1)}
+        meta = {"ckptfix": str(Path(ckptfix.__file__).resolve().parent)}  # which tree ran (compare checks it)
         out_file.write_text(json.dumps({"meta": meta, "invocations": invocations}, indent=1) + "\n")
-        print(f"recorded {len(invocations)} invocations of {meta['ckptfix']} in {meta['seconds']}s -> {out_file}",
-              file=sys.stderr)
+        print(f"recorded {len(invocations)} invocations of {meta['ckptfix']} in {time.monotonic() - start:.0f}s "
+              f"-> {out_file}", file=sys.stderr)
         return 0
     finally:
         os.chdir("/")

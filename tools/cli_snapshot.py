@@ -196,14 +196,25 @@ SERVED = ["mlp_ddp.pth", "mlp_safetensors.safetensors", "mlp_legacy.pth", "mlp_l
           "sharded_safetensors", "hf_bin", "evil.pth", "nan.safetensors", "page.html"]
 
 
+def _server_module(name: str) -> Any:
+    """``tests/NAME.py`` loaded by its path, known as ``NAME`` and ``tests.NAME`` (hub_server imports file_server by
+    one of the two), with no folder put on sys.path: the tree being recorded keeps its own ckptfix."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SERVER_MODULES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = sys.modules[f"tests.{name}"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @contextmanager
 def servers(root: Path, fx: Path) -> Iterator[dict[str, tuple[Any, str]]]:
     """http, hub and s3 servers on 127.0.0.1 serving :data:`SERVED`, the environment pointing the clients at
     them; yields scheme → (a function name → URL, the server's ``127.0.0.1:PORT``)."""
-    sys.path.insert(0, str(SERVER_MODULES))
-    from file_server import FileServer
-    from hub_server import HubServer
-
+    FileServer, HubServer = (getattr(_server_module(name), cls) for name, cls in (("file_server", "FileServer"),
+                                                                                  ("hub_server", "HubServer")))
     served = root / "served"
     served.mkdir()
     for name in SERVED:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -67,8 +68,6 @@ def fixed_serialization_id(data: bytes) -> bytes:
     """A torch zip's bytes with its ``.data/serialization_id`` (random when ckptfix's torch-free writer made it)
     made all zeros, its CRC-32 rewritten (local header or data descriptor, and central directory) so the file stays
     valid; other bytes unchanged."""
-    import io
-
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         info = next((i for i in z.infolist() if i.filename.endswith(SID)), None)
         start_dir = z.start_dir
@@ -97,8 +96,8 @@ def fixed_serialization_id(data: bytes) -> bytes:
 
 def fingerprint(path: Path, literals: Mapping[str, str]) -> dict[str, Any]:
     """What a written file holds: size and SHA-256; a zip's listing too, and its SHA-256 taken with the
-    serialization_id zeroed (ckptfix's torch-free zip writer draws it at random). A DCP ``.metadata`` records its folder and a
-    random ``save_id``: its SHA-256 is taken with the folder masked (a path pickles as its parts: the temp dir's name,
+    serialization_id zeroed (ckptfix's torch-free zip writer draws it at random). A DCP ``.metadata`` records its folder
+    and a random ``save_id``: its SHA-256 is taken with the folder masked (a path pickles as its parts: the temp dir's name,
     the random suffix of the temp folder it was written in) and the id zeroed."""
     data = path.read_bytes()
     if path.name == ".metadata":
@@ -158,12 +157,6 @@ def _hf_shards(sd: dict[str, Any], folder: Path, stem: str, ext: str, save: Any)
     (folder / f"{stem}.{ext}.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _anonymous(member: tarfile.TarInfo) -> tarfile.TarInfo:
-    """A tar member with no owner and a fixed mtime: the same archive on every run."""
-    member.mtime, member.uid, member.gid, member.uname, member.gname, member.mode = 0, 0, 0, "", "", 0o644
-    return member
-
-
 def build_corpus(root: Path, fixtures: Path) -> Path:
     """``fixtures/`` copied to ``root/fixtures``, plus the made files and the broken inputs beside them."""
     import torch
@@ -183,8 +176,10 @@ def build_corpus(root: Path, fixtures: Path) -> Path:
     (fx / "page.html").write_text("<!DOCTYPE html>\n<html><body>Sign in to download</body></html>\n")
     (fx / "error.json").write_text('{"error": "Repository not found"}\n')
     (fx / "empty.pth").write_bytes(b"")
-    with tarfile.open(fx / "archive.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
-        tar.add(fx / "mlp_safetensors.safetensors", arcname="mlp_safetensors.safetensors", filter=_anonymous)
+    with tarfile.open(fx / "archive.tar", "w", format=tarfile.USTAR_FORMAT) as tar:  # no owner, mtime 0: the same bytes
+        member, data = tarfile.TarInfo("mlp_safetensors.safetensors"), (fx / "mlp_safetensors.safetensors").read_bytes()
+        member.size = len(data)
+        tar.addfile(member, io.BytesIO(data))
     for p in [root, *root.rglob("*")]:  # fixed mtimes: the servers' ETag and Last-Modified come from them
         os.utime(p, (1_600_000_000, 1_600_000_000))
     return fx
@@ -273,7 +268,9 @@ def plan(fx: Path, fixtures: Path, remote: Mapping[str, tuple[Any, str]]) -> Ite
     model = ["--model", f"{fx}/train.py:mlp"]
     ref = str(fx / "mlp_single.pth")
     names = sorted(p.name for p in fixtures.iterdir() if p.suffix not in (".py", ".json")) + MADE
-    yield from _help()
+    yield from (([*command, "--help"], False) for command in ([], ["inspect"], ["scan"], ["verify"], ["diff"], ["convert"]))
+    yield ["--version"], False
+    yield ["nonsense"], False
     for name in names:
         yield from _local(str(fx / name), model, ref, deep=name in DEEP)
     yield from _options(fx, model, ref)
@@ -296,14 +293,6 @@ def plan(fx: Path, fixtures: Path, remote: Mapping[str, tuple[Any, str]]) -> Ite
         if scheme == "s3":
             yield ["convert", "--json", str(fx / "mlp_ddp.pth"), url("written/o.safetensors")], False
             yield ["inspect", "--json", url("written/o.safetensors")], False
-
-
-def _help() -> Iterator[tuple[list[str], bool]]:
-    yield ["--help"], False
-    yield ["--version"], False
-    for command in ("inspect", "scan", "verify", "diff", "convert"):
-        yield [command, "--help"], False
-    yield ["nonsense"], False
 
 
 def _local(path: str, model: list[str], ref: str, deep: bool) -> Iterator[tuple[list[str], bool]]:
@@ -431,8 +420,7 @@ def record(out_file: Path, fixtures: Path) -> int:
                 invocations[key] = _invoke(runner, cli, argv, root / "out" / str(n) if writes else None, literals)
         meta = {"ckptfix": str(Path(ckptfix.__file__).resolve().parent)}  # which tree ran (compare checks it)
         out_file.write_text(json.dumps({"meta": meta, "invocations": invocations}, indent=1) + "\n")
-        print(f"recorded {len(invocations)} invocations of {meta['ckptfix']} in {time.monotonic() - start:.0f}s "
-              f"-> {out_file}", file=sys.stderr)
+        print(f"recorded {len(invocations)} of {meta['ckptfix']} in {time.monotonic() - start:.0f}s", file=sys.stderr)
         return 0
     finally:
         os.chdir("/")
@@ -464,9 +452,8 @@ def differences(base: dict[str, Any], head: dict[str, Any]) -> Iterator[str]:
 
 
 def _record_tree(tree: Path, out: Path, fixtures: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run([sys.executable, str(Path(__file__).resolve()), "record", str(out), "--fixtures", str(fixtures)],
-                   env=env, check=True, cwd=tree)
+                   env={**os.environ, "PYTHONPATH": str(tree)}, check=True, cwd=tree)
     got = json.loads(out.read_text())
     if Path(got["meta"]["ckptfix"]) != tree.resolve() / "ckptfix":
         raise SystemExit(f"{out}: recorded the ckptfix at {got['meta']['ckptfix']}, not {tree}'s")

@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 #: public name -> "module:attribute" (a function or class) or "module" (a public submodule)
 _LAZY = {
     "verify": "model.verify:verify",
-    "VerifyReport": "model.verify:VerifyReport",
+    "VerifyReport": "model.findings:VerifyReport",
     "diff": "ops.diff:diff",
     "DiffReport": "ops.diff:DiffReport",
     "describe": "ops.api:describe",
@@ -63,7 +63,8 @@ if TYPE_CHECKING:
     from . import formats, reports, safety
     from .core import devices, limits
     from .core.remote import Backend as UrlBackend, register as register_url_scheme, unregister as unregister_url_scheme
-    from .model.verify import VerifyReport, verify
+    from .model.findings import VerifyReport
+    from .model.verify import verify
     from .ops.api import convert, describe, inspect, load, load_into, read
     from .ops.diff import DiffReport, diff
     from .reports import Checkpoint, ConvertReport, LoadReport

@@ -195,12 +195,14 @@ def test_cli_imports_no_library_at_module_level() -> None:
     """``ckptfix --help`` stays instant: at import time the CLI reaches the lazy package, errors, units and plain
     tables (the option declarations, the format registry, the wrapper targets, the cast dtypes), no library."""
     top = {b for a, b, at_top, _line in EDGES if a.split(".")[0] == "cli" and at_top}
-    light = {"", "errors", "core", "core.units", "ops", "ops.convert_options", "parse", "parse.format_registry"}
+    light = {"", "errors", "core", "core.units", "ops", "ops.convert_options", "parse", "parse.format_registry", "model",
+             "model.verify_options"}
     assert top <= light | {m for m in MODULES if m.split(".")[0] == "cli"}, sorted(map(_name, top))
     tables = {"parse.format_registry": set(), "statedict.wrappers": {"errors"},
               "statedict.transforms": {"errors", "core", "core.units", "statedict", "statedict.wrappers"},
               "ops.convert_options": {"parse", "parse.format_registry", "statedict", "statedict.transforms",
-                                      "statedict.wrappers"}}
+                                      "statedict.wrappers"},
+              "model.verify_options": {"errors", "ops", "ops.convert_options"}}
     for data, may in tables.items():
         imported = {b for a, b, top_level, _line in EDGES if a == data and top_level} - may
         assert not imported, f"ckptfix.{data} should stay plain data, but imports {sorted(imported)}"

@@ -13,8 +13,8 @@ import click
 from .. import __version__
 from . import exits
 from .options import (
-    allow_option, convert_kwargs, convert_options, dtype_option, input_options, json_option, map_location_option,
-    map_location_value, model_options, select_option, tolerance_options, trust_option,
+    allow_option, convert_kwargs, convert_options, json_option, map_location_option, map_location_value, select_option,
+    tolerance_options, trust_option, verify_kwargs, verify_options,
 )
 from .output import render
 
@@ -73,51 +73,14 @@ def inspect(path: str, all_keys: bool, select: str, trust: bool, allow: tuple[st
 
 @cli.command()
 @click.argument("path", type=click.Path(dir_okay=True))
-@model_options("torchvision:NAME, package.module:callable or path/to/file.py:callable.",
-               "Keyword for the model builder (a Python literal, else a string); repeatable.", required=True)
-@click.option("--exact", is_flag=True,
-              help="Pass only if the serving loader (torch.load(weights_only=True), or safetensors.torch.load_file for "
-                   "safetensors) + load_state_dict(strict=True) takes the file as saved, dtypes included.")
-@click.option("--serving-device", metavar="DEV",
-              help="With --exact: the device the serving code loads on (cpu, cuda, cuda:N); fail when the file's saved "
-                   "devices differ (default: those of this machine).")
-@click.option("--reference", metavar="REF", type=click.Path(dir_okay=True),
-              help="Compare forward outputs with this checkpoint's (e.g. the original before a conversion).")
-@input_options
-@click.option("--golden", metavar="FILE.safetensors", type=click.Path(dir_okay=False),
-              help="Compare outputs with the ones this file records; if it does not exist, record them in it.")
-@click.option("--record-golden", is_flag=True, help="Write --golden again from this run, even if it exists.")
-@dtype_option("Serving dtype: the model is built, then cast to it; the forward (and --reference) run in it.")
-@tolerance_options(forward=True)
-@click.option("--no-forward", is_flag=True, help="Keys, shapes and dtypes only: reads on meta, no tensor data.")
-@map_location_option
-@select_option
-@trust_option
-@json_option
+@verify_options
 @click.pass_context
-def verify(ctx: click.Context, path: str, model_spec: str, model_args: tuple[str, ...], exact: bool,
-           serving_device: str | None, reference: str | None, input_shape: str | None, input_dtype: str | None,
-           input_range: str | None, input_file: str | None, golden: str | None, record_golden: bool, dtype: str | None,
-           atol: float | None, rtol: float | None, no_forward: bool, map_location: tuple[str, ...], select: str,
-           trust: bool, as_json: bool) -> None:
+def verify(ctx: click.Context, path: str, model_spec: str, **values: Any) -> None:
     """Check PATH against a model: keys, shapes, dtypes, NaN/Inf, tied weights, forward outputs (exit 3: failed)."""
-    from ..model.inputs import parse_range
-    from ..model.spec import parse_model_args, parse_shape
     from ..model.verify import verify as do_verify
 
-    if record_golden and not golden:
-        raise click.UsageError("--record-golden needs --golden FILE")
-    if serving_device and not exact:
-        raise click.UsageError("--serving-device goes with --exact (the plain load it checks)")
-    report = do_verify(path, model_spec, model_args=parse_model_args(model_args), reference=reference, exact=exact,
-                       forward=not no_forward, atol=atol, rtol=rtol, dtype=dtype,
-                       input_shape=parse_shape(input_shape) if input_shape else None, input_dtype=input_dtype,
-                       input_range=parse_range(input_range) if input_range else None, inputs=input_file,
-                       golden=golden, record_golden=record_golden,
-                       map_location=map_location_value(map_location), select=select, trust=trust,
-                       serving_device=serving_device, progress=True,
-                       checksum=as_json)  # text + --no-forward: no tensor loaded, no hash (CRC-32s still checked)
-    render(report, as_json, _format_text)
+    report = do_verify(path, model_spec, **verify_kwargs(values))
+    render(report, values["as_json"], _format_text)
     if not report.ok:
         ctx.exit(exits.FINDING)
 
@@ -126,7 +89,7 @@ def verify(ctx: click.Context, path: str, model_spec: str, model_args: tuple[str
 @click.argument("a", type=click.Path(dir_okay=True))
 @click.argument("b", type=click.Path(dir_okay=True))
 @click.option("--raw", is_flag=True, help="Compare keys as saved (wrapper segments kept).")
-@tolerance_options()
+@tolerance_options
 @map_location_option
 @select_option
 @trust_option

@@ -2,23 +2,63 @@
 
 ``ckptfix convert``'s options come from :class:`ckptfix.ops.convert_options.ConvertOptions`, one click option per
 field in its order (:func:`convert_options`), and go back to ``ckptfix.convert``'s keywords through
-:func:`convert_kwargs`. The options several commands share are decorators made from the same declarations
-(``--select``, ``--trust``, ``--map-location``, ``--json``) or defined here (``--model``/``--arg``,
-``--dtype``, ``--atol``/``--rtol``).
+:func:`convert_kwargs`; ``ckptfix verify``'s from :class:`ckptfix.model.verify_options.VerifyOptions` in the same
+way (:func:`verify_options`, :func:`verify_kwargs`). A flag's ``kind`` names its click type and how its text becomes
+the library's value (:data:`KINDS`). The options several commands share are decorators made from the same
+declarations (``--select``, ``--trust``, ``--map-location``, ``--json``) or defined here (``--model``/``--arg``,
+``diff``'s ``--atol``/``--rtol``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import Field, fields
 from typing import Any
 
 import click
 
-from ..ops.convert_options import DTYPES, JSON, ConvertOptions, Flag, flag_of
+from ..model import verify_options as verify_declared
+from ..ops.convert_options import JSON, ConvertOptions, Flag, flag_of
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 _FIELDS = {f.name: f for f in fields(ConvertOptions)}
+
+
+def map_location_value(values: tuple[str, ...]) -> Any:
+    """``--map-location`` as the library takes it: the values parsed, or convert's default (cpu) without any."""
+    from ..core.devices import parse_cli_map_location
+
+    return parse_cli_map_location(values) if values else _FIELDS["map_location"].default
+
+
+def _shape(text: str | None) -> Any:
+    from ..model.spec import parse_shape
+
+    return parse_shape(text) if text else None
+
+
+def _range(text: str | None) -> Any:
+    from ..model.inputs import parse_range
+
+    return parse_range(text) if text else None
+
+
+def _model_args(pairs: tuple[str, ...]) -> Any:
+    from ..model.spec import parse_model_args
+
+    return parse_model_args(pairs)
+
+
+#: ``Flag.kind`` → the click type that checks the value, and how its text becomes the library's value (None: as is)
+KINDS: dict[str, tuple[click.ParamType | None, Callable[[Any], Any] | None]] = {
+    "path": (click.Path(dir_okay=True), None),
+    "file": (click.Path(dir_okay=False), None),
+    "tolerance": (click.FloatRange(min=0), None),
+    "devices": (None, map_location_value),
+    "shape": (None, _shape),
+    "range": (None, _range),
+    "model-args": (None, _model_args),
+}
 
 
 def flag_option(flag: Flag, name: str, default: Any = None) -> Decorator:
@@ -26,10 +66,14 @@ def flag_option(flag: Flag, name: str, default: Any = None) -> Decorator:
     extra: dict[str, Any] = {}
     if flag.choices is not None:
         extra["type"] = click.Choice(list(flag.choices))
+    if flag.kind is not None and KINDS[flag.kind][0] is not None:
+        extra["type"] = KINDS[flag.kind][0]
     if default is not None and not (flag.is_flag or flag.multiple):  # click's own defaults there: None, False, ()
         extra["default"] = default
-    return click.option(*flag.decls, flag.dest or name, is_flag=flag.is_flag, multiple=flag.multiple,
-                        metavar=flag.metavar, show_default=flag.show_default, help=flag.help, **extra)
+    if not flag.dash_value:  # click: an explicit is_flag=False reads a following "-…" token as an option
+        extra["is_flag"] = flag.is_flag
+    return click.option(*flag.decls, flag.dest or name, multiple=flag.multiple, metavar=flag.metavar,
+                        show_default=flag.show_default, help=flag.help, **extra)
 
 
 def _field_option(f: Field) -> Decorator:
@@ -43,11 +87,9 @@ allow_option = _field_option(_FIELDS["allow"])
 map_location_option = _field_option(_FIELDS["map_location"])
 
 
-def map_location_value(values: tuple[str, ...]) -> Any:
-    """``--map-location`` as the library takes it: the values parsed, or convert's default (cpu) without any."""
-    from ..core.devices import parse_cli_map_location
-
-    return parse_cli_map_location(values) if values else _FIELDS["map_location"].default
+def model_option(model_help: str, required: bool = False) -> Decorator:
+    """``--model SPEC``: a model spec (``verify``'s model, the one ``convert --by-order`` takes)."""
+    return click.option("--model", "model_spec", required=required, metavar="SPEC", help=model_help)
 
 
 def model_options(model_help: str, arg_help: str, required: bool = False) -> Decorator:
@@ -55,19 +97,20 @@ def model_options(model_help: str, arg_help: str, required: bool = False) -> Dec
 
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
         f = click.option("--arg", "model_args", multiple=True, metavar="NAME=VALUE", help=arg_help)(f)
-        return click.option("--model", "model_spec", required=required, metavar="SPEC", help=model_help)(f)
+        return model_option(model_help, required)(f)
 
     return deco
-
-
-def dtype_option(help: str) -> Decorator:
-    """``--dtype fp32|fp16|bf16``: convert casts the file to it; verify runs the model in it."""
-    return click.option("--dtype", type=click.Choice(list(DTYPES)), help=help)
 
 
 #: the options that follow one of convert's on the command line, to complete it
 _FOLLOWERS = {"by_order": model_options("Model for --by-order: torchvision:NAME, pkg.mod:fn or file.py:fn.",
                                         "Keyword for the --model builder; repeatable.")}
+
+
+def _stacked(f: Callable[..., Any], decorators: list[Decorator]) -> Callable[..., Any]:
+    for deco in reversed(decorators):  # click lists options in the order their decorators are written
+        f = deco(f)
+    return f
 
 
 def convert_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,52 +121,63 @@ def convert_options(f: Callable[..., Any]) -> Callable[..., Any]:
         decorators.append(_field_option(fld))
         if name in _FOLLOWERS:
             decorators.append(_FOLLOWERS[name])
-    for deco in reversed(decorators):  # click lists options in the order their decorators are written
-        f = deco(f)
-    return f
+    return _stacked(f, decorators)
+
+
+def _keywords(declared: Iterable[Field], values: dict[str, Any]) -> dict[str, Any]:
+    """The library's keywords from the command's parameters, as the flags say: each from its flag's parameter
+    (``--json`` gives ``checksums``, ``--quiet`` the opposite of ``progress``), as typed (no ``kind``'s parse yet)."""
+    kwargs: dict[str, Any] = {}
+    for fld in declared:
+        flag = flag_of(fld)
+        value = values[flag.dest or fld.name]
+        kwargs[fld.name] = not value if flag.negate else value
+    return kwargs
+
+
+def _parsed(declared: Iterable[Field], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with each value whose flag has a ``kind`` parsed by it (``--map-location``'s devices …)."""
+    for fld in declared:
+        kind = flag_of(fld).kind
+        parse = KINDS[kind][1] if kind is not None else None
+        if parse is not None:
+            kwargs[fld.name] = parse(kwargs[fld.name])
+    return kwargs
 
 
 def convert_kwargs(values: dict[str, Any], by_order: Any) -> dict[str, Any]:
-    """``ckptfix.convert``'s keywords from the command's parameters: each option from its flag's
-    parameter (``--json`` gives ``checksums``, ``--quiet`` the opposite of ``progress``), ``map_location``
-    parsed, ``by_order`` the model ``--model`` built."""
-    kwargs: dict[str, Any] = {}
-    for name, fld in _FIELDS.items():
-        flag = flag_of(fld)
-        value = values[flag.dest or name]
-        kwargs[name] = not value if flag.negate else value
-    return {**kwargs, "map_location": map_location_value(kwargs["map_location"]), "by_order": by_order}
+    """``ckptfix.convert``'s keywords from the command's parameters (:func:`_keywords`, parsed), ``by_order`` the
+    model ``--model`` built."""
+    return {**_parsed(_FIELDS.values(), _keywords(_FIELDS.values(), values)), "by_order": by_order}
 
 
-def tolerance_options(forward: bool = False) -> Decorator:
-    """``--atol``/``--rtol``: for ``diff`` (default 0: bit-exact), for ``verify``'s forward check
-    (default: bit-exact against --reference, the recorded-value default against --golden)."""
-    default = ("bit-exact against --reference (with --dtype fp16/bf16: that dtype's default); against --golden, "
-               "the recorded-value default for the output dtype (float32: atol 1e-6, rtol 1e-5)") if forward \
-        else "0: bit-exact"
-
-    def deco(f: Callable[..., Any]) -> Callable[..., Any]:
-        for name in ("--rtol", "--atol"):
-            f = click.option(name, type=click.FloatRange(min=0), default=None if forward else 0.0, metavar="X",
-                             show_default=not forward,
-                             help=f"{'Absolute' if name == '--atol' else 'Relative'} tolerance ({default}).")(f)
-        return f
-
-    return deco
+VERIFY_MODEL_HELP = "torchvision:NAME, package.module:callable or path/to/file.py:callable."
 
 
-def input_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """The forward check's input: a seeded recipe (shape, dtype, range) or a file of tensors."""
-    for option in reversed([
-        click.option("--input-shape", metavar="SHAPE", help="Forward input shape, e.g. 1,3,224,224 (default: inferred)."),
-        click.option("--input-dtype", type=click.Choice(["float", "long", "int"]),
-                     help="float (randn, in the model's dtype; default), or long/int token IDs (default: long "
-                          "when the first layer is an Embedding)."),
-        click.option("--input-range", metavar="LOW,HIGH",
-                     help="Token IDs from LOW to HIGH-1, e.g. 0,30522 (default for long: 0,the Embedding's size); "
-                          "floats: uniform in [LOW, HIGH)."),
-        click.option("--input", "input_file", metavar="FILE", type=click.Path(dir_okay=False),
-                     help="The input itself: a tensor, or a dict of tensors passed as model(**dict) (.pt or .safetensors)."),
-    ]):
-        f = option(f)
+def verify_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--model``, then every :class:`~ckptfix.model.verify_options.VerifyOptions` field with a flag as its click
+    option, in ``HELP_ORDER``."""
+    decorators = [model_option(VERIFY_MODEL_HELP, required=True)]
+    return _stacked(f, decorators + [_field_option(fld) for fld in verify_declared.flagged()])
+
+
+def verify_kwargs(values: dict[str, Any]) -> dict[str, Any]:
+    """``ckptfix.verify``'s keywords from the command's parameters: the options that go together checked first
+    (a usage error, exit 2), then each value parsed as its flag's ``kind`` says, and the keywords the command
+    always passes (``progress``)."""
+    declared = list(verify_declared.flagged())
+    kwargs = _keywords(declared, values)
+    rule = verify_declared.broken_rule(kwargs)
+    if rule is not None:
+        raise click.UsageError(rule.usage)
+    fixed = {f.name: f.metadata["command_line"] for f in fields(verify_declared.VerifyOptions)
+             if f.metadata.get("command_line") is not None}
+    return {**_parsed(declared, kwargs), **fixed}
+
+
+def tolerance_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``diff``'s ``--atol``/``--rtol`` (default 0: bit-exact)."""
+    for name in ("--rtol", "--atol"):
+        f = click.option(name, type=click.FloatRange(min=0), default=0.0, metavar="X", show_default=True,
+                         help=f"{'Absolute' if name == '--atol' else 'Relative'} tolerance (0: bit-exact).")(f)
     return f

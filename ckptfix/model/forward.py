@@ -13,9 +13,7 @@ from typing import Any
 from ..errors import ForwardError
 from ..core.units import dtype_name
 from ..ops.diff import tensor_diff
-
-#: Seed of the input used for forward checks (the fixtures' own: fixtures/train.py INPUT_SEED).
-INPUT_SEED = 1234
+from .verify_options import INPUT_SEED
 
 #: ``(atol, rtol)`` for an output compared with one recorded elsewhere (a golden file, a fixtures manifest),
 #: by the output's dtype: another CPU (AVX-512, AVX2, none) or a GPU rounds float kernels differently in

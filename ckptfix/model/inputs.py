@@ -21,7 +21,8 @@ from ..core.devices import DevicePlan
 from ..errors import GoldenError, InputError
 from ..parse import inert
 from ..safety.scanner import ensure_safe
-from .forward import INPUT_SEED, seeded_input
+from .forward import seeded_input
+from .verify_options import INPUT_SEED
 from ..core.units import dtype_name
 from ..text import describe_recipe, number
 

@@ -23,6 +23,7 @@ from ..errors import DeviceError
 from ..parse.format_registry import get as format_of
 from ..parse.safetensors_header import read_header
 from ..statedict import repair
+from .findings import Findings
 from .spec import unwrap_model
 
 #: how many key names a failure line shows before "and N more"
@@ -76,20 +77,21 @@ def check_aliases(read: Mapping[str, Any], loaded: Mapping[str, Any], to_model: 
     return out
 
 
-def as_served(report: Any, aliases: Aliases) -> None:
+def as_served(report: Any, aliases: Aliases) -> Findings:
     """The report as the serving loader sees the keys: a tied key it lacks is missing unless the model ties it
     again itself (then tolerated, with a note); ``matched`` counts only the keys it returns."""
-    report.missing = report.missing + [k for k in aliases.absent if k not in report.missing]  # fit's list stays as is
-    report.matched -= len(aliases.hidden)
-    report.tolerated = [t for t in report.tolerated if t["key"] not in aliases.absent and t["key"] not in aliases.retied]
-    report.tolerated += [{"key": k, "kind": "tied", "reason": f"tied to {twin}, which is present; the model ties it "
-                                                               "again after loading"} for k, twin in aliases.retied.items()]
+    tolerated = [t for t in report.tolerated if t["key"] not in aliases.absent and t["key"] not in aliases.retied]
+    tolerated += [{"key": k, "kind": "tied", "reason": f"tied to {twin}, which is present; the model ties it "
+                                                      "again after loading"} for k, twin in aliases.retied.items()]
+    found = Findings(fields={"missing": report.missing + [k for k in aliases.absent if k not in report.missing],
+                             "matched": report.matched - len(aliases.hidden), "tolerated": tolerated})
     if aliases.retied:
         twins = ", ".join(dict.fromkeys(aliases.retied.values()))
-        report.notes.append(f"{', '.join(aliases.retied)}: not among the keys {loader(report.format)} returns; "
-                            f"{aliases.hook} ties it to {twins} after "
-                            "loading (from_pretrained calls it): serve with from_pretrained, or call it after "
-                            "load_state_dict(…, strict=False); a plain strict load_state_dict reports the key missing")
+        found.notes.append(f"{', '.join(aliases.retied)}: not among the keys {loader(report.format)} returns; "
+                           f"{aliases.hook} ties it to {twins} after "
+                           "loading (from_pretrained calls it): serve with from_pretrained, or call it after "
+                           "load_state_dict(…, strict=False); a plain strict load_state_dict reports the key missing")
+    return found
 
 
 def loader(fmt: str) -> str:

@@ -41,6 +41,12 @@ class Flag:
     dest: str | None = None
     #: the flag turns the option off: ``--quiet`` means ``progress=False``
     negate: bool = False
+    #: what the value is where it isn't plain text (``"devices"``, ``"file"``, ``"shape"`` …): the name of the check and
+    #: parse ``ckptfix.cli.options.KINDS`` gives it on the command line
+    kind: str | None = None
+    #: the value may begin with ``-`` (``--input-range -1,1``); without it, click takes a following token that
+    #: looks like an option for one, not for the value
+    dash_value: bool = False
 
 
 #: ``--json``, on every command that prints a report
@@ -48,7 +54,7 @@ JSON = Flag(("--json",), dest="as_json", is_flag=True, help="Print one JSON obje
 
 
 def option(default: Any, flag: Flag) -> Any:
-    """A :class:`ConvertOptions` field: the library's default and the command-line flag."""
+    """An options field (:class:`ConvertOptions`, ``VerifyOptions``): the library's default and the command-line flag."""
     return field(default=default, metadata={"flag": flag})
 
 
@@ -64,7 +70,7 @@ class ConvertOptions:
 
     to: str = option("single", Flag(("--to",), choices=WRAPPER_FORMS, show_default=True,
                                     help="Wrapper form of the output keys."))
-    map_location: Any = option("cpu", Flag(("--map-location",), multiple=True, metavar="SPEC",
+    map_location: Any = option("cpu", Flag(("--map-location",), multiple=True, metavar="SPEC", kind="devices",
                                            help="cpu, cuda, cuda:N, meta, auto, or FROM=TO (repeatable). Default: cpu."))
     select: str = option("auto", Flag(("--select",), metavar="KEY", show_default=True,
                                       help="Where the state dict sits in a training checkpoint (e.g. state_dict_ema)."))

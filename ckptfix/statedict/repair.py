@@ -9,7 +9,6 @@ applied, only suggested (:func:`suggest_renames`).
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from collections import OrderedDict
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import wrappers
-from ..core import locations, tensorcopy
+from ..core import tensorcopy
 from ..core.units import dtype_name
 
 _MAX_PREFIX_DEPTH = 3
@@ -292,38 +291,6 @@ def torch_fills_num_batches_tracked(key: str, state_dict: Any) -> bool:
     meta = getattr(state_dict, "_metadata", None) or {}
     version = meta.get(key.rpartition(".")[0], {}).get("version")
     return key.rsplit(".", 1)[-1] == "num_batches_tracked" and (version is None or version < 2)
-
-
-def convert_command(path: str, keys: list[str], repair: Repair, target: Target, select: str | None,
-                    dtype: str | None = None, ext: str = ".pth", untie: bool = False,
-                    map_location: str | None = None) -> str | None:
-    """The ``ckptfix convert …`` line writing ``PATH.fixed{ext}`` (a URL's: ``NAME.fixed{ext}`` here), which plain
-    ``torch.load`` (or ``safetensors.torch.load_file``, for ``.safetensors``) + ``load_state_dict`` takes: with ``--untie``
-    (tied tensors under every key) and ``--map-location`` (the devices) when given.
-
-    Each candidate command is checked by running its key function over every key; ``None`` when
-    no ``--to``/``--strip-prefix``/``--add-prefix`` combination reproduces the repair.
-    """
-    to = next((name for name, stack in wrappers.TARGETS.items() if stack == tuple(target.wrappers)), None)
-    if to is None:
-        return None
-    lead = wrappers.leading_wrappers(keys[0]) if keys else ()
-    strips = [None] if repair.strip_prefix is None else [repair.strip_prefix, ".".join((*lead, repair.strip_prefix))]
-    for strip in strips:
-        fn = wrappers.key_transform(to, strip_prefix=strip, add_prefix=repair.add_prefix)
-        if all(fn(k) == repair.fn(k) for k in keys):
-            stem = os.path.splitext(path.rstrip("/") or path)[0]
-            if locations.is_remote(path):  # (written here: a local file named after the remote one)
-                stem = os.path.splitext(path.rstrip("/").rsplit("/", 1)[-1])[0]
-            argv = ["ckptfix", "convert", path, f"{stem}.fixed{ext}", "--to", to]
-            argv += ["--strip-prefix", strip + "."] if strip else []
-            argv += ["--add-prefix", repair.add_prefix + "."] if repair.add_prefix else []
-            argv += ["--select", select] if select not in (None, "<nn.Module>") else []
-            argv += ["--dtype", dtype] if dtype else []
-            argv += ["--untie"] if untie else []
-            argv += ["--map-location", map_location] if map_location else []
-            return " ".join(shlex.quote(a) for a in argv)
-    return None
 
 
 def suggest_renames(unexpected: Mapping[str, Any], missing: Mapping[str, Any], path: str = "PATH") -> list[dict[str, Any]]:

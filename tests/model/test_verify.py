@@ -21,6 +21,7 @@ import ckptfix
 import ckptfix.ops.api
 from ckptfix.cli import cli
 from ckptfix.model.spec import build_model
+from ckptfix.safety import integrity
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
@@ -321,7 +322,7 @@ def test_text_no_forward_does_not_hash_the_file(monkeypatch, cli_runner, fixture
     def refuse(path: str, *progress: Any) -> str:
         raise AssertionError(f"hashed {path}")
 
-    monkeypatch.setattr(sys.modules["ckptfix.model.verify"], "sha256_file", refuse)
+    monkeypatch.setattr(integrity, "sha256_file", refuse)
     res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp.pth"), "--model", MLP_SPEC, "--no-forward"])
     assert res.exit_code == 0 and "sha256" not in res.output, res.output
     res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp.pth"), "--model", MLP_SPEC, "--no-forward",

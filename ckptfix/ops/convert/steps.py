@@ -38,6 +38,7 @@ from ..convert_options import ConvertOptions
 from ..reading import read_checkpoint, structure_first, summarise
 from ...parse import format_registry as registry, inert
 from ...reports import Checkpoint, ConvertReport, tensor_stats
+from ...safety import integrity
 from ...safety.standins import contains_stand_ins
 from ...core.tensorinfo import TensorInfo
 
@@ -418,7 +419,7 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         bytes_written=final.size if locations.is_remote(dst) else _size_on_disk(dst),
         seconds=round(time.perf_counter() - start, 3),
         peak_rss=peak_rss_bytes(),
-        sha256_in=sha256_file(req.src) if req.checksums and os.path.isfile(req.src) else None,
+        sha256_in=integrity.file_sha256(req.src) if req.checksums else None,
         sha256_out=final.sha256 if req.checksums else None,
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,

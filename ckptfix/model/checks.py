@@ -1,0 +1,327 @@
+"""The gate: :data:`CHECKS`, the checks :func:`ckptfix.verify` runs in order over one :class:`Gate`.
+
+Each check is a function ``(gate, report) -> Findings``: it looks at the checkpoint as read, the model and the
+options (the :class:`Gate`), reads what the checks before it found (the report so far) and returns its own
+findings, which :func:`ckptfix.model.findings.add` puts into the report. Any failure fails the gate. A new check
+is one function here and one entry in :data:`CHECKS`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from .. import text
+from ..core.devices import storage_id
+from ..core.progress import Progress
+from ..errors import GoldenError, LoadError
+from ..ops import api
+from ..parse.format_registry import get as format_of
+from ..reports import Checkpoint
+from ..safety import integrity
+from ..statedict import repair
+from . import fixes, serving
+from . import forward as fwd
+from . import golden as gold
+from . import spec as models
+from .findings import Findings, VerifyReport
+from .inputs import InputRecipe, resolve_input
+from .verify_options import VerifyOptions
+
+
+@dataclass
+class Gate:
+    """What the checks look at: the options, the checkpoint as read, the model, and the key repair that fits them."""
+
+    options: VerifyOptions
+    path: str
+    #: the tensors were read with their values (not on meta): NaN/Inf and the forward check run
+    with_values: bool
+    source: models.ModelSource
+    ckpt: Checkpoint
+    structure: Any  #: the model as built for the read: on meta without values
+    is_fresh: bool  #: ``structure`` is a fresh model the forward check may load into
+    target: repair.Target
+    chosen: repair.Repair
+    fit: repair.Fit
+
+    @cached_property
+    def aliases(self) -> serving.Aliases:
+        """With ``exact``: the tied keys the serving loader does not return (none without)."""
+        if not self.options.exact:
+            return serving.Aliases()
+        loaded = serving.plainly_loaded(self.ckpt)
+        return serving.check_aliases(self.ckpt.state_dict, loaded, self.chosen.fn, self.target,
+                                     serving.retie_hook(self.structure))
+
+    @cached_property
+    def off_device(self) -> list[str]:
+        """With ``exact``: a failure line per saved device the serving code can't load on (none without)."""
+        if not self.options.exact:
+            return []
+        return serving.device_failures(self.ckpt.devices, self.options.serving_device, serving.loader(self.ckpt.format))
+
+
+def open_gate(path: Any, model: Any, options: VerifyOptions) -> Gate:
+    """Read the checkpoint (on meta without the forward check) and the model, and fit its keys to the model's."""
+    path = os.fspath(path)
+    with_values = options.forward and str(options.map_location).strip().lower() != "meta"  # meta holds no values to run
+    source = models.ModelSource(model, options.model_args, options.dtype)
+    ckpt = api.read(path, map_location=options.map_location if with_values else "meta", trust=options.trust,
+                    select=options.select)
+    structure, is_fresh = source.structure(meta=not with_values)
+    target = repair.describe_target(structure, float_dtype=source.dtype)
+    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
+    return Gate(options, path, with_values, source, ckpt, structure, is_fresh, target, chosen, fit)
+
+
+def first_report(gate: Gate) -> VerifyReport:
+    """The report before any check: what the read and the key repair found."""
+    ckpt, fit = gate.ckpt, gate.fit
+    return VerifyReport(
+        ok=False, checkpoint=gate.path, model=gate.source.label, fix=gate.chosen.description, missing=fit.missing,
+        unexpected=fit.unexpected, shape_mismatch=fit.shape_mismatch, dtype_mismatch=fit.dtype_mismatch,
+        nonfinite=None, forward=None, sha256=None, exact=gate.options.exact, format=ckpt.format,
+        state_dict_key=ckpt.state_dict_key, matched=gate.chosen.matched, total=gate.chosen.total,
+        non_tensor=fit.non_tensor, tolerated=fit.tolerated, notes=list(ckpt.notes), model_dtype=gate.source.dtype_name,
+        devices=dict(ckpt.devices), serving_device=gate.options.serving_device,
+    )
+
+
+def sha256(gate: Gate, report: VerifyReport) -> Findings:
+    """The file's SHA-256 (a directory has no one hash), unless neither the options nor the forward check ask."""
+    if not (gate.options.checksum or gate.with_values):
+        return Findings()
+    return Findings(fields={"sha256": integrity.file_sha256(gate.path, "verify" if gate.options.progress else None)})
+
+
+def served_keys(gate: Gate, report: VerifyReport) -> Findings:
+    """With ``exact``: the keys as the serving loader returns them (:func:`ckptfix.model.serving.as_served`)."""
+    return serving.as_served(report, gate.aliases) if gate.options.exact else Findings()
+
+
+def fix_command(gate: Gate, report: VerifyReport) -> Findings:
+    """The ``ckptfix convert`` line that writes a file the serving loader takes, where the file needs one."""
+    exact, ckpt, aliases = gate.options.exact, gate.ckpt, gate.aliases
+    cast = fixes.cast_to(gate.fit, gate.target) if exact else None
+    as_saved_fails = exact and (ckpt.state_dict_key is not None or not format_of(ckpt.format).exact_loader)
+    if not (gate.chosen.description or cast or aliases.stored or gate.off_device or as_saved_fails):
+        return Findings()
+    ext = format_of(ckpt.format).fixed_ext  # a safetensors release stays one
+    command = fixes.convert_command(gate.path, list(ckpt.state_dict), gate.chosen, gate.target, ckpt.state_dict_key,
+                                    dtype=cast, ext=ext, untie=bool(aliases.stored),
+                                    map_location="cpu" if gate.off_device else None)
+    return Findings(fields={"convert_command": command})
+
+
+def tensor_values(gate: Gate, report: VerifyReport) -> Findings:
+    """NaN/Inf per tensor (with values only), and tied parameters that arrive as different tensors."""
+    import torch
+
+    sd, found = gate.fit.state_dict, Findings()
+    if gate.with_values:
+        found.fields["nonfinite"] = _nonfinite(sd, list(gate.target.shapes), gate.options.progress)
+    mismatched = []
+    for group in gate.target.tied:
+        present = [k for k in group if isinstance(sd.get(k), torch.Tensor)]
+        views = {(storage_id(sd[k]), sd[k].storage_offset(), tuple(sd[k].shape), tuple(sd[k].stride())) for k in present}
+        if len(views) <= 1:
+            continue
+        if not gate.with_values:
+            found.warnings.append(f"tied parameters {', '.join(present)} are separate tensors in the checkpoint; "
+                                  "their values are not compared on meta (run without --no-forward)")
+        elif any(sd[k].shape != sd[present[0]].shape or not torch.equal(sd[k], sd[present[0]]) for k in present[1:]):
+            mismatched.append({"keys": present, "reason": "the model ties them but their values differ; "
+                                                          "only one survives loading"})
+    if mismatched:
+        found.fields["shared_mismatch"] = report.shared_mismatch + mismatched
+    return found
+
+
+def _nonfinite(sd: Any, keys: list[str], progress: bool) -> list[str]:
+    """:func:`repair.nonfinite_keys`, tensor by tensor, with a progress line on a terminal (the long part)."""
+    import torch
+
+    tensors = [k for k in keys if isinstance(sd.get(k), torch.Tensor)]
+    total = sum(sd[k].numel() * sd[k].element_size() for k in tensors)
+    out: list[str] = []
+    with Progress(total, len(tensors), enabled=progress, label="verify: NaN/Inf") as bar:
+        for k in tensors:
+            out += repair.nonfinite_keys(sd, [k])
+            bar.advance(sd[k].numel() * sd[k].element_size())
+            bar.tensor_done()
+    return out
+
+
+def _keys(rows: list[Any]) -> list[str]:
+    """Key names from a report list: keys, ``{key, …}`` rows, or ``{keys: [...]}`` rows (as ``a/b``)."""
+    return [r if isinstance(r, str) else r["key"] if "key" in r else "/".join(r["keys"]) for r in rows]
+
+
+def key_fit(gate: Gate, report: VerifyReport) -> Findings:
+    """What keeps the repaired state dict from loading strictly and serving (missing, unexpected, shape mismatch,
+    non-tensor, non-finite, tied weights that differ), with the renames that would fit; the casts on load
+    (warnings) without ``exact``."""
+    fit, found = gate.fit, Findings()
+    problems = [serving.named(name, _keys(v)) for name, v in (
+        ("missing", fit.missing), ("unexpected", fit.unexpected), ("shape mismatch", fit.shape_mismatch),
+        ("non-tensor", fit.non_tensor), ("non-finite", report.nonfinite or []),
+        ("tied-weight mismatch", report.shared_mismatch)) if v]
+    if problems:
+        line = ("after the repair: " if report.fix else "") + "; ".join(problems)
+        if fit.missing and fit.unexpected:
+            line += " (names differ: a renamed layer, or a different architecture)"
+            found.fields["suggestions"] = fixes.for_renamed_keys(fit, gate.target, gate.ckpt.path)
+        elif fit.missing or fit.shape_mismatch:
+            line += " (a different architecture or configuration than the checkpoint's?)"
+        found.failures.append(line)
+    if fit.dtype_mismatch and not gate.options.exact:
+        counts = sorted({f"{r['checkpoint']} -> {r['model']}" for r in fit.dtype_mismatch})
+        found.warnings.append(f"{len(fit.dtype_mismatch)} tensors are cast on load ({', '.join(counts)})")
+    return found
+
+
+def as_saved(gate: Gate, report: VerifyReport) -> Findings:
+    """With ``exact``: why the serving loader — ``torch.load(PATH, weights_only=True)`` or
+    ``safetensors.torch.load_file(PATH)`` — then ``load_state_dict(…, strict=True)`` would not take the file as is."""
+    if not gate.options.exact:
+        return Findings()
+    ckpt, aliases, out = gate.ckpt, gate.aliases, []
+    how = f" (the repair: {report.fix})" if report.fix else ""
+    if not format_of(ckpt.format).exact_loader:
+        what = "directory" if os.path.isdir(ckpt.path) else "file"
+        out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
+    if ckpt.state_dict_key is not None:
+        out.append(f"exact: torch.load returns a dict with the state dict under {ckpt.state_dict_key!r}, not the state dict")
+    as_loaded = serving.plainly_loaded(ckpt)
+    plain = repair.check_fit(as_loaded, gate.target, fill=False)
+    missing = plain.missing + [t["key"] for t in plain.tolerated if t["key"] not in aliases.retied
+                               and not repair.torch_fills_num_batches_tracked(t["key"], as_loaded)]
+    problems = [serving.named(name, _keys(v)) for name, v in (
+        ("missing", missing), ("unexpected", plain.unexpected), ("shape mismatch", plain.shape_mismatch),
+        ("non-tensor", plain.non_tensor)) if v]
+    if problems:
+        why = "".join(f"; {serving.alias_reason(k, aliases, ckpt.format)}" for k in missing if k in aliases.absent)
+        out.append(f"exact: load_state_dict(strict=True) would fail as saved: {'; '.join(problems)}{how}{why}")
+    if plain.dtype_mismatch:
+        kinds = sorted({f"{r['checkpoint']} vs model {r['model']}" for r in plain.dtype_mismatch})
+        out.append(f"exact: {len(plain.dtype_mismatch)} dtypes differ from the model's ({', '.join(kinds)}): "
+                   + serving.shown(_keys(plain.dtype_mismatch)))
+    return Findings(failures=out)
+
+
+def devices(gate: Gate, report: VerifyReport) -> Findings:
+    """With ``exact``: the saved devices the serving code can't load on (``serving_device``, else this machine's)."""
+    return Findings(failures=list(gate.off_device))
+
+
+def zip_crcs(gate: Gate, report: VerifyReport) -> Findings:
+    """The CRC-32 a zip stores for each member, against its bytes (with or without the forward check)."""
+    return Findings(failures=integrity.crc_failures(gate.path, gate.ckpt.format))
+
+
+def forward_outputs(gate: Gate, report: VerifyReport) -> Findings:
+    """With values, where the file loads: the forward check (:func:`_run_forward`); else a note of why not."""
+    o = gate.options
+    request = fwd.ForwardRequest(o.reference, o.golden, o.record_golden, o.atol, o.rtol, o.input_shape, o.input_dtype,
+                                 o.input_range, o.inputs, o.seed)
+    found = Findings()
+    if gate.with_values and gate.fit.loads:
+        found = _run_forward(gate, report, gate.structure if gate.is_fresh else gate.source.fresh(), request)
+    elif gate.with_values:
+        found.notes.append("forward check skipped: the checkpoint does not load into the model" + request.ignored)
+    else:
+        found.notes.append("structure only (--no-forward): read on meta; NaN/Inf and forward not checked"
+                           + request.ignored)
+    if o.golden is not None and found.fields.get("golden", report.golden) is None:
+        found.fields["golden"] = {"path": os.fspath(o.golden), "action": "skipped", "input": None, "outputs": None}
+    return found
+
+
+def _run_forward(gate: Gate, report: VerifyReport, net: Any, req: fwd.ForwardRequest) -> Findings:
+    """Load into a fresh model (strictly, as torch does); run it on one input and compare its outputs
+    with the reference's and the golden file's; record the golden file when asked."""
+    found = Findings()
+    try:
+        net.load_state_dict(gate.fit.state_dict, strict=True)
+    except (RuntimeError, ValueError, TypeError) as e:
+        found.failures.append(f"torch's load_state_dict refused the repaired state dict: {str(e).splitlines()[0]}")
+        return found
+    if req.reference is None and req.golden is None:
+        return found
+    recorded = _golden_to_compare(req, net)
+    recipe = resolve_input(net, req.input_shape, req.input_dtype, req.input_range, req.seed, req.inputs,
+                           recorded=recorded.input if recorded else None)
+    args, kwargs = recipe.make()
+    out = fwd.named_outputs(fwd.run_model(net, args, kwargs, recipe.describe()))
+    checks = []
+    if recorded is not None:
+        checks.append(fwd.compare_outputs("golden", recorded.path, out, recorded.outputs, req.atol, req.rtol, recipe,
+                                          default="recorded"))
+        found.fields["golden"] = {"path": recorded.path, "action": "compared", "input": recipe.to_dict(),
+                                  "outputs": gold.summary(recorded.outputs)}
+    if req.reference is not None:
+        ref_net = _load_reference(req.reference, gate.source, gate.options.map_location, gate.options.trust)
+        want = fwd.named_outputs(fwd.run_model(ref_net, args, kwargs, recipe.describe()))
+        half = gate.source.dtype_name not in (None, "float32")
+        checks.append(fwd.compare_outputs("reference", os.fspath(req.reference), out, want, req.atol, req.rtol, recipe,
+                                          default="dtype" if half else "exact"))
+    if checks:
+        diffs = [c["max_abs_diff"] for c in checks]
+        found.fields["forward"] = {"max_abs_diff": None if None in diffs else max(diffs), "ok": all(c["ok"] for c in checks),
+                                   "atol": float(req.atol or 0.0), "rtol": float(req.rtol or 0.0), "against": checks}
+    for c in checks:
+        if not c["ok"]:
+            how = "a different output structure" if c["max_abs_diff"] is None else f"max abs diff {c['max_abs_diff']:.3g}"
+            found.failures.append(f"forward output differs from the {c['what']} ({how}, {text.describe_tolerance(c)})")
+    if req.golden is not None and recorded is None:
+        passed = not (report.failures or found.failures)
+        _record_golden(found, passed, report, os.fspath(req.golden), out, recipe, net, gate.source.label)
+    return found
+
+
+def _golden_to_compare(req: fwd.ForwardRequest, net: Any) -> gold.Golden | None:
+    """The golden file to compare with: None when there is none yet or it is to be recorded again."""
+    if req.golden is None or req.record_golden or not os.path.lexists(req.golden):
+        return None
+    recorded = gold.read_golden(req.golden)
+    runs_in = models.float_dtype(net)
+    if recorded.dtype != runs_in:
+        short = fixes.SHORT_DTYPES.get(recorded.dtype, recorded.dtype)
+        raise GoldenError(f"golden {recorded.path}: recorded with the model in {recorded.dtype}, but it runs in "
+                          f"{runs_in} here; pass --dtype {short} (library: dtype={short!r}), or record it again "
+                          "(--record-golden)")
+    return recorded
+
+
+def _record_golden(found: Findings, passed: bool, report: VerifyReport, where: str, out: dict[str, Any],
+                   recipe: InputRecipe, net: Any, label: str) -> None:
+    """Write this run's outputs as the golden file, only when everything else ``passed``."""
+    entry: dict[str, Any] = {"path": where, "input": recipe.to_dict(), "outputs": gold.summary(out)}
+    if not passed:
+        found.fields["golden"] = {**entry, "action": "skipped"}
+        found.notes.append(f"golden outputs not recorded to {where}: the checkpoint failed verification")
+        return
+    gold.write_golden(where, out, entry["input"], models.float_dtype(net), model=label,
+                      checkpoint=os.path.basename(report.checkpoint.rstrip("/")), checkpoint_sha256=report.sha256)
+    found.fields["golden"] = {**entry, "action": "recorded"}
+
+
+def _load_reference(reference: Any, source: models.ModelSource, map_location: Any, trust: bool) -> Any:
+    ref = api.read(reference, map_location=map_location, trust=trust)
+    net = source.fresh()
+    target = repair.describe_target(net)
+    _, fit = repair.fit_to_model(ref.state_dict, target, source=ref.path)
+    if not fit.loads:
+        raise LoadError(f"reference {ref.path}: does not load into the model ({len(fit.missing)} missing, "
+                        f"{len(fit.unexpected)} unexpected, {len(fit.shape_mismatch)} shape mismatch); "
+                        "`ckptfix verify` it against the model first")
+    net.load_state_dict(fit.state_dict, strict=True)
+    return net
+
+
+#: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
+#: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
+CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, as_saved, devices, zip_crcs, forward_outputs)

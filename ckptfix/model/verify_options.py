@@ -1,0 +1,130 @@
+"""Verify's options, declared once, as :class:`ckptfix.ops.convert_options.ConvertOptions` declares convert's.
+
+Each field of :class:`VerifyOptions` is one keyword of :func:`ckptfix.verify` after ``path`` and ``model`` (name,
+type, default, and its place: the keywords keep the order they have always had, so a positional call still
+works) and carries its command-line :class:`Flag`; ``ckptfix.cli.options`` builds ``ckptfix verify``'s click
+options from these fields, in :data:`HELP_ORDER`. The two options that go together are :data:`RULES`, checked
+when the options are made: the library raises the rule's error, the command line stops with its usage line.
+
+Plain data: it imports only the option declarations and the error types, so ``ckptfix --help`` reads it without
+the library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
+
+from ..errors import CkptfixError, DeviceError, GoldenError
+from ..ops.convert_options import DTYPES, JSON, ConvertOptions, Flag, flag_of, option
+
+#: Seed of the input used for forward checks (the fixtures' own: fixtures/train.py INPUT_SEED).
+INPUT_SEED = 1234
+
+_CONVERT = {f.name: f for f in fields(ConvertOptions)}
+_TOLERANCE = ("bit-exact against --reference (with --dtype fp16/bf16: that dtype's default); against --golden, the "
+              "recorded-value default for the output dtype (float32: atol 1e-6, rtol 1e-5)")
+
+
+def own_flag(decls: tuple[str, ...], **kwargs: Any) -> Flag:
+    """A flag of verify's own; one that takes a value takes it even where it begins with ``-`` (``--input-range -1,1``)."""
+    return Flag(decls, dash_value=not kwargs.get("is_flag", False), **kwargs)
+
+
+def keyword(default: Any, command_line: Any = None) -> Any:
+    """A field without a flag: a library keyword only. The command passes ``command_line`` for it when that
+    is not None (``progress``: always on), else the library's default."""
+    return field(default=default, metadata={"command_line": command_line})
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """Everything :func:`ckptfix.verify` takes after ``path`` and ``model``, in its signature's order."""
+
+    reference: Any = option(None, own_flag(("--reference",), metavar="REF", kind="path", help=(
+        "Compare forward outputs with this checkpoint's (e.g. the original before a conversion).")))
+    exact: bool = option(False, own_flag(("--exact",), is_flag=True, help=(
+        "Pass only if the serving loader (torch.load(weights_only=True), or safetensors.torch.load_file for "
+        "safetensors) + load_state_dict(strict=True) takes the file as saved, dtypes included.")))
+    forward: bool = option(True, own_flag(("--no-forward",), is_flag=True, dest="no_forward", negate=True,
+                                      help="Keys, shapes and dtypes only: reads on meta, no tensor data."))
+    atol: float | None = option(None, own_flag(("--atol",), metavar="X", kind="tolerance",
+                                           help=f"Absolute tolerance ({_TOLERANCE})."))
+    rtol: float | None = option(None, own_flag(("--rtol",), metavar="X", kind="tolerance",
+                                           help=f"Relative tolerance ({_TOLERANCE})."))
+    input_shape: tuple[int, ...] | None = option(None, own_flag(("--input-shape",), metavar="SHAPE", kind="shape", help=(
+        "Forward input shape, e.g. 1,3,224,224 (default: inferred).")))
+    model_args: dict[str, Any] | None = option(None, own_flag(("--arg",), multiple=True, metavar="NAME=VALUE", kind="model-args",
+                                                          help="Keyword for the model builder (a Python literal, else a "
+                                                               "string); repeatable."))
+    map_location: Any = option("cpu", flag_of(_CONVERT["map_location"]))
+    select: str = option("auto", flag_of(_CONVERT["select"]))
+    trust: bool = option(False, flag_of(_CONVERT["trust"]))
+    seed: int = keyword(INPUT_SEED)
+    #: the file's SHA-256 in the report; the command line hashes with --json only (text + --no-forward: no hash)
+    checksum: bool = option(True, JSON)
+    dtype: Any = option(None, own_flag(("--dtype",), choices=DTYPES, help=(
+        "Serving dtype: the model is built, then cast to it; the forward (and --reference) run in it.")))
+    input_dtype: str | None = option(None, own_flag(("--input-dtype",), choices=("float", "long", "int"), help=(
+        "float (randn, in the model's dtype; default), or long/int token IDs (default: long when the first layer "
+        "is an Embedding).")))
+    input_range: tuple[float, float] | None = option(None, own_flag(("--input-range",), metavar="LOW,HIGH", kind="range", help=(
+        "Token IDs from LOW to HIGH-1, e.g. 0,30522 (default for long: 0,the Embedding's size); floats: uniform in "
+        "[LOW, HIGH).")))
+    inputs: Any = option(None, own_flag(("--input",), dest="input_file", metavar="FILE", kind="file", help=(
+        "The input itself: a tensor, or a dict of tensors passed as model(**dict) (.pt or .safetensors).")))
+    golden: Any = option(None, own_flag(("--golden",), metavar="FILE.safetensors", kind="file", help=(
+        "Compare outputs with the ones this file records; if it does not exist, record them in it.")))
+    record_golden: bool = option(False, own_flag(("--record-golden",), is_flag=True,
+                                             help="Write --golden again from this run, even if it exists."))
+    serving_device: str | None = option(None, own_flag(("--serving-device",), metavar="DEV", help=(
+        "With --exact: the device the serving code loads on (cpu, cuda, cuda:N); fail when the file's saved "
+        "devices differ (default: those of this machine).")))
+    progress: bool = keyword(False, command_line=True)
+
+    def __post_init__(self) -> None:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        rule = broken_rule(values)
+        if rule is not None:
+            raise rule.error(rule.message.format(**values))
+
+
+#: the fields' flags in ``ckptfix verify --help`` (after ``--model``); a flag not named here follows them
+HELP_ORDER = ("model_args", "exact", "serving_device", "reference", "input_shape", "input_dtype", "input_range",
+              "inputs", "golden", "record_golden", "dtype", "atol", "rtol", "forward", "map_location", "select",
+              "trust", "checksum")
+
+
+def flagged() -> Iterator[Field]:
+    """The fields the command line has a flag for, in :data:`HELP_ORDER`."""
+    by_name = {f.name: f for f in fields(VerifyOptions) if "flag" in f.metadata}
+    yield from (by_name.pop(name) for name in HELP_ORDER)
+    yield from by_name.values()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Two options that go together: where ``broken(values)`` holds, the library raises ``error`` with ``message``
+    (``str.format``-ed with the options) and the command line stops with ``usage`` (exit 2)."""
+
+    broken: Callable[[Mapping[str, Any]], bool]
+    error: type[CkptfixError]
+    message: str
+    usage: str
+
+
+RULES = (
+    Rule(lambda o: bool(o["record_golden"]) and o["golden"] is None, GoldenError,
+         "record_golden needs golden=PATH (--golden PATH): where to write the outputs",
+         "--record-golden needs --golden FILE"),
+    Rule(lambda o: o["serving_device"] is not None and not o["exact"], DeviceError,
+         "serving_device={serving_device!r} (--serving-device) is what --exact's plain load is checked against: "
+         "pass exact=True (--exact) too",
+         "--serving-device goes with --exact (the plain load it checks)"),
+)
+
+
+def broken_rule(values: Mapping[str, Any]) -> Rule | None:
+    """The first of :data:`RULES` that ``values`` (option name → value) break, or None."""
+    return next((rule for rule in RULES if rule.broken(values)), None)

@@ -1,0 +1,40 @@
+"""Integrity: whether a file is the one that was written — its SHA-256 and the CRC-32s a zip stores for
+each member (later: digests and signatures). The hashing primitive is :func:`ckptfix.core.atomic.sha256_file`;
+this module says what a report records and what counts as a finding.
+
+>>> file_sha256("model.safetensors")          # doctest: +SKIP
+'4dddd5d4…'
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..core.atomic import sha256_file
+from ..core.progress import Progress
+from ..parse.format_registry import get as format_of
+from . import scanner
+
+
+def file_sha256(path: str, progress: str | None = None) -> str | None:
+    """``path``'s SHA-256 as a report records it: None for a directory or a URL (no one file to hash). With
+    ``progress`` (the verb, ``"verify"``): a progress line on a terminal (a multi-GB release takes seconds)."""
+    if not os.path.isfile(path):
+        return None
+    with Progress(os.path.getsize(path), 1, enabled=progress is not None, label=f"{progress}: SHA-256") as bar:
+        digest = sha256_file(path, bar.advance)
+        bar.tensor_done()
+    return digest
+
+
+def crc_failures(path: str, fmt: str) -> list[str]:
+    """One line per zip member whose stored CRC-32 doesn't match its bytes, in a torch zip or
+    TorchScript file or each torch-zip shard of a sharded checkpoint: the file changed after it
+    was written. Reads every byte once (safetensors, legacy and DCP files carry no checksums)."""
+    if not format_of(fmt).zip:
+        return []
+
+    report = scanner.scan(path, check_crc=True)
+    return [f"integrity: {f.where}: its CRC-32 does not match its bytes: the file was damaged or altered after "
+            "it was written (a truncated copy, a bad download or disk); copy or download it again from the original"
+            for f in report.findings if f.kind == "crc-mismatch"]

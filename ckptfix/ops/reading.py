@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import formats
+from ..formats.base import RawRead
 from ..statedict import locate, placeholders, wrappers
 from ..core import locations
 from ..core.devices import DevicePlan
@@ -48,7 +49,7 @@ def refuse_remote(path: str, what: str) -> None:
                           "verified and diffed in place); download it first")
 
 
-def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool,
+def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
               allow: Iterable[str] = ()) -> Checkpoint:
     """The Checkpoint for what a reader returned: the state dict found, wrappers detected, stats."""
     raw.obj, config_notes = placeholders.take_configs(raw.obj)

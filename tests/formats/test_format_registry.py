@@ -51,7 +51,7 @@ def test_sniff_names_only_registered_formats(made: dict[str, Path]) -> None:
 def test_each_family_has_the_verbs_its_formats_promise() -> None:
     for spec in registry.FORMATS.values():
         module = importlib.import_module(f"ckptfix.formats.{spec.family}")
-        verbs = ["read"] + ["describe"] * spec.describe + ["plan_write"] * spec.write_without_torch
+        verbs = ["read", "recorded_members"] + ["describe"] * spec.describe + ["plan_write"] * spec.write_without_torch
         verbs += ["write"] * bool(spec.write_names) + ["dir_output"] * (spec.directory_output or bool(spec.index_name))
         verbs += ["write_shards"] * bool(spec.index_name)
         missing = [v for v in verbs if not callable(getattr(module, v, None))]

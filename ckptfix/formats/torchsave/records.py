@@ -27,7 +27,7 @@ from ...parse.unpickler import SafePickle
 from ...parse.zipdir import data_start
 from ...safety import guards, scanner
 from ...safety.standins import pickler_base_for
-from .. import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
+from ..base import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 

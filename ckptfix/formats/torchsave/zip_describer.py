@@ -33,7 +33,7 @@ from ...safety.allowlist import (BUILTIN_COMPLEX, BUILTIN_SET, INERT, ORDERED_DI
                                  REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, UNSAFE, classify)
 from ...safety.guards import plain
 from ...safety.scanner import ensure_safe
-from .. import RawRead
+from ..base import RawRead
 
 
 def read_torch_zip(path: str) -> RawRead:

@@ -31,7 +31,9 @@ from ..parse.safetensors_header import check_file
 from .file_scanners import (PICKLE, Collector, Finding, GlobalRef, ScanReport, scan_legacy, scan_tar, scan_zip,
                             starts_with_magic)
 from ..parse.format_registry import DCP, DEEPSPEED, FORMATS, TORCH_ZIP
-from ..parse.sniff import opens_as_tar, sniff, zip_directory
+from ..parse.legacy_tar import opens_as_tar
+from ..parse.sniff import sniff
+from ..parse.zipdir import zip_directory
 
 __all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe"]
 
@@ -73,7 +75,7 @@ def _scan_safetensors(path: str, fmt: str, check_crc: bool, unpickled_by_caller:
 
 def _scan_zip(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None, code: bool = False) -> ScanReport:
     """A torch zip (``code``: a TorchScript archive, whose code torch would run): its structure and pickles,
-    the central directory parsed once for the scan and the read (:func:`ckptfix.parse.sniff.zip_directory`)."""
+    the central directory parsed once for the scan and the read (:func:`ckptfix.parse.zipdir.zip_directory`)."""
     c = Collector(path, fmt)
     try:
         directory = zip_directory(path)

@@ -27,7 +27,7 @@ import torch
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, LimitError, UnsafeCheckpointError
-from ckptfix.parse.sniff import opens_as_tar
+from ckptfix.parse.legacy_tar import opens_as_tar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adversarial import LEGACY_MAGIC, call, glob, proto, tup, u, write_zip  # noqa: E402

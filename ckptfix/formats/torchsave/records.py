@@ -22,7 +22,7 @@ from ...core.devices import storage_id
 from ...core.torch_free import NeedsTorch
 from ...errors import CkptfixError, FormatError, UnsafeCheckpointError
 from ...parse.format_registry import TORCH_ZIP
-from ...parse.sniff import zip_directory
+from ...parse.zipdir import zip_directory
 from ...parse.unpickler import SafePickle
 from ...parse.zipdir import data_start
 from ...safety import guards, scanner

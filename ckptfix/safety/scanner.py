@@ -61,7 +61,7 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
         if remote and scanner not in _REMOTE_SCANNERS:
             raise RemoteError(f"{path}: scanning a {fmt} file needs a local copy (a remote scan reads torch zips, "
                               "safetensors files, sharded checkpoints and DCP directories); download it first")
-        report = _SCANNERS[scanner](path, fmt, check_crc and not remote, unpickled_by_caller)
+        report = SCANNERS[scanner](path, fmt, check_crc and not remote, unpickled_by_caller)
         if remote:
             report.bytes_fetched = s.bytes_fetched
         return report
@@ -168,7 +168,7 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
 
 
 #: the registry's ``scanner`` names (and the plain pickle) → the scan each runs
-_SCANNERS = {"safetensors": _scan_safetensors, "torch-zip": _scan_zip, "torchscript": _scan_torchscript,
+SCANNERS = {"safetensors": _scan_safetensors, "torch-zip": _scan_zip, "torchscript": _scan_torchscript,
              "torch-legacy": _scan_legacy, PICKLE: _scan_pickle, "sharded": _scan_sharded, "dcp": _scan_dcp,
              "deepspeed": _scan_deepspeed}
 #: the scans that read only byte ranges (the others read a file from its start: a local copy)

@@ -23,8 +23,8 @@ from ..errors import ConversionError
 from ..parse.format_registry import SAFETENSORS
 from ..parse.safetensors_header import (DTYPES, META_KEY, PACKED, assemble, ckptfix_meta, header_shape, read_header,
                                          torch_shape)
-from . import (CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides,
-               source_record, stored_bytes)
+from .base import (CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides,
+                   source_record, stored_bytes)
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
@@ -296,3 +296,8 @@ def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, Tensor
         return pos
 
     write_file(path, header, body)
+
+
+def recorded_members(path: str, fmt: str, select: str | None, part_members: Any) -> list[Any]:
+    """None: a safetensors file records no CRC-32s."""
+    return []

@@ -31,7 +31,7 @@ from ..parse.checkpoint_dirs import find_index, load_index, member_path
 from ..parse.safetensors_header import read_header
 from ..parse.sniff import sniff
 from ..safety.scanner import ensure_safe
-from . import RawRead, Reader, WritePlan
+from .base import RawRead, Reader, WritePlan
 
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from .. import formats
+from ..formats.base import RawRead
 from ..statedict import locate, placeholders, wrappers
 from ..core import locations
 from ..core.devices import DevicePlan
@@ -56,7 +57,7 @@ def structure_first(path: str, select: str, serves: Callable[[Checkpoint], T | N
     return (ckpt, served) if served is not None else (load(), None)
 
 
-def summarise(path: str, fmt: str, raw: formats.RawRead, select: str, refuse: bool,
+def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
               allow: Iterable[str] = ()) -> Checkpoint:
     """The Checkpoint for what a reader returned: the state dict found, wrappers detected, stats."""
     raw.obj, config_notes = placeholders.take_configs(raw.obj)

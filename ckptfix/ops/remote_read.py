@@ -17,6 +17,7 @@ from collections import deque
 from typing import Any
 
 from .. import formats
+from ..formats.base import RawRead
 from ..core import locations
 from ..core.devices import DevicePlan, storage_id
 from ..core.positional import PositionalReader
@@ -24,7 +25,7 @@ from ..errors import NeedsLocalCopy
 from .sources import Sources
 
 
-def read(path: str, fmt: str, plan: DevicePlan, trust: bool, select: str | None) -> formats.RawRead:
+def read(path: str, fmt: str, plan: DevicePlan, trust: bool, select: str | None) -> RawRead:
     """``path`` (a URL, inside a :func:`~ckptfix.core.locations.session`) read as ``formats.read`` reads a local
     file with ``plan``: on meta its structure and refs, else its tensors with their values on ``plan``'s devices."""
     raw = formats.read(path, fmt, DevicePlan("meta", source=path), trust, select)

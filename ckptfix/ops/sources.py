@@ -20,7 +20,7 @@ from typing import Any
 from ..core.devices import storage_id
 from ..core.positional import PositionalReader
 from ..errors import FormatError
-from ..formats import PiecedRef, StorageRef
+from ..formats.base import PiecedRef, StorageRef
 
 #: a run of bytes in one file: (path, offset, nbytes)
 Segment = tuple[str, int, int]

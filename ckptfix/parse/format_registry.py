@@ -1,14 +1,15 @@
 """The format registry: every checkpoint format ckptfix knows, declared once, as plain data.
 
-Each :class:`Format` names what :func:`ckptfix.parse.sniff.sniff` calls it and how sniffing recognises it,
-what it can do (read with torch, describe without torch, stream its byte ranges, be written, with or
+Each :class:`Format` names what :func:`ckptfix.parse.sniff.sniff` calls it and its recogniser (a function
+of :mod:`ckptfix.parse.recognise`, asked in the order :data:`RECOGNISED_BY_BYTES` / :data:`RECOGNISED_BY_LISTING`
+give), what it can do (read with torch, describe without torch, stream its byte ranges, be written, with or
 without torch, under which ``--format`` names and extensions), what serving code loads it with
 (``verify --exact``), which verbs read it from a URL without a local copy, and which family under
 :mod:`ckptfix.formats` implements it.
 It imports nothing, so every layer that asks a capability question (the scanner, ops, verify, text, the
 CLI's ``--format`` choices) reads it without importing a format module; :mod:`ckptfix.formats` resolves
 ``family`` to its module by name only when a read or write needs it, so a conversion imports the modules
-of the formats it touches and no others. Adding a format is one entry here plus its family's verbs.
+of the formats it touches and no others. Adding a format is one entry here, its recogniser and its family's verbs.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class Format:
 
     name: str
     family: str  #: the module or package under ckptfix.formats with its verbs (read, describe, write, plan_write)
-    sniffed: str  #: what sniff recognises it by
     scanner: str  #: which scan ``ckptfix scan`` runs (a key of the scanner's table)
+    recogniser: str  #: the function of ckptfix.parse.recognise that says whether bytes (or a listing) are this format
     zip: bool = False  #: zip archive(s) torch's reader opens: mapped when loaded, a CRC-32 per member (verify checks them)
     describe: bool = False  #: described without torch (:func:`ckptfix.formats.describe`)
     copy_without_torch: bool = False  #: its description gives byte ranges a torch-free conversion copies
@@ -65,33 +66,40 @@ URL_VERBS = ("describe", "scan", "read", "convert")
 _ALL = frozenset(URL_VERBS)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format(TORCH_ZIP, "torchsave", "a zip archive holding data.pkl", "torch-zip", describe=True, copy_without_torch=True,
+    Format(TORCH_ZIP, "torchsave", "torch-zip", recogniser="torch_zip", describe=True, copy_without_torch=True,
            stream=True, write_names=("pth", "pt", "bin", "torch"), extensions=(".pth", ".pt", ".bin"),
            other_extensions=(".ckpt", ".tar"),
            write_without_torch=True, writes_from_refs=True, keeps_objects=True, record_keys=True,
            exact_loader="torch.load(weights_only=True)", shards_as=SHARDED_PTH, zip=True, from_url=_ALL),
-    Format(TORCH_LEGACY, "torchsave", "a pickle stream starting with torch's magic number, or a tar",
-           "torch-legacy", exact_loader="torch.load(weights_only=True)", shards_as=SHARDED_PTH),
-    Format(TORCHSCRIPT, "torchscript", "a zip archive holding constants.pkl or code/", "torchscript", zip=True,
+    Format(TORCH_LEGACY, "torchsave", "torch-legacy", recogniser="torch_legacy",
+           exact_loader="torch.load(weights_only=True)", shards_as=SHARDED_PTH),
+    Format(TORCHSCRIPT, "torchscript", "torchscript", recogniser="torchscript", zip=True,
            inspect_layout="TorchScript archive (tensors listed without running its code)", from_url=frozenset({"scan"})),
-    Format(SAFETENSORS, "safetensors", "an 8-byte header length, then '{'", "safetensors", describe=True,
+    Format(SAFETENSORS, "safetensors", "safetensors", recogniser="safetensors", describe=True,
            copy_without_torch=True, stream=True, write_names=("safetensors",), extensions=(".safetensors",),
            write_without_torch=True, writes_from_refs=True, stores_aliases=True, default_device="cpu",
            exact_loader="safetensors.torch.load_file", fixed_ext=".safetensors", shards_as=SHARDED_SAFETENSORS,
            from_url=_ALL),
-    Format(SHARDED_SAFETENSORS, "sharded", "a directory or index json: model.safetensors.index.json", "sharded",
+    Format(SHARDED_SAFETENSORS, "sharded", "sharded", recogniser="sharded_safetensors",
            describe=True, copy_without_torch=True, stream=True, default_device="cpu", fixed_ext=".safetensors",
            index_name="model.safetensors.index.json", shard_pattern="model{suffix}.safetensors",
            shard_format=SAFETENSORS, label="sharded safetensors", from_url=_ALL),
-    Format(SHARDED_PTH, "sharded", "a directory or index json: pytorch_model.bin.index.json", "sharded",
+    Format(SHARDED_PTH, "sharded", "sharded", recogniser="sharded_pth",
            describe=True, copy_without_torch=True, stream=True, record_keys=True, zip=True,
            index_name="pytorch_model.bin.index.json", shard_pattern="pytorch_model{suffix}.bin",
            shard_format=TORCH_ZIP, label="sharded pth", from_url=_ALL),
-    Format(DCP, "dcp", "a directory holding .metadata", "dcp", describe=True, stream=True, write_names=("dcp",),
+    Format(DCP, "dcp", "dcp", recogniser="dcp", describe=True, stream=True, write_names=("dcp",),
            directory_output=True, keeps_objects=True, refuses_stand_ins=True, default_device="cpu",
            from_url=frozenset({"describe", "scan", "read"})),
-    Format(DEEPSPEED, "deepspeed", "a directory holding latest or *_model_states.pt files", "deepspeed", stream=True),
+    Format(DEEPSPEED, "deepspeed", "deepspeed", recogniser="deepspeed", stream=True),
 )}
+
+#: the formats a file's bytes are recognised as, in the order sniffing asks their recognisers: every one is
+#: asked, and bytes two of them claim are refused as ambiguous (the order says whose damage is reported first)
+RECOGNISED_BY_BYTES = (TORCHSCRIPT, TORCH_ZIP, SAFETENSORS, TORCH_LEGACY)
+#: the formats a directory (or a sharded index json) is recognised as by its listing, in the order sniffing asks
+#: them: the first that claims it names it (layouts nest, and each question may list a remote directory)
+RECOGNISED_BY_LISTING = (DCP, DEEPSPEED, SHARDED_SAFETENSORS, SHARDED_PTH)
 
 #: the sharded formats, in the order a directory's index files are looked for (safetensors first)
 SHARDED = tuple(f.name for f in FORMATS.values() if f.index_name)

@@ -76,7 +76,7 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
 
     ``check_crc=False`` verifies the CRC of ``.pkl`` members only (tensor data is integrity, not
     safety, and reading all of it would make every load read the whole file). ``directory``: ``buf``'s
-    central directory when the caller has it parsed already (:func:`ckptfix.parse.sniff.zip_directory`).
+    central directory when the caller has it parsed already (:func:`ckptfix.parse.zipdir.zip_directory`).
     """
     layout = ZipLayout()
     try:

@@ -16,7 +16,8 @@ from ..parse import pickle_walk, zipcheck
 from .allowlist import ALLOWED, INERT, UNSAFE, classify
 from .static_checks import refused_build, refused_call, storage_itemsize
 from ..errors import FormatError, LimitError
-from ..parse.sniff import LEGACY_MAGIC, BoundedReader
+from ..parse.legacy_tar import BoundedReader
+from ..parse.recognise import LEGACY_MAGIC
 
 PICKLE = "pickle"  # a plain pickle file: not a checkpoint, but scan reads it
 _LEGACY_PICKLES = ("pickle 1 (magic number)", "pickle 2 (protocol version)", "pickle 3 (system info)",

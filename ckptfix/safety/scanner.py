@@ -31,7 +31,9 @@ from ..parse.safetensors_header import check_file
 from .file_scanners import (PICKLE, Collector, Finding, GlobalRef, ScanReport, scan_legacy, scan_tar, scan_zip,
                             starts_with_magic)
 from ..parse.format_registry import DCP, DEEPSPEED, FORMATS, TORCH_ZIP
-from ..parse.sniff import opens_as_tar, sniff, zip_directory
+from ..parse.legacy_tar import opens_as_tar
+from ..parse.sniff import sniff
+from ..parse.zipdir import zip_directory
 
 __all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe"]
 
@@ -59,7 +61,7 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
         if remote and (spec is None or "scan" not in spec.from_url):
             raise NeedsLocalCopy(path, f"scanning a {fmt} file", "a URL is scanned in place only as " + ", ".join(
                 f.label or f.name for f in FORMATS.values() if "scan" in f.from_url))
-        report = _SCANNERS[scanner](path, fmt, check_crc and not remote, unpickled_by_caller)
+        report = SCANNERS[scanner](path, fmt, check_crc and not remote, unpickled_by_caller)
         if remote:
             report.bytes_fetched = s.bytes_fetched
         return report
@@ -73,7 +75,7 @@ def _scan_safetensors(path: str, fmt: str, check_crc: bool, unpickled_by_caller:
 
 def _scan_zip(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None, code: bool = False) -> ScanReport:
     """A torch zip (``code``: a TorchScript archive, whose code torch would run): its structure and pickles,
-    the central directory parsed once for the scan and the read (:func:`ckptfix.parse.sniff.zip_directory`)."""
+    the central directory parsed once for the scan and the read (:func:`ckptfix.parse.zipdir.zip_directory`)."""
     c = Collector(path, fmt)
     try:
         directory = zip_directory(path)
@@ -166,7 +168,7 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
 
 
 #: the registry's ``scanner`` names (and the plain pickle) → the scan each runs
-_SCANNERS = {"safetensors": _scan_safetensors, "torch-zip": _scan_zip, "torchscript": _scan_torchscript,
+SCANNERS = {"safetensors": _scan_safetensors, "torch-zip": _scan_zip, "torchscript": _scan_torchscript,
              "torch-legacy": _scan_legacy, PICKLE: _scan_pickle, "sharded": _scan_sharded, "dcp": _scan_dcp,
              "deepspeed": _scan_deepspeed}
 

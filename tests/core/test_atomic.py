@@ -44,13 +44,14 @@ def test_output_permissions_follow_umask(tmp_path: Path, fixtures_dir: Path) -> 
 
 def test_failure_mid_write_leaves_nothing(tmp_path: Path, fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ckptfix.formats as formats
+    from ckptfix.formats import base
 
     def boom(_obj_or_plan, path, *args, **kwargs):  # formats.write(obj, path, …) and WritePlan.write(plan, path)
         Path(path).write_bytes(b"partial")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(formats, "write", boom)
-    monkeypatch.setattr(formats.WritePlan, "write", boom)
+    monkeypatch.setattr(base.WritePlan, "write", boom)
     with pytest.raises(DestinationError, match="No space left on device"):
         ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.pth")
     assert list(tmp_path.iterdir()) == []

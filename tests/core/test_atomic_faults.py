@@ -233,6 +233,7 @@ SLOW_CHILD = """
 import os, sys, time
 import torch
 import ckptfix.formats as formats
+from ckptfix.formats import base
 
 def slow(real):
     def first_write_then_wait(*args, **kwargs):
@@ -246,7 +247,7 @@ def slow(real):
     return first_write_then_wait
 
 formats.write = slow(formats.write)
-formats.WritePlan.write = slow(formats.WritePlan.write)
+base.WritePlan.write = slow(base.WritePlan.write)
 torch.save = slow(torch.save)
 from ckptfix.cli import main
 sys.argv[0] = "ckptfix"
@@ -300,6 +301,7 @@ def test_library_callers_get_a_keyboard_interrupt_and_their_handlers_back(tmp_pa
     raised, the default handlers restored; an application's own handler is never replaced."""
     import ckptfix.formats as formats
     from ckptfix.errors import Interrupted
+    from ckptfix.formats import base
 
     def then_sigterm(real: Any) -> Any:
         def write_then_sigterm(*args: Any, **kwargs: Any) -> Any:
@@ -309,7 +311,7 @@ def test_library_callers_get_a_keyboard_interrupt_and_their_handlers_back(tmp_pa
         return write_then_sigterm
 
     monkeypatch.setattr(formats, "write", then_sigterm(formats.write))
-    monkeypatch.setattr(formats.WritePlan, "write", then_sigterm(formats.WritePlan.write))  # torch-free writes
+    monkeypatch.setattr(base.WritePlan, "write", then_sigterm(base.WritePlan.write))  # torch-free writes
     with pytest.raises(KeyboardInterrupt) as info:
         ckptfix.convert(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.safetensors")
     assert isinstance(info.value, Interrupted) and info.value.exit_code == 143 and list(tmp_path.iterdir()) == []

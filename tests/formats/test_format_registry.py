@@ -2,6 +2,7 @@
 
 - sniffing names only registered formats;
 - each family module has the verbs its formats' abilities promise;
+- each format's scanner is one of the scanner table's, and each of the table's scans is used;
 - each writable format round-trips a small state dict, bit for bit;
 - each describable format is described without importing torch (a subprocess probe);
 - a read parses a torch zip's central directory once (convert and inspect of a small .pth).
@@ -24,6 +25,8 @@ from ckptfix import formats
 from ckptfix.core.devices import DevicePlan
 from ckptfix.core.torch_free import ENV_SWITCH, NeedsTorch
 from ckptfix.parse import format_registry as registry, zipdir
+from ckptfix.safety import scanner
+from ckptfix.safety.file_scanners import PICKLE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +54,7 @@ def test_sniff_names_only_registered_formats(made: dict[str, Path]) -> None:
 def test_each_family_has_the_verbs_its_formats_promise() -> None:
     for spec in registry.FORMATS.values():
         module = importlib.import_module(f"ckptfix.formats.{spec.family}")
-        verbs = ["read"] + ["describe"] * spec.describe + ["plan_write"] * spec.write_without_torch
+        verbs = ["read", "recorded_members"] + ["describe"] * spec.describe + ["plan_write"] * spec.write_without_torch
         verbs += ["write"] * bool(spec.write_names) + ["dir_output"] * (spec.directory_output or bool(spec.index_name))
         verbs += ["write_shards"] * bool(spec.index_name)
         missing = [v for v in verbs if not callable(getattr(module, v, None))]
@@ -60,6 +63,13 @@ def test_each_family_has_the_verbs_its_formats_promise() -> None:
         for name in (spec.shards_as, spec.shard_format):
             assert name is None or name in registry.FORMATS
     assert registry.WRITE_NAMES == ("pth", "safetensors", "dcp")
+
+
+def test_each_scanner_name_resolves_and_each_scan_is_used() -> None:
+    named = {spec.scanner for spec in registry.FORMATS.values()}
+    assert named <= set(scanner.SCANNERS), f"no scan for {named - set(scanner.SCANNERS)}"
+    assert set(scanner.SCANNERS) == named | {PICKLE}, "a scan no format names"  # (a plain pickle: not a format)
+    assert all(callable(scan) for scan in scanner.SCANNERS.values())
 
 
 @pytest.mark.parametrize("name", [n for f in registry.FORMATS.values() for n in f.write_names])

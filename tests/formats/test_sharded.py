@@ -31,7 +31,7 @@ from ckptfix.core.atomic import check_destination_dir
 from ckptfix.core.devices import DevicePlan
 from ckptfix.core.units import parse_size
 from ckptfix.errors import ConversionError, DestinationError, FormatError
-from ckptfix.formats import sharded
+from ckptfix.formats import base, sharded
 from ckptfix.parse.checkpoint_dirs import find_index
 from ckptfix.parse.format_registry import sharded_as
 
@@ -43,7 +43,7 @@ def index_of(fmt: str) -> str:
     return str(sharded_as(fmt).index_name)
 
 
-def read_sharded(index: str, plan: DevicePlan, trust: bool = False) -> formats.RawRead:
+def read_sharded(index: str, plan: DevicePlan, trust: bool = False) -> base.RawRead:
     return formats.read(index, formats.sniff(index), plan, trust)
 
 
@@ -151,7 +151,7 @@ def test_structure_read_streams_into_any_output(sd: OrderedDict, tmp_path: Path,
     """A meta read gives refs for every storage: shards → one file, and re-sharding, copy bytes without loading."""
     formats.write_sharded(sd, str(tmp_path / "src"), FMTS[fmt], 3000)
     raw = read_sharded(find_index(str(tmp_path / "src")), DevicePlan("meta"), trust=False)
-    assert {formats.StorageRef} == {type(r) for r in raw.refs.values()} and len(raw.refs) == len(sd)
+    assert {base.StorageRef} == {type(r) for r in raw.refs.values()} and len(raw.refs) == len(sd)
     formats.write(raw.obj, str(tmp_path / "one.safetensors"), formats.SAFETENSORS, refs=raw.refs)
     assert_same(formats.read(str(tmp_path / "one.safetensors"), formats.SAFETENSORS, DevicePlan("cpu"), False).obj, sd)
     formats.write_sharded(raw.obj, str(tmp_path / "resharded"), FMTS[fmt], 1, refs=raw.refs)

@@ -294,7 +294,7 @@ def test_finite_check_exact_per_dtype(dtype: torch.dtype, value: str) -> None:
 def test_strict_values_checks_record_crcs_first(tmp_path: Path, built: str) -> None:
     """A record whose bytes don't match its CRC-32: loaded as torch.load(mmap=True) would by default, refused
     (nothing loaded) with strict_values=True."""
-    from ckptfix.parse.sniff import zip_directory
+    from ckptfix.parse.zipdir import zip_directory
 
     sd = _random_state(Net(), torch.float32)
     torch.save(sd, tmp_path / "m.pth")

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix import errors
-from ckptfix.parse.sniff import zip_directory
+from ckptfix.parse.zipdir import zip_directory
 from file_server import FileServer
 from hub_server import REPO, HubServer
 from remote_servers import S3Server, http_server, hub_server, s3_server

@@ -27,6 +27,7 @@ import torch
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, LimitError, UnsafeCheckpointError
+from ckptfix.parse.legacy_tar import opens_as_tar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adversarial import LEGACY_MAGIC, call, glob, proto, tup, u, write_zip  # noqa: E402
@@ -396,7 +397,7 @@ def test_tar_header_extension_is_never_read_past_the_limit(tmp_path: Path) -> No
         f.write(info.tobuf(format=tarfile.GNU_FORMAT)[:512])
         f.truncate(512 + (256 << 20) + 1024)  # sparse: no disk used
     with ckptfix.core.limits.override(max_pickle_bytes=1 << 20):
-        assert ckptfix.formats.opens_as_tar(str(path))
+        assert opens_as_tar(str(path))
         report = ckptfix.scan(path)
         assert not report.ok and {"tar-format", "malformed"} <= {f.kind for f in report.findings}
         assert any("beyond the limit max_pickle_bytes" in f.message for f in report.findings)

@@ -3,7 +3,7 @@
 DCP files plus ``meta.pt`` (``lightning``), and the torch-free description (``dir_describer``). This module is
 the family's interface: the verbs :mod:`ckptfix.formats` dispatches to.
 
-May import: the layers below :mod:`ckptfix.formats` and the ``formats`` package itself.
+May import: the layers below :mod:`ckptfix.formats`, its shared types (:mod:`ckptfix.formats.base`) and sibling families.
 """
 
 from __future__ import annotations
@@ -11,13 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.atomic import DirOutput
-from .. import RawRead, Reader
+from ..base import RawRead, Reader
 from . import dir_describer, directory
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
     """The directory consolidated (:func:`.directory.read`); ``read_part`` reads a Lightning ``meta.pt``."""
     return directory.read(path, plan, trust, read_part)
+
+
+def recorded_members(path: str, fmt: str, select: str | None, part_members: Any) -> list[Any]:
+    """None: a DCP read's records (inside the ``.distcp`` files) are not CRC-checked."""
+    return []
 
 
 def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead:

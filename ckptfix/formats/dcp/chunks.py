@@ -21,7 +21,7 @@ from ...errors import CkptfixError, ConversionError, FormatError
 from ...parse.checkpoint_dirs import METADATA, member_path
 from ...parse.format_registry import DCP
 from ...parse.zipdir import RangeFile
-from .. import PiecedRef
+from ..base import PiecedRef
 from ..torchsave.torch_io import torch_load, translate_load_error
 
 

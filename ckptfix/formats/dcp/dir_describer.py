@@ -18,7 +18,7 @@ from ...core.torch_tables import DTYPE_ITEMSIZE
 from ...parse.checkpoint_dirs import member_path
 from ...parse.format_registry import DCP
 from ...safety.dcp_policy import METADATA, Token, is_inert, load_inert
-from .. import RawRead, Reader, contiguous_strides
+from ..base import RawRead, Reader, contiguous_strides
 from ..torchsave.zip_describer import read_torch_record
 from .chunks import tiling_problem, whole
 from .directory import unflatten

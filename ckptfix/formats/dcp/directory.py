@@ -26,7 +26,7 @@ from ...core.devices import storage_id
 from ...errors import CkptfixError, ConversionError, FormatError
 from ...parse.format_registry import DCP
 from ...safety.dcp_policy import METADATA, load_metadata
-from .. import PiecedRef, RawRead, Reader
+from ..base import PiecedRef, RawRead, Reader
 from .chunks import Chunks, Scratch, TensorRef, aligned, tensor_nbytes, whole
 from .lightning import with_meta
 # what a DCP output consists of (FileSystemWriter, single_file_per_rank): all that --force replaces

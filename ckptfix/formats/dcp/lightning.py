@@ -22,7 +22,7 @@ from ...core import locations
 from ...errors import FormatError
 from ...parse.format_registry import get
 from ...parse.sniff import sniff
-from .. import RawRead, Reader
+from ..base import RawRead, Reader
 
 META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 WEIGHTS_KEYS = {"model": "FSDPStrategy", "state_dict": "ModelParallelStrategy"}  # the DCP entry each saves under

@@ -2,14 +2,14 @@
 zero_to_fp32.py's rules as data) and the consolidation itself (``consolidate``). This module is the family's
 interface: the verbs :mod:`ckptfix.formats` dispatches to.
 
-May import: the layers below :mod:`ckptfix.formats` and the ``formats`` package itself.
+May import: the layers below :mod:`ckptfix.formats`, its shared types (:mod:`ckptfix.formats.base`) and sibling families.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .. import RawRead, Reader
+from ..base import RawRead, Reader
 from ...parse.format_registry import TORCH_ZIP
 from . import consolidate
 

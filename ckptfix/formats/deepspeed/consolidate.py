@@ -28,7 +28,7 @@ from ...parse.format_registry import DEEPSPEED, TORCH_ZIP
 from ...safety import scanner
 from ...safety.deepspeed_policy import optim_names, optim_policy
 from ...statedict.locate import ZeroWeights, deepspeed_info
-from .. import CastRef, RawRead, StorageRef
+from ..base import CastRef, RawRead, StorageRef
 from ..torchsave import read_file as read_torch, records
 from ..torchsave.torch_io import torch_load, translate_load_error, unpickling_error
 from . import partitions

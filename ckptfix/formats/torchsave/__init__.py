@@ -4,7 +4,7 @@ tensor data (``records``), or described without torch (``zip_describer``); writt
 records (``records``, ``zipwriter``), or without torch (``planner``, torch's globals stood in by
 ``torch_globals``). This module is the family's interface: the verbs :mod:`ckptfix.formats` dispatches to.
 
-May import: the layers below :mod:`ckptfix.formats` and the ``formats`` package itself.
+May import: the layers below :mod:`ckptfix.formats`, its shared types (:mod:`ckptfix.formats.base`) and sibling families.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ...core.bytecopy import Recorded
 from ...core.torch_free import NeedsTorch
 from ...parse.format_registry import get
 from ...safety.scanner import ensure_safe
-from .. import RawRead, Reader, WritePlan
+from ..base import RawRead, Reader, WritePlan
 from . import planner, records, torch_io, zip_describer
 
 

@@ -22,7 +22,7 @@ from typing import Any, cast
 from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
 from ...core.torch_tables import DTYPE_ITEMSIZE
-from .. import StorageRef, WritePlan
+from ..base import StorageRef, WritePlan
 from .zip_describer import dtype as DtypeToken
 from .records import write_archive
 from .torch_globals import (DTYPES, REBUILD_PARAMETER, REBUILD_TENSOR, REBUILD_TENSOR_V3, STORAGE_CLASS,

@@ -22,12 +22,12 @@ from ...core.devices import storage_id
 from ...core.torch_free import NeedsTorch
 from ...errors import CkptfixError, FormatError, UnsafeCheckpointError
 from ...parse.format_registry import TORCH_ZIP
-from ...parse.sniff import zip_directory
+from ...parse.zipdir import zip_directory
 from ...parse.unpickler import SafePickle
 from ...parse.zipdir import data_start
 from ...safety import guards, scanner
 from ...safety.standins import pickler_base_for
-from .. import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
+from ..base import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 

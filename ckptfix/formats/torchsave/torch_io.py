@@ -20,7 +20,7 @@ from ...errors import CkptfixError, FormatError, NeedsLocalCopy, UnsafeCheckpoin
 from ...safety.standins import pickle_module_for
 from ...parse.unpickler import Refused, SafePickle
 from ...parse.format_registry import get
-from .. import RawRead
+from ..base import RawRead
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:

@@ -23,7 +23,7 @@ from ...core.tensorinfo import StorageInfo, TensorInfo
 from ...core.torch_free import NeedsTorch
 from ...core.torch_tables import DIFFERENTIABLE, DTYPE_ITEMSIZE, STORAGE_DTYPES
 from ...parse.format_registry import TORCH_ZIP
-from ...parse.sniff import zip_directory
+from ...parse.zipdir import zip_directory
 from ...parse.inert import InertGlobal, InertObject
 from ...parse.pickle_ops import Refused
 from ...parse.unpickler import Policy, SafePickle, build_attributes
@@ -33,7 +33,7 @@ from ...safety.allowlist import (BUILTIN_COMPLEX, BUILTIN_SET, INERT, ORDERED_DI
                                  REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, UNSAFE, classify)
 from ...safety.guards import plain
 from ...safety.scanner import ensure_safe
-from .. import RawRead
+from ..base import RawRead
 
 
 def read_torch_zip(path: str) -> RawRead:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import formats
+from ...formats.base import CastRef, source_record
 from ...statedict import locate, ties, transforms, wrappers
 from ...core import locations
 from ...core.bytecopy import CrcCheck
@@ -161,9 +162,9 @@ def _check_unrecorded(req: Request, refs: dict) -> None:
     """The zip records of source files whose streamed copy checks none (DeepSpeed's consolidated ranges and
     gathered weights carry no record), CRC-checked before anything is written; a file whose copied ranges
     name their records is checked while they are copied instead."""
-    if all(formats.source_record(ref) is not None for ref in refs.values()):
+    if all(source_record(ref) is not None for ref in refs.values()):
         return
-    copied = {m.path for m in map(formats.source_record, refs.values()) if m is not None}
+    copied = {m.path for m in map(source_record, refs.values()) if m is not None}
     members = [m for m in formats.recorded_members(req.src, req.fmt_in, req.select) if m.path not in copied]
     with CrcCheck(members) as check:
         check.verify()
@@ -329,7 +330,7 @@ def _with_casts(refs: dict, cast: Any) -> dict:
         return refs
     out = dict(refs)
     for key, before, after in cast.deferred:
-        out[storage_id(after)] = formats.CastRef(refs[storage_id(before)], key, before, after, cast.check_values)
+        out[storage_id(after)] = CastRef(refs[storage_id(before)], key, before, after, cast.check_values)
     return out
 
 

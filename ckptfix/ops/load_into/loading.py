@@ -27,7 +27,7 @@ from ...core.positional import PositionalReader
 from ...core.units import few
 from ...errors import LoadError
 from ...formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
-from ...formats import source_record
+from ...formats.base import source_record
 from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
 from ...reports import LoadReport
 from ...statedict import repair

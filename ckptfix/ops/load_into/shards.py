@@ -19,7 +19,7 @@ from typing import Any
 from ...core import tensorcopy
 from ...core.devices import DevicePlan, storage_id
 from ...errors import LoadError
-from ...formats import PiecedRef, StorageRef
+from ...formats.base import PiecedRef, StorageRef
 from ..sources import Segment, Sources, byte_view
 
 

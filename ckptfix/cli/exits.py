@@ -14,12 +14,16 @@ from typing import Any
 
 import click
 
+from ..core.units import shown
 from ..errors import NOTHING_WRITTEN, CkptfixError
 from .output import emit_json
 
 OK, ERROR, USAGE, FINDING = 0, 1, 2, 3
 INTERRUPTED = 130  # SIGINT; ckptfix.errors.Interrupted carries its own 128+N for SIGTERM, SIGHUP
 BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports it
+#: an Error line is escaped (no control character reaches the terminal) and cut past this many characters: the
+#: messages cap the names they show, this is the net under them
+ERROR_CHARS = 20_000
 _JSON = "ckptfix.json"  # ctx.meta key: --json was on the command line
 
 
@@ -80,7 +84,7 @@ def _fail(ctx: click.Context, message: str, exc: BaseException, code: int = ERRO
 def _report(ctx: click.Context, message: str, exc: BaseException, code: int) -> None:
     if os.environ.get("CKPTFIX_DEBUG") and not isinstance(exc, KeyboardInterrupt):
         traceback.print_exception(type(exc), exc, exc.__traceback__)
-    click.echo(f"Error: {message}", err=True)
+    click.echo(f"Error: {shown(message, ERROR_CHARS)}", err=True)
     _json_error(ctx, message, exc, code)
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import limits as _limits
+from ..core.units import shown
 from ..errors import LimitError
 from . import inert as _inert
 from .pickle_ops import DISPATCH, Refused, stop, type_name
@@ -94,7 +95,7 @@ class Unpickler:
         if self.policy.inert is not None and full not in self.policy.globals:
             return self.policy.inert(full)  # a name only: never looked up
         if "." in name or not module or full not in self.policy.globals:
-            raise Refused(f"Unsupported global: GLOBAL {full} is not on ckptfix's safe allow-list", full)
+            raise Refused(f"Unsupported global: GLOBAL {shown(full)} is not on ckptfix's safe allow-list", full)
         return self.policy.globals[full]
 
     def persistent_load(self, pid: Any) -> Any:
@@ -190,7 +191,7 @@ class Unpickler:
         if not isinstance(args, tuple) or kwargs is not None and not isinstance(kwargs, dict):
             raise pickle.UnpicklingError(f"{op}: arguments must be a tuple")
         if isinstance(func, _inert.InertGlobal):
-            self.charge(len(args), f"{op} of {func.name}")
+            self.charge(len(args), f"{op} of {shown(func.name)}")
             return _inert.call(func, args, op)  # recorded, never called
         guard = self.policy.calls.get(id(func))
         if guard is None:

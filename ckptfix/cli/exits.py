@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import warnings
 from typing import Any
 
 import click
@@ -24,6 +25,10 @@ BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports it
 #: an Error line is escaped (no control character reaches the terminal) and cut past this many characters: the
 #: messages cap the names they show, this is the net under them
 ERROR_CHARS = 20_000
+#: torch's deprecation notes about its own internals that reading a file can set off (a legacy TypedStorage touched
+#: while a checkpoint is read): not the user's concern, so a command prints its output or one Error line only.
+#: ckptfix's own warnings (load_into's NaN/Inf note) still show.
+TORCH_NOISE = ("TypedStorage is deprecated",)
 _JSON = "ckptfix.json"  # ctx.meta key: --json was on the command line
 
 
@@ -42,7 +47,9 @@ class Group(click.Group):
         from ..core.interrupts import signals_as_interrupts
 
         try:
-            with signals_as_interrupts():  # SIGTERM, SIGHUP: the cleanup, one line and 128+N, like Ctrl-C
+            with signals_as_interrupts(), warnings.catch_warnings():  # SIGTERM, SIGHUP: one line and 128+N
+                for message in TORCH_NOISE:
+                    warnings.filterwarnings("ignore", message=message, category=UserWarning)
                 return super().invoke(ctx)
         except click.exceptions.Exit:
             raise

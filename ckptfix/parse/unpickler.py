@@ -249,7 +249,8 @@ def check_depth(obj: Any, limit: int, where: str = "pickle") -> None:
 # -- BUILD handlers shared by the policies ------------------------------------------------------------
 
 def build_attributes(u: Unpickler, inst: Any, state: Any) -> None:
-    """pickle's default BUILD: a dict of attributes (and, for slots, a second one), str keys only."""
+    """pickle's default BUILD: a dict of attributes (and, for slots, a second one), str keys only; a slot state
+    that sets a dunder (``__class__``: the object's type) is refused."""
     slotstate = None
     if isinstance(state, tuple) and len(state) == 2:
         state, slotstate = state
@@ -259,10 +260,18 @@ def build_attributes(u: Unpickler, inst: Any, state: Any) -> None:
         if type(part) is not dict or not all(type(k) is str for k in part):
             raise Refused(f"BUILD of a {type_name(inst)}: state must be a dict of attribute names")
         u.charge(len(part), "BUILD")
+    dunder = next((k for k in slotstate or () if is_dunder(k)), None)
+    if dunder is not None:  # setattr(obj, "__class__", cls) swaps the object's type: never applied
+        raise Refused(f"BUILD of a {type_name(inst)} sets its attribute {shown(dunder)}, which no checkpoint sets")
     if state:
         inst.__dict__.update(state)
     for k, v in (slotstate or {}).items():
         setattr(inst, k, v)
+
+
+def is_dunder(name: str) -> bool:
+    """``__class__``, ``__dict__``: a name pickle's BUILD would ``setattr`` on the object's machinery itself."""
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
 
 
 def build_setstate(u: Unpickler, inst: Any, state: Any) -> None:
@@ -297,5 +306,5 @@ def loads(data: bytes, policy: Policy, encoding: str = "utf-8", persistent_load:
     return policy.finish(unpickler.load())
 
 
-__all__ = ["Unpickler", "SafePickle", "Policy", "Refused", "LimitError", "loads", "check_depth",
+__all__ = ["Unpickler", "SafePickle", "Policy", "Refused", "LimitError", "loads", "check_depth", "is_dunder",
            "build_attributes", "build_setstate", "type_name"]

@@ -43,7 +43,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("args,code", CASES, ids=lambda v: "-".join(v[:1]) + "-" + v[1].strip("{}") if isinstance(v, list) else str(v))
+def _case_id(v: object) -> str:
+    return f"{v[0]}-{v[1].strip('{}')}" if isinstance(v, list) else str(v)
+
+
+@pytest.mark.parametrize("args,code", CASES, ids=_case_id)
 def test_control_characters_are_escaped(args: list[str], code: int, files: dict[str, Path], cli_runner, tmp_path: Path) -> None:
     res = cli_runner.invoke(cli, [a.format(tmp=tmp_path, **files) for a in args])
     assert res.exit_code == code, res.output

@@ -13,6 +13,7 @@ from typing import Any
 
 from .core.devices import storage_id
 from .statedict.locate import common_prefix, detect_framework
+from .core.units import shown
 from .core.tensorinfo import TensorInfo, is_tensor, shape_and_dtype
 from .parse.inert import InertGlobal, InertObject
 from .statedict.wrappers import strip_wrappers
@@ -74,7 +75,7 @@ def describe_value(v: Any) -> str:
     if isinstance(v, str):
         return f"str {v[:40]!r}"
     if isinstance(v, (InertObject, InertGlobal)):
-        return f"inert {v.name} (not imported)"
+        return f"inert {shown(v.name)} (not imported)"
     return type(v).__name__
 
 

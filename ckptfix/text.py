@@ -2,7 +2,8 @@
 ``diff`` print without ``--json`` (``VerifyReport.format_text()`` and ``DiffReport.format_text()`` are these).
 
 Each function takes a report (or a Checkpoint's ``to_dict()``) and returns the text; the CLI echoes it.
-Sizes and dtype names come from :mod:`ckptfix.core.units`, grouped key lists from :func:`group_keys`.
+Sizes and dtype names come from :mod:`ckptfix.core.units`, grouped key lists from :func:`group_keys`. A name
+from the file (a key, a global, an entry) is shown through :func:`~ckptfix.core.units.shown`: escaped and cut.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from .core.units import human_size
+from .core.units import SHOWN_ITEMS, few, human_size, listed, shown
 from .parse.format_registry import FORMATS
 from .statedict.repair import group_keys
 
@@ -36,14 +37,14 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
     (the first and last ``head``; every key with ``all_keys``)."""
     lines: list[str] = []
     whole = "the whole checkpoint" if os.path.isdir(info["path"]) else "the whole file"
-    where = f"at {info['state_dict_key']!r}" if info["state_dict_key"] else whole
+    where = f"at {shown(repr(info['state_dict_key']))}" if info["state_dict_key"] else whole
     rows = [
         ("path", info["path"]),
         ("format", info["format"]),
-        ("state dict", where + (f" (EMA weights also at: {', '.join(info['ema_keys'])})" if info["ema_keys"] else "")),
+        ("state dict", where + (f" (EMA weights also at: {few(info['ema_keys'], SHOWN_ITEMS)})" if info["ema_keys"] else "")),
         ("layout", (f"{info['framework']} checkpoint" if info["framework"] else
                     _format_layout(info["format"]) or "plain")
-         + (f"; every key starts with {info['common_prefix']!r} (--strip-prefix {info['common_prefix']})"
+         + (f"; every key starts with {shown(repr(info['common_prefix']))} (--strip-prefix {shown(info['common_prefix'])})"
             if info["common_prefix"] else "")),
         ("wrappers", stack(info["wrappers"])
          + (f"; inner: {', '.join(info['inner_wrappers'])}" if info["inner_wrappers"] else "")),
@@ -54,22 +55,22 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
     if info.get("bytes_fetched") is not None:
         rows.append(("fetched", f"{human_size(info['bytes_fetched'])} ({info['bytes_fetched']:,} bytes, headers only)"))
     if info["extra"]:
-        rows.append(("other entries", "; ".join(f"{k}: {v}" for k, v in info["extra"].items())))
+        rows.append(("other entries", listed([f"{shown(k)}: {v}" for k, v in info["extra"].items()], SHOWN_ITEMS, "; ")))
     if info["non_tensor_keys"]:
-        rows.append(("non-tensor keys", ", ".join(info["non_tensor_keys"][:10])))
+        rows.append(("non-tensor keys", few(info["non_tensor_keys"], 10)))
     for name, value in rows:
         lines.append(f"{name + ':':<16}{value}")
     rows = info["keys"]
     cut = not all_keys and len(rows) > 2 * head
-    shown = rows[:head] + rows[-head:] if cut else rows
+    listing = [(shown(r["key"]), r) for r in (rows[:head] + rows[-head:] if cut else rows)]
     lines.append(f"keys ({info['num_keys']}" + (f"; the first and last {head}, --all lists every key" if cut else "")
                  + "):")
-    width = max((len(row["key"]) for row in shown), default=0)
-    for i, row in enumerate(shown):
+    width = max((len(key) for key, _ in listing), default=0)
+    for i, (key, row) in enumerate(listing):
         if cut and i == head:
             lines.append("  …")
         shape = "x".join(map(str, row["shape"])) if row["shape"] is not None else "-"
-        lines.append(f"  {row['key']:<{width}}  [{shape}]  {row['dtype']}")
+        lines.append(f"  {key:<{width}}  [{shape}]  {shown(row['dtype'])}")
     for note in info["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
@@ -78,7 +79,7 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
 def convert_text(report: Any) -> str:
     """``ckptfix convert``'s summary: what was written, the wrappers before and after, the notes."""
     lines: list[str] = []
-    where = f" from {report.state_dict_key!r}" if report.state_dict_key else ""
+    where = f" from {shown(repr(report.state_dict_key))}" if report.state_dict_key else ""
     cast = f" (cast from {human_size(report.nbytes_in)})" if report.nbytes != report.nbytes_in else ""
     lines.append(f"Wrote {report.dst} ({report.format_out}): {report.num_tensors} tensors, "
                  f"{human_size(report.nbytes)}{cast}{where}")
@@ -97,15 +98,17 @@ def scan_text(report: Any) -> str:
     lines.append(f"{report.path} ({report.format}): {verdict}; {len(report.pickles)} pickle(s) walked")
     if report.globals:
         lines.append("globals:")
-        width = max(len(g.name) for g in report.globals)
-        for g in sorted(report.globals, key=lambda g: (g.category != "unsafe", g.name, g.where)):
-            lines.append(f"  {g.category:<8} {g.name:<{width}}  {g.where}  ({', '.join(g.ops)})")
+        globals_ = sorted(report.globals, key=lambda g: (g.category != "unsafe", g.name, g.where))
+        names = [shown(g.name) for g in globals_]
+        width = max(map(len, names))
+        for g, name in zip(globals_, names):
+            lines.append(f"  {g.category:<8} {name:<{width}}  {shown(g.where)}  ({', '.join(g.ops)})")
     if report.findings:
         lines.append("findings:")
         for f in report.findings:
             lines.append(f"  - {f.message}")
     if report.inert_globals:
-        lines.append(f"read as inert data (keys and values; never imported): {', '.join(report.inert_globals)}")
+        lines.append(f"read as inert data (keys and values; never imported): {few(report.inert_globals, SHOWN_ITEMS)}")
     if report.extractable:
         lines.append("torch.load(weights_only=False) would import and run these globals; ckptfix can still extract "
                      "the weights: it reads them as inert placeholders (never imported or called) and refuses "
@@ -135,7 +138,7 @@ def verify_text(report: Any) -> str:
     if report.shape_mismatch:
         rows = report.shape_mismatch
         lines.append(f"  shape mismatch ({len(rows)}):")
-        lines += [f"    {r['key']}: checkpoint {r['checkpoint']}, model {r['model']}" for r in rows[:20]]
+        lines += [f"    {shown(r['key'])}: checkpoint {r['checkpoint']}, model {r['model']}" for r in rows[:20]]
         lines += [f"    … and {len(rows) - 20} more"] if len(rows) > 20 else []
     if report.dtype_mismatch:
         lines.append(f"  dtype mismatch ({len(report.dtype_mismatch)}){'' if report.exact else ' (warning: cast on load)'}:")
@@ -146,12 +149,12 @@ def verify_text(report: Any) -> str:
             lines.append(f"    {cast} ({len(keys)}):")
             lines += [f"      {g}" for g in group_keys(keys)]
     for row in report.shared_mismatch:
-        lines.append(f"  tied weights arrive as different tensors: {', '.join(row['keys'])} ({row['reason']})")
+        lines.append(f"  tied weights arrive as different tensors: {few(row['keys'], SHOWN_ITEMS)} ({row['reason']})")
     nbt = [r["key"] for r in report.tolerated if r["kind"] == "num_batches_tracked"]
     if nbt:
         lines.append(f"  tolerated ({len(nbt)}): missing num_batches_tracked (old BatchNorm checkpoint), set to 0: "
-                     + ", ".join(nbt[:3]) + (" …" if len(nbt) > 3 else ""))
-    lines += [f"  tolerated: {r['key']}: {r['reason']}" for r in report.tolerated if r["kind"] != "num_batches_tracked"]
+                     + few(nbt, 3))
+    lines += [f"  tolerated: {shown(r['key'])}: {r['reason']}" for r in report.tolerated if r["kind"] != "num_batches_tracked"]
     for c in (report.forward or {}).get("against", []):
         diff = "output structure differs" if c["max_abs_diff"] is None else f"max abs diff {c['max_abs_diff']:.3g}"
         lines.append(f"  forward vs {c['what']} {c['path']}: {diff} ({'ok' if c['ok'] else 'DIFFERS'}; "
@@ -182,11 +185,11 @@ def diff_text(report: Any) -> str:
     for name, rows in (("shape", report.shape_mismatch), ("dtype", report.dtype_mismatch)):
         if rows:
             lines.append(f"  {name} differs ({len(rows)}):")
-            lines += [f"    {r['key']}: {r['a']} vs {r['b']}" for r in rows[:20]]
+            lines += [f"    {shown(r['key'])}: {r['a']} vs {r['b']}" for r in rows[:20]]
     if report.value_mismatch:
         lines.append(f"  values differ ({len(report.value_mismatch)}), largest first:")
         rows = sorted(report.value_mismatch, key=lambda r: -(r["max_abs_diff"] if r["max_abs_diff"] is not None else math.inf))
-        lines += [f"    {r['key']}: max abs diff {r['max_abs_diff']}" for r in rows[:20]]
+        lines += [f"    {shown(r['key'])}: max abs diff {r['max_abs_diff']}" for r in rows[:20]]
     return "\n".join(lines)
 
 def describe_tolerance(row: dict[str, Any]) -> str:

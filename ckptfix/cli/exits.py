@@ -10,16 +10,25 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import warnings
 from typing import Any
 
 import click
 
+from ..core.units import shown
 from ..errors import NOTHING_WRITTEN, CkptfixError
 from .output import emit_json
 
 OK, ERROR, USAGE, FINDING = 0, 1, 2, 3
 INTERRUPTED = 130  # SIGINT; ckptfix.errors.Interrupted carries its own 128+N for SIGTERM, SIGHUP
 BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports it
+#: an Error line is escaped (no control character reaches the terminal) and cut past this many characters: the
+#: messages cap the names they show, this is the net under them
+ERROR_CHARS = 20_000
+#: torch's deprecation notes about its own internals that reading a file can set off (a legacy TypedStorage touched
+#: while a checkpoint is read): not the user's concern, so a command prints its output or one Error line only.
+#: ckptfix's own warnings (load_into's NaN/Inf note) still show.
+TORCH_NOISE = ("TypedStorage is deprecated",)
 _JSON = "ckptfix.json"  # ctx.meta key: --json was on the command line
 
 
@@ -38,7 +47,9 @@ class Group(click.Group):
         from ..core.interrupts import signals_as_interrupts
 
         try:
-            with signals_as_interrupts():  # SIGTERM, SIGHUP: the cleanup, one line and 128+N, like Ctrl-C
+            with signals_as_interrupts(), warnings.catch_warnings():  # SIGTERM, SIGHUP: one line and 128+N
+                for message in TORCH_NOISE:
+                    warnings.filterwarnings("ignore", message=message, category=UserWarning)
                 return super().invoke(ctx)
         except click.exceptions.Exit:
             raise
@@ -80,7 +91,7 @@ def _fail(ctx: click.Context, message: str, exc: BaseException, code: int = ERRO
 def _report(ctx: click.Context, message: str, exc: BaseException, code: int) -> None:
     if os.environ.get("CKPTFIX_DEBUG") and not isinstance(exc, KeyboardInterrupt):
         traceback.print_exception(type(exc), exc, exc.__traceback__)
-    click.echo(f"Error: {message}", err=True)
+    click.echo(f"Error: {shown(message, ERROR_CHARS)}", err=True)
     _json_error(ctx, message, exc, code)
 
 

@@ -1,15 +1,18 @@
-"""How ckptfix writes byte sizes and dtypes in messages, reports and progress lines, and reads the sizes users
-give (``--max-shard-size 5GB``).
+"""How ckptfix writes byte sizes, dtypes and names from a file in messages, reports and progress lines, and reads
+the sizes users give (``--max-shard-size 5GB``).
 
 Imports only :mod:`ckptfix.errors` (no torch), so every layer can use it.
 
 >>> human_size(1536), human_size(3 * 2**30), dtype_name("torch.bfloat16")
 ('1.5 KiB', '3.0 GiB', 'bfloat16')
+>>> print(shown("Run\\x1b[2JConfig"), "|", few(["a", "b", "c"], 2))
+Run\\x1b[2JConfig | a, b and 1 more
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConversionError
@@ -54,6 +57,38 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-def few(names: list[str], n: int = 5) -> str:
-    """The first ``n`` names and how many more: ``'a, b, c, d, e … (+3 more)'`` (for one-line messages)."""
-    return ", ".join(names[:n]) + (f" … (+{len(names) - n} more)" if len(names) > n else "")
+#: a name from a file (a key, a global, a zip member) is shown at most this long in text and messages; JSON keeps it whole
+SHOWN_CHARS = 200
+#: a list of names in a text listing or a message shows at most this many (``few``'s default is shorter, for one line)
+SHOWN_ITEMS = 20
+
+
+def escaped(text: str) -> str:
+    """``text`` with every character a terminal acts on (C0 and C1 controls, DEL, line separators, Unicode format
+    and bidi controls: what ``str.isprintable`` rejects) written as ``repr`` writes it: ``'\\x1b'``, ``'\\u202e'``."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def shown(name: object, limit: int = SHOWN_CHARS) -> str:
+    """A name from a file as text and messages show it: :func:`escaped`, and past ``limit`` characters cut, with
+    how many were left out (``'mod.RunConfig…(+262,000 chars)'``). Keys and globals can be anything a file holds."""
+    text = name if isinstance(name, str) else str(name)
+    if len(text) > limit:
+        return f"{escaped(text[:limit])}…(+{len(text) - limit:,} chars)"
+    return escaped(text)
+
+
+def listed(texts: Sequence[str], n: int = SHOWN_ITEMS, sep: str = ", ") -> str:
+    """The first ``n`` of ``texts`` joined, and how many more: ``'a, b and 3 more'`` (texts already made safe)."""
+    return sep.join(texts[:n]) + _more(len(texts), n)
+
+
+def few(names: Sequence[Any], n: int = 5, sep: str = ", ") -> str:
+    """The first ``n`` names from a file, each :func:`shown`, and how many more: ``'a, b, c, d, e and 3 more'``."""
+    return sep.join(shown(x) for x in names[:n]) + _more(len(names), n)
+
+
+def _more(total: int, n: int) -> str:
+    return f" and {total - n} more" if total > n else ""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.devices import available_devices, normalise_device
+from ..core.units import few
 from ..errors import DeviceError
 from ..parse.format_registry import get as format_of
 from ..parse.safetensors_header import read_header
@@ -117,7 +118,7 @@ def named(what: str, keys: list[str]) -> str:
 
 def shown(keys: list[str]) -> str:
     """``'a, b, c and 4 more'``: the first :data:`SHOWN_KEYS` keys."""
-    return ", ".join(keys[:SHOWN_KEYS]) + (f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else "")
+    return few(keys, SHOWN_KEYS)
 
 
 def _device(tag: str) -> str | None:

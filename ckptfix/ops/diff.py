@@ -16,7 +16,7 @@ from typing import Any
 from .. import text
 from .api import load, read
 from ..errors import DeviceError
-from ..core.units import dtype_name
+from ..core.units import dtype_name, shown
 
 
 @dataclass
@@ -85,6 +85,10 @@ def diff(
             else:
                 report.value_mismatch.append({"key": key, "max_abs_diff": None})
             continue
+        for path, t in ((a, x), (b, y)):
+            if t.is_meta:  # torch rebuilds it (_rebuild_meta_tensor_no_storage) holding no values to compare
+                raise DeviceError(f"diff compares tensor values; {os.fspath(path)}: {shown(repr(key))} was saved on "
+                                  "meta and holds none")
         if x.shape != y.shape:
             report.shape_mismatch.append({"key": key, "a": list(x.shape), "b": list(y.shape)})
             continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.units import shown
 from .pickle_ops import Refused
 
 _made = [0]  # placeholders made in this process: none, and no object can hold one (walks are skipped)
@@ -36,10 +37,10 @@ class InertGlobal:
         _made[0] += 1
 
     def __repr__(self) -> str:
-        return f"<inert global {self.name} (not imported)>"
+        return f"<inert global {shown(self.name)} (not imported)>"
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(f"{self.name} was read as an inert placeholder (never imported); it can't be written back")
+        raise TypeError(f"{shown(self.name)} was read as an inert placeholder (never imported); it can't be written back")
 
 
 class InertObject:
@@ -68,17 +69,17 @@ class InertObject:
         self.dictitems.append((key, value))
 
     def __repr__(self) -> str:
-        return f"<inert {self.name} (not imported)>"
+        return f"<inert {shown(self.name)} (not imported)>"
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(f"{self.name} was read as an inert placeholder (never imported); it can't be written back")
+        raise TypeError(f"{shown(self.name)} was read as an inert placeholder (never imported); it can't be written back")
 
 
 def call(func: InertGlobal, args: Any, op: str) -> InertObject:
     """The placeholder for ``func(*args)`` (or ``func.__new__(func, *args)``); nothing is called.
     ``copyreg._reconstructor(cls, base, state)`` (how protocols 0 and 1 pickle an object) is named by ``cls``."""
     if not isinstance(args, tuple):
-        raise Refused(f"{op} of {func.name}: arguments must be a tuple")
+        raise Refused(f"{op} of {shown(func.name)}: arguments must be a tuple")
     if func.name == _COPYREG_RECONSTRUCTOR and args and isinstance(args[0], InertGlobal):
         return InertObject(args[0].name, args[1:], op)
     return InertObject(func.name, args, op)
@@ -86,9 +87,9 @@ def call(func: InertGlobal, args: Any, op: str) -> InertObject:
 
 def build(u: Any, inst: InertObject, state: Any) -> None:
     """BUILD on a placeholder: the state is recorded, never applied (charged to max_alloc_bytes)."""
-    u.charge(len(state) if isinstance(state, (dict, tuple, list)) else 1, f"BUILD of {inst.name}")
+    u.charge(len(state) if isinstance(state, (dict, tuple, list)) else 1, f"BUILD of {shown(inst.name)}")
     if inst.state is not None:
-        raise Refused(f"BUILD gives {inst.name} state twice")
+        raise Refused(f"BUILD gives {shown(inst.name)} state twice")
     inst.state = state
 
 

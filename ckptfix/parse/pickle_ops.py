@@ -14,9 +14,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..core.units import shown
 from . import pickle_args as args_of
 
 _compat: Any = None
+
+#: the longest ``module.qualname`` a pickle may name: far past any real module's, short enough that no report
+#: or message carries megabytes of one name (torch's weights-only unpickler refuses such a global anyway)
+MAX_GLOBAL_NAME = 1024
 
 
 class Refused(pickle.UnpicklingError):
@@ -29,8 +34,12 @@ class Refused(pickle.UnpicklingError):
 
 def decode_name(module: str, name: str) -> tuple[str, str]:
     """The (module, name) an unpickler resolves, after Python 2 renames (``__builtin__`` → ``builtins``),
-    as torch's weights_only unpickler maps them; the scanner resolves names the same way."""
+    as torch's weights_only unpickler maps them; the scanner resolves names the same way. A name longer than
+    :data:`MAX_GLOBAL_NAME` is refused (UnpicklingError)."""
     global _compat
+    if len(module) + 1 + len(name) > MAX_GLOBAL_NAME:
+        raise pickle.UnpicklingError(f"a global named {shown(module + '.' + name)} is {len(module) + 1 + len(name):,} characters "
+                          f"long, longer than any module's name (at most {MAX_GLOBAL_NAME:,})")
     if _compat is None:
         import _compat_pickle
 

@@ -13,6 +13,7 @@ persistent id (a torch storage).
 from __future__ import annotations
 
 import io
+import pickle
 import pickletools
 import struct
 from collections.abc import Callable
@@ -22,11 +23,12 @@ from typing import Any
 from ..core import limits as _limits
 from ..errors import LimitError
 from . import pickle_args as args_of
+from ..core.units import shown
 from .pickle_ops import decode_name as resolve_name
 from .unpickler import check_depth
 
 # pickletools and the simulation raise these on a malformed or truncated stream.
-_PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, EOFError, OverflowError, struct.error,
+_PARSE_ERRORS = (pickle.UnpicklingError, ValueError, IndexError, KeyError, TypeError, EOFError, OverflowError, struct.error,
                  RecursionError)
 
 
@@ -230,7 +232,7 @@ class _Machine:
 
     def mutate(self, target: Any, op: str, pos: int) -> None:
         if isinstance(target, Ref):
-            self.r.problems.append(f"{op} at byte {pos} modifies the global {target.full} itself")
+            self.r.problems.append(f"{op} at byte {pos} modifies the global {shown(target.full)} itself")
 
     # -- the opcodes ---------------------------------------------------------------------------
     def step(self, op: str, arg: Any, pos: int) -> None:

@@ -271,7 +271,7 @@ def assemble(path: str, header: dict[str, dict], meta: dict[str, str], tensors: 
     ckptfix's tied-weight aliases, key order and ``_metadata`` restored."""
     extra = ckptfix_meta(path, meta)
     aliases = _aliases(path, extra, header)
-    order = [k for k in extra.get("order", []) if isinstance(k, str) and (k in tensors or k in aliases)]
+    order = [k for k in extra.get("order", []) if k in tensors or k in aliases]
     order = list(dict.fromkeys(order))
     order += [k for k in header if k not in order]
     order += [k for k in aliases if k not in order]
@@ -309,7 +309,8 @@ def _aliases(path: str, extra: dict, header: dict[str, dict]) -> dict[str, str]:
 
 
 def ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
-    """ckptfix's own metadata entry as a dict ({} when absent); FormatError when it is not valid JSON."""
+    """ckptfix's own metadata entry as a dict ({} when absent); FormatError when it is not valid JSON, not an
+    object, or its key ``order`` is not a list of key names (what ckptfix writes)."""
     raw = meta.get(META_KEY)
     if raw is None:
         return {}
@@ -317,4 +318,9 @@ def ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
         extra = json.loads(raw)
     except (ValueError, RecursionError):
         raise FormatError(f"{path}: the {META_KEY!r} metadata entry is not valid JSON") from None
-    return extra if isinstance(extra, dict) else {}
+    if not isinstance(extra, dict):
+        raise FormatError(f"{path}: the {META_KEY!r} metadata entry is a JSON {type(extra).__name__}, not an object")
+    order = extra.get("order", [])
+    if not isinstance(order, list) or not all(isinstance(k, str) for k in order):
+        raise FormatError(f"{path}: the {META_KEY!r} metadata's order is not a list of key names")
+    return extra

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import limits as _limits
+from ..core.units import shown
 from ..errors import LimitError
 from . import inert as _inert
 from .pickle_ops import DISPATCH, Refused, stop, type_name
@@ -94,7 +95,7 @@ class Unpickler:
         if self.policy.inert is not None and full not in self.policy.globals:
             return self.policy.inert(full)  # a name only: never looked up
         if "." in name or not module or full not in self.policy.globals:
-            raise Refused(f"Unsupported global: GLOBAL {full} is not on ckptfix's safe allow-list", full)
+            raise Refused(f"Unsupported global: GLOBAL {shown(full)} is not on ckptfix's safe allow-list", full)
         return self.policy.globals[full]
 
     def persistent_load(self, pid: Any) -> Any:
@@ -190,7 +191,7 @@ class Unpickler:
         if not isinstance(args, tuple) or kwargs is not None and not isinstance(kwargs, dict):
             raise pickle.UnpicklingError(f"{op}: arguments must be a tuple")
         if isinstance(func, _inert.InertGlobal):
-            self.charge(len(args), f"{op} of {func.name}")
+            self.charge(len(args), f"{op} of {shown(func.name)}")
             return _inert.call(func, args, op)  # recorded, never called
         guard = self.policy.calls.get(id(func))
         if guard is None:
@@ -248,7 +249,8 @@ def check_depth(obj: Any, limit: int, where: str = "pickle") -> None:
 # -- BUILD handlers shared by the policies ------------------------------------------------------------
 
 def build_attributes(u: Unpickler, inst: Any, state: Any) -> None:
-    """pickle's default BUILD: a dict of attributes (and, for slots, a second one), str keys only."""
+    """pickle's default BUILD: a dict of attributes (and, for slots, a second one), str keys only; a slot state
+    that sets a dunder (``__class__``: the object's type) is refused."""
     slotstate = None
     if isinstance(state, tuple) and len(state) == 2:
         state, slotstate = state
@@ -258,10 +260,18 @@ def build_attributes(u: Unpickler, inst: Any, state: Any) -> None:
         if type(part) is not dict or not all(type(k) is str for k in part):
             raise Refused(f"BUILD of a {type_name(inst)}: state must be a dict of attribute names")
         u.charge(len(part), "BUILD")
+    dunder = next((k for k in slotstate or () if is_dunder(k)), None)
+    if dunder is not None:  # setattr(obj, "__class__", cls) swaps the object's type: never applied
+        raise Refused(f"BUILD of a {type_name(inst)} sets its attribute {shown(dunder)}, which no checkpoint sets")
     if state:
         inst.__dict__.update(state)
     for k, v in (slotstate or {}).items():
         setattr(inst, k, v)
+
+
+def is_dunder(name: str) -> bool:
+    """``__class__``, ``__dict__``: a name pickle's BUILD would ``setattr`` on the object's machinery itself."""
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
 
 
 def build_setstate(u: Unpickler, inst: Any, state: Any) -> None:
@@ -296,5 +306,5 @@ def loads(data: bytes, policy: Policy, encoding: str = "utf-8", persistent_load:
     return policy.finish(unpickler.load())
 
 
-__all__ = ["Unpickler", "SafePickle", "Policy", "Refused", "LimitError", "loads", "check_depth",
+__all__ = ["Unpickler", "SafePickle", "Policy", "Refused", "LimitError", "loads", "check_depth", "is_dunder",
            "build_attributes", "build_setstate", "type_name"]

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core import limits as _limits
+from ..core.units import shown
 from ..parse import pickle_walk, zipcheck
 from .allowlist import ALLOWED, INERT, UNSAFE, classify
 from .static_checks import refused_build, refused_call, storage_itemsize
@@ -154,7 +155,7 @@ class Collector:
         self.pickles += [f"{other.path}: {p}" for p in other.pickles]
 
     def finish(self) -> ScanReport:
-        unsafe = [Finding("unsafe-global", g.where, f"unsafe global {g.name} ({', '.join(g.ops)}) in {g.where}")
+        unsafe = [Finding("unsafe-global", g.where, f"unsafe global {shown(g.name)} ({', '.join(g.ops)}) in {shown(g.where)}")
                   for g in self.globals.values() if g.category == UNSAFE]
         findings = unsafe + self.findings
         if findings:

@@ -23,6 +23,7 @@ from typing import Any
 from . import dcp_policy
 from ..parse import pickle_walk
 from ..core import limits as _limits, locations
+from ..core.units import SHOWN_ITEMS, few, listed, shown
 from .allowlist import UNSAFE
 from ..parse.checkpoint_dirs import find_index, load_index, locate, member_path
 from .deepspeed_policy import optim_names
@@ -201,8 +202,9 @@ def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_
         raise UnsafeCheckpointError(whole, report.unsafe_globals)
     parts = []
     if report.unsafe_globals and not structure_only:
-        parts.append("it references globals outside the safe allow-list: " + ", ".join(report.unsafe_globals))
-    parts += [f.message for f in findings if f.kind != "unsafe-global"]
+        parts.append("it references globals outside the safe allow-list: " + few(report.unsafe_globals, SHOWN_ITEMS))
+    others = [f.message for f in findings if f.kind != "unsafe-global"]
+    parts += [listed(others, SHOWN_ITEMS, "; ")] if others else []
     raise UnsafeCheckpointError(
         f"{path}: refused: loading it could run code or read the wrong bytes: {'; '.join(parts)}. "
         f"{trust_advice()}; "
@@ -227,13 +229,13 @@ def _whole_module_message(path: str, report: ScanReport, findings: list[Finding]
     classes = list(dict.fromkeys(g.name for g in unsafe if set(g.ops) <= _CLASS_OPS))
     if not classes:
         return None
-    root = classes[0]  # the first class the pickle names: the object torch.save was given (or its first module)
+    root = shown(classes[0])  # the first class the pickle names: the object torch.save was given (or its first module)
     calls = sorted({g.name for g in unsafe} - set(classes))
     made = [f"creates a {name}," for name in classes]
     others = [f for f in findings if f.kind not in ("unsafe-global", "malformed")
               and not any(m in f.message for m in made)
               and "calls a computed object" not in f.message]  # legacy files name module classes by persistent id
-    also = f"; it also calls {', '.join(calls)}" if calls else ""
+    also = f"; it also calls {few(calls, SHOWN_ITEMS)}" if calls else ""
     more = f"; {len(others)} other finding(s)" if others else ""
     return (f"{path}: refused: a whole pickled model (torch.save(model)) of class {root}"
             f"{f' and {len(classes) - 1} other module class(es)' if len(classes) > 1 else ''}, not a state dict: "

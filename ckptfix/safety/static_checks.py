@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import limits as _limits
+from ..core.units import shown
+from ..parse.unpickler import is_dunder
 from . import numpy_policy
 from .allowlist import HISTORY_BUFFER, INERT_DATA, PICKLE_CODECS, VALUE_ONLY, Rule, rule
 from .standins import FACTORY_TYPES, STATISTICS_METHODS, short_args
@@ -138,5 +140,9 @@ def refused_build(name: str, state: Any) -> str | None:
     kind = r.build if r is not None else None
     if kind is None:
         return f"BUILD gives state to the result of {name}, which ckptfix never does"
+    if kind == "attributes" and isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+        dunder = next((k for k in state[1] if isinstance(k, str) and is_dunder(k)), None)
+        if dunder is not None:
+            return f"BUILD of a {name} sets its attribute {shown(dunder)}, which no checkpoint sets"
     check = numpy_policy.STATIC_BUILDS.get(kind)
     return check(state) if check is not None else None

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..core.units import SHOWN_ITEMS, few, shown
 from ..errors import SelectError, UnsafeCheckpointError, trust_advice
 from ..parse import inert
 from ..parse.sniff import sniff
@@ -28,14 +29,14 @@ def take_configs(obj: Any) -> tuple[Any, list[str]]:
         return obj, []
     if type(obj) is not dict:
         plain, found = plain_configs(obj)
-        return plain, [f"an OmegaConf {', '.join(found)} read as plain data (keys and values; omegaconf not "
+        return plain, [f"an OmegaConf {few(found, SHOWN_ITEMS)} read as plain data (keys and values; omegaconf not "
                        "imported)"] if found else []
     notes = []
     for key, value in obj.items():
         plain, found = plain_configs(value)
         if found:
             obj[key] = plain
-            notes.append(f"{key}: an OmegaConf {' and '.join(n.rpartition('.')[2] for n in found)} read as plain "
+            notes.append(f"{shown(key)}: an OmegaConf {' and '.join(n.rpartition('.')[2] for n in found)} read as plain "
                          "data (keys and values; omegaconf not imported, interpolations left as written)")
     return obj, notes
 
@@ -56,26 +57,27 @@ def select(obj: Any, find: Callable[[Any], Any], allow: Iterable[str], source: s
         raise _refusal(source, inert.names(around), f"no state dict outside them ({e})") from None
     inside = [(where, name) for where, name in inert.find(sel.state_dict) if name not in allowed]
     if inside:
-        where = f" (at {inside[0][0]!r})" if inside[0][0] else ""
+        where = f" (at {shown(repr(inside[0][0]))})" if inside[0][0] else ""
         names = inert.names(inside)
+        flags, library = few([f"--allow {n}" for n in names], SHOWN_ITEMS, " "), shown(repr(tuple(names)), 1000)
         raise _refusal(source, names, f"the selected state dict holds them{where}; to take them as inert data "
-                       f"there, pass {' '.join(f'--allow {n}' for n in names)} (library: allow={tuple(names)!r})")
+                       f"there, pass {flags} (library: allow={library})")
     notes = []
     beside = inert.find(sel.extra) if sel.key is not None else []
     by_entry: dict[str, list[str]] = {}
     for where, name in beside:
         by_entry.setdefault(where.split(".")[0] or "?", []).append(name)
     for entry, found in by_entry.items():
-        notes.append(f"{entry}: inert {', '.join(sorted(set(found)))} (not imported, never called; "
+        notes.append(f"{shown(entry)}: inert {few(sorted(set(found)), SHOWN_ITEMS)} (not imported, never called; "
                      "outside the state dict)")
     allowed_inside = inert.names(inert.find(sel.state_dict)) if allowed else []
     if allowed_inside:
-        notes.append(f"state dict: inert {', '.join(allowed_inside)} (allowed: read as data, not imported)")
+        notes.append(f"state dict: inert {few(allowed_inside, SHOWN_ITEMS)} (allowed: read as data, not imported)")
     return sel, notes
 
 
 def _refusal(source: str, names: list[str], why: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(
-        f"{source}: refused: it references globals outside the safe allow-list: {', '.join(names)}; read as inert "
+        f"{source}: refused: it references globals outside the safe allow-list: {few(names, SHOWN_ITEMS)}; read as inert "
         f"placeholders (never imported), {why}. {trust_advice()}; `ckptfix scan {source}` lists everything it "
         "references.", names)

@@ -13,12 +13,13 @@ import re
 import shlex
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import wrappers
 from ..core import tensorcopy
-from ..core.units import dtype_name
+from ..core.units import SHOWN_ITEMS, dtype_name, few, shown
 
 _MAX_PREFIX_DEPTH = 3
 
@@ -345,11 +346,12 @@ def _check_rule(old: str, new: str, unexpected: Mapping[str, Any], missing: Mapp
 
 
 def group_keys(keys: Iterable[str], limit: int = 12) -> list[str]:
-    """Keys grouped by parent module: ``['layer1.2.bn1.{weight, bias}', …]``, at most ``limit`` lines."""
+    """Keys grouped by parent module: ``['layer1.2.bn1.{weight, bias}', …]``, at most ``limit`` lines, each
+    name :func:`~ckptfix.core.units.shown` (a key from a file can be anything)."""
     groups: OrderedDict[str, list[str]] = OrderedDict()
     for key in keys:
         parent, _, leaf = key.rpartition(".")
         groups.setdefault(parent, []).append(leaf)
-    lines = [(f"{p}." if p else "") + (leaves[0] if len(leaves) == 1 else "{" + ", ".join(leaves) + "}")
-             for p, leaves in groups.items()]
-    return lines if len(lines) <= limit else lines[:limit] + [f"… and {len(lines) - limit} more groups"]
+    lines = [(f"{shown(p)}." if p else "") + (shown(leaves[0]) if len(leaves) == 1 else "{" + few(leaves, SHOWN_ITEMS) + "}")
+             for p, leaves in islice(groups.items(), limit)]
+    return lines + [f"… and {len(groups) - limit} more groups"] if len(groups) > limit else lines

@@ -46,7 +46,7 @@ def test_report_names_keys_strip_prefix_left_alone(torch_free: bool, tmp_path: P
     assert res.exit_code == 0, res.output
     note = [line for line in res.output.splitlines() if "--strip-prefix" in line]
     assert note == ["  note: --strip-prefix model. left 7 key(s) without that prefix unchanged: loss_fn.w0, loss_fn.w1, "
-                    "loss_fn.w2, loss_fn.w3, loss_fn.w4 … (+2 more)"]
+                    "loss_fn.w2, loss_fn.w3, loss_fn.w4 and 2 more"]
     out = torch.load(tmp_path / "out.pth", weights_only=True)
     assert list(out) == ["backbone.weight", "head.weight", *[f"loss_fn.w{i}" for i in range(7)]]
     assert all(torch.equal(out[k.removeprefix("model.")], v) for k, v in sd.items())

@@ -39,6 +39,7 @@ def outcome(path: Path, torch_free: bool, monkeypatch: pytest.MonkeyPatch) -> An
 
 
 def assert_same(path: Path, monkeypatch: pytest.MonkeyPatch, described: bool | None = None) -> Any:
+    """``path`` gives the same through both paths; with ``described``, whether the torch-free path took it."""
     fast, slow = outcome(path, True, monkeypatch), outcome(path, False, monkeypatch)
     assert fast == slow, path
     if described is not None:
@@ -69,6 +70,7 @@ def save_both(obj: Any, d: Path) -> Any:
 
 
 def safetensors_copy(sd: Any) -> dict[str, torch.Tensor]:
+    """The tensors safetensors can hold, each contiguous, a tensor shared by several keys kept once."""
     from ckptfix.parse.safetensors_header import DTYPES
 
     out, seen = {}, {}

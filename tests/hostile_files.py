@@ -53,6 +53,7 @@ def state(**entries: bytes) -> bytes:
 
 
 def torch_zip(path: Path, data_pkl: bytes, records: dict[str, bytes], method: int = 0) -> Path:
+    """A torch zip at ``path``: ``data_pkl`` and the records (stored, or with ``method``), byteorder, version."""
     members: list = [("archive/data.pkl", data_pkl, method), ("archive/byteorder", b"little")]
     members += [(f"archive/data/{k}", v) for k, v in records.items()] + [("archive/version", b"3\n")]
     write_zip(path, members)
@@ -81,6 +82,7 @@ SECRET = b"SECRET-SECRET-16"
 
 @dataclass
 class Hostile:
+    """One hostile file: its maker, what loading raises and says, and what ``scan`` finds."""
     name: str
     make: Callable[[Path], Path]
     error: type  # what loading raises
@@ -120,6 +122,7 @@ def _uninitialised(constructor: bytes, args: bytes, op: bytes = b"R") -> Callabl
 
 
 def view(offset: int, size: tuple, stride: tuple) -> Callable[[Path], Path]:
+    """A maker of a zip whose one tensor is the view (offset, size, stride) of a 4-float storage."""
     def make(tmp: Path) -> Path:
         return torch_zip(tmp / "view.pth", state(w=rebuild("0", 4, offset, size, stride)), {"0": FOUR, "1": SECRET})
 
@@ -180,6 +183,7 @@ def deep(kind: str) -> Callable[[Path], Path]:
 
 
 def stride0_expansion(tmp: Path) -> Path:
+    """A stride-0 view of one float as 2**27 elements: loadable, and never expanded."""
     return torch_zip(tmp / "expand.pth", state(w=rebuild("0", 1, 0, (1 << 27,), (0,))), {"0": FOUR[:4]})
 
 

@@ -25,6 +25,7 @@ TESTS = Path(__file__).resolve().parent
 
 @functools.lru_cache(maxsize=1)
 def lit_class() -> type:
+    """The LightningModule class: the MLP as ``self.model`` (keys ``model.*``), defined once Lightning is imported."""
     import lightning as L
 
     class LitMLP(L.LightningModule):
@@ -55,12 +56,14 @@ def _train_module() -> Any:
 
 @dataclass
 class ShardedRun:
+    """What the real sharded run wrote, and the state it held at that save."""
     dirs: dict[str, Path]  # strategy (or "Fabric") → the directory it saved
     truth: dict[str, Any]  # the run's full state at that save (real_lightning_sharded.py's truth.pt)
 
 
 @pytest.fixture(scope="session")
 def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> ShardedRun:
+    """tests/real_lightning_sharded.py run once per session (minutes): its directories and the run's state."""
     return _run_child(tmp_path_factory.getbasetemp() / "lightning_sharded")
 
 

@@ -24,6 +24,7 @@ from tests.remote_servers import S3Server
 
 
 def random_state_dict(n: int = 12, width: int = 64 * 1024) -> dict[str, torch.Tensor]:
+    """``n`` seeded float tensors of ``width`` elements, under ``module.``-prefixed keys."""
     g = torch.Generator().manual_seed(0)
     return {f"module.layers.{i}.weight": torch.randn(width, generator=g) for i in range(n)}
 
@@ -40,6 +41,7 @@ def write_checkpoints(root: Path) -> dict[str, str]:
 
 
 def assert_same_as_local(remote: dict, local: dict) -> None:
+    """A remote result (a report's dict) is the local one's, but for its bytes fetched (some) and path."""
     fetched = remote.pop("bytes_fetched")
     assert isinstance(fetched, int) and fetched > 0
     remote.pop("path"), local.pop("path")
@@ -54,6 +56,7 @@ def file_bytes(server: FileServer) -> int:
 
 
 class Payload:
+    """An object whose pickle calls ``os.system``: the unsafe global a scan must find."""
     def __reduce__(self) -> tuple:
         return (os.system, ("echo pwned",))
 

@@ -30,6 +30,7 @@ def sources(root: Path, mib: int) -> dict[str, Path]:
 
 
 def object_bytes(s3: S3Server, key: str) -> bytes | None:
+    """The object at ``key``, or None when there is none."""
     try:
         return s3.client().get_object(Bucket=s3.bucket, Key=key)["Body"].read()
     except s3.client().exceptions.NoSuchKey:
@@ -62,6 +63,7 @@ def same_output(got: bytes | None, want: bytes) -> bool:
 
 
 def uploads(s3: S3Server) -> list[Any]:
+    """The bucket's multipart uploads not completed or aborted."""
     return s3.client().list_multipart_uploads(Bucket=s3.bucket).get("Uploads", [])
 
 

@@ -37,6 +37,7 @@ def tensors(draw: Any, dtype: torch.dtype, min_dims: int = 0) -> torch.Tensor:
 
 @st.composite
 def state_dicts(draw: Any) -> OrderedDict:
+    """Keys of wrapper-free segments; plain tensors, non-contiguous views, tied weights and other views of one storage."""
     keys = draw(st.lists(st.lists(segment, min_size=1, max_size=3).map(".".join), min_size=1, max_size=6,
                          unique=True))
     sd: OrderedDict = OrderedDict()

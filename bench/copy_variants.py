@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from page_cache import drop_from_page_cache  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
+from tests.page_cache import drop_from_page_cache  # noqa: E402
 
 
 def header(path: str) -> tuple[int, dict[str, Any]]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from measure import measure as _measure  # bench/measure.py (this script's folder is on sys.path)
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent))  # the repository root: tests/fsdp2_dirs.py
 PY = sys.executable
 CKPTFIX = [PY, "-m", "ckptfix"]
 WIDTH = 4096
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir under /tmp, removed after)")
     args = ap.parse_args()
-    import fsdp2_dirs
+    from tests import fsdp2_dirs
 
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="ckptfix-bench-dcp-", dir="/tmp"))
     out = workdir / "out"

@@ -17,8 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # page_cache.py: standard library only
-from page_cache import drop_from_page_cache, resident_bytes  # noqa: E402,F401  (re-exported for the benches)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests/page_cache.py, standard library only
+from tests.page_cache import drop_from_page_cache, resident_bytes  # noqa: E402,F401  (re-exported for the benches)
 
 INTERVAL = 0.005
 

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the servers of the tests (standard library only)
-from hub_server import REPO, HubServer  # noqa: E402  (tests/hub_server.py)
+sys.path.insert(0, str(ROOT))  # the repository root: the servers of the tests (standard library only)
+from tests.hub_server import REPO, HubServer  # noqa: E402
 
 from measure import INTERVAL, read_through, rss_anon  # noqa: E402  (bench/measure.py)
 

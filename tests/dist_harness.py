@@ -1,12 +1,12 @@
 """Run one function on N gloo ranks on CPU, each rank its own process, and bring its return value back.
 
-    results = dist_harness.run("test_load_into_sharded:run_cases", world=4, workdir=tmp, payload={...})
+    results = dist_harness.run("tests.ops.test_load_into_sharded:run_cases", world=4, workdir=tmp, payload={...})
 
 The ranks are forked from a multiprocessing forkserver that has imported torch once per session (a fresh
 interpreter per rank costs seconds of import on a busy machine); each rank joins the default process
 group (gloo) through a TCPStore this process hosts on a port the kernel picked, so no port can be lost
-between choosing it and binding it. The rank calls ``function(rank, world, payload)`` (named by bare
-module name: the test folders are on ``sys.path``) and writes the return value with ``torch.save``; an
+between choosing it and binding it. The rank calls ``function(rank, world, payload)`` (named by its
+module's dotted name, ``tests.ops.test_x:function``) and writes the return value with ``torch.save``; an
 exception is written as its traceback instead, and :func:`run` fails with every failed rank's traceback
 (or the tail of its stderr). A rank still running after ``timeout`` seconds, or a few seconds after
 another rank failed (stuck in a collective its peer never joins), is killed and reported with the

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from adversarial import write_zip
+from tests.adversarial import write_zip
 
 #: what a terminal does with it: clears the screen (ESC [2J), retitles the window (OSC 0 ; … BEL)
 ESCAPES = "Run\x1b[2J\x1b]0;pwned\x07Config\u202e\x9b"

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-from file_server import FileHandler, FileServer, etag_of
+from tests.file_server import FileHandler, FileServer, etag_of
 
 COMMIT = "c0ffee0123456789abcdef0123456789abcdef01"
 REPO = "org/name"

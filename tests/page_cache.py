@@ -1,4 +1,5 @@
-"""A file's pages in the page cache: how many are resident (mincore(2)), and dropping them (a cold read).
+"""A file's pages in the page cache: how many are resident (mincore(2)), and dropping them (a cold read); and
+which file a tensor's memory is mapped from.
 
 Standard library only: the tests that prove a read touches only headers or its own shard use it, and so do
 the benchmarks' cold runs (bench/measure.py imports it from here).
@@ -10,6 +11,7 @@ import ctypes
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 
 def resident_bytes(path: str | os.PathLike[str]) -> int:
@@ -51,3 +53,18 @@ def drop_from_page_cache(path: str | os.PathLike[str]) -> int:
         finally:
             os.close(fd)
     return sum(resident_bytes(f) for f in files)
+
+
+def mapped_from(t: Any) -> str:
+    """The file a tensor's memory is mapped from, per /proc/self/maps ('' for anonymous memory).
+
+    Proves a read is lazy: tensor bytes still in the checkpoint file's pages, not copied.
+    """
+    ptr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5].strip() if len(parts) > 5 else ""
+    return ""

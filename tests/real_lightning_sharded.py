@@ -46,12 +46,12 @@ def _train_module() -> Any:
 
 
 train = _train_module()
-sys.path.insert(0, str(ROOT / "tests"))
-from test_real_libraries import _lit_class  # noqa: E402 - after train.py is loaded, which it uses
+sys.path.insert(0, str(ROOT))  # (run as a script) the repository root, for the tests package
+from tests.lightning_run import lit_class  # noqa: E402 - after train.py is loaded, which it uses
 
 
-class LitMLP(_lit_class()):
-    """test_real_libraries' LitMLP (the MLP as ``self.model``, Adam + StepLR, hyper-parameters saved),
+class LitMLP(lit_class()):
+    """tests/lightning_run.py's LitMLP (the MLP as ``self.model``, Adam + StepLR, hyper-parameters saved),
     sharded with FSDP2 only when Lightning gives it a device mesh."""
 
     def configure_model(self) -> None:

@@ -3,7 +3,7 @@ library, each client talks to a real server over a socket. A test module registe
 (tests/conftest.py stays the only conftest), and names them once so that ruff sees the import used (else
 F811 flags each test's argument of the same name as a redefinition of an unused import):
 
-    from remote_servers import http_server, https_server, hub_server, s3_server
+    from tests.remote_servers import http_server, https_server, hub_server, s3_server
     SERVERS = (http_server, https_server, hub_server, s3_server)
 
 - ``http_server``: :class:`file_server.FileServer` on the test's own directory (``http_server.root``): Range,
@@ -32,8 +32,8 @@ from typing import Any
 
 import pytest
 
-from file_server import Counts, FileServer
-from hub_server import HubServer
+from tests.file_server import Counts, FileServer
+from tests.hub_server import HubServer
 
 BUCKET = "ckpt"
 REGION = "us-east-1"
@@ -56,7 +56,7 @@ def https_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fi
     it with no argument (and nothing else: a test needs no other host). aiohttp (fsspec's HTTPFileSystem) makes
     its default context once, at import: give it ``ssl=ssl.create_default_context(cafile=https_server.tls[0])``
     when it may have been imported before the test."""
-    from file_server import self_signed_cert
+    from tests.file_server import self_signed_cert
 
     root = tmp_path / "https"
     root.mkdir()

@@ -21,7 +21,7 @@ from torch import nn
 
 from ckptfix.errors import CkptfixError, LoadError
 from ckptfix.formats.dcp.chunks import TensorRef
-from page_cache import drop_from_page_cache
+from tests.page_cache import drop_from_page_cache
 
 #: model kind → the family of state dict its checkpoint holds (the kinds the load matrix runs)
 MODELS = {"fsdp2": "mixed", "fsdp2-meta": "mixed", "tp": "tp", "dtensor-1d": "placed", "dtensor-2d": "placed"}
@@ -119,7 +119,7 @@ def build_model(kind: str, meshes: dict[str, Any]) -> nn.Module:
             model = fully_shard_each(big() if kind == "big" else mlp() if kind == "fsdp2-meta-mlp-bare" else Mixed(), mesh)
         return model if kind.endswith("-bare") else model.to_empty(device="cpu")
     if kind == "fsdp2-dcp-net":  # tests/fsdp2_dirs.py's Net, FSDP2's dim-0 shards (its "cols" DCP: Shard(1) chunks)
-        import fsdp2_dirs
+        from tests import fsdp2_dirs
 
         return fully_shard_each(fsdp2_dirs.net(), mesh)
     if kind == "tp":

@@ -94,7 +94,7 @@ def test_architecture_names_what_exists() -> None:
 
 
 def test_one_conftest() -> None:
-    """Test modules import shared helpers as ``from conftest import …``: a second conftest.py in a test folder
-    would shadow the first for every module collected after it."""
+    """Fixtures shared across folders live in tests/conftest.py, other shared pieces in helper modules
+    (tests/__init__.py): a conftest.py in a test folder would be a second place to look for a fixture."""
     tests = Path(__file__).resolve().parent
     assert sorted(tests.rglob("conftest.py")) == [tests / "conftest.py"]

@@ -31,9 +31,9 @@ import pytest
 
 import ckptfix
 from ckptfix.cli import cli
-from readme_recipes import MAKERS, RECIPES, Entry
-from test_lightning_dirs import sharded_run  # noqa: F401 - the real Lightning sharded directory, a fixture
-from remote_servers import s3_server  # noqa: F401 - moto's S3 server, a fixture (readme_recipes' _on_s3)
+from tests.lightning_run import sharded_run  # noqa: F401 - the real Lightning sharded directory, a fixture
+from tests.readme_recipes import MAKERS, RECIPES, Entry
+from tests.remote_servers import s3_server  # noqa: F401 - moto's S3 server, a fixture (readme_recipes' _on_s3)
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

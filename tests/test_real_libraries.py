@@ -38,7 +38,8 @@ from torch import nn
 
 import ckptfix
 from ckptfix.cli import cli
-from conftest import close_to_recorded
+from tests.compare import assert_bit_equal, close_to_recorded, differences
+from tests.lightning_run import lit_class
 
 pytestmark = [  # Lightning's own noise: resuming into another directory, and its use of a torch deprecation
     pytest.mark.filterwarnings("ignore:The dirpath has changed from"),
@@ -59,47 +60,10 @@ def _read_plain(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
-def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], ordered: bool = True) -> None:
-    """Same keys (in the same order unless ``ordered`` is False), same dtypes, shapes and bits."""
-    assert (list(got) if ordered else sorted(got)) == (list(want) if ordered else sorted(want))
-    for k, v in want.items():
-        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
-
-
 def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(x)
-
-
-def differences(a: Any, b: Any, where: str = "", recorded: bool = False) -> list[str]:
-    """Where two loaded checkpoints differ: types, dict keys and their order, lengths, values (tensors
-    and arrays bit for bit, dtype included). Objects compare by class name and attributes (``@``).
-    ``recorded``: ``b`` was made on another machine, so its tensors, arrays and floats need only be
-    within the recorded-value tolerance of ``a``'s (conftest ``close_to_recorded``)."""
-    if type(a).__qualname__ != type(b).__qualname__:
-        return [f"{where}: {type(a).__qualname__} vs {type(b).__qualname__}"]
-    floating = (isinstance(a, float) or isinstance(a, np.ndarray) and a.dtype.kind == "f"
-                or isinstance(a, torch.Tensor) and a.is_floating_point())
-    if recorded and floating:
-        return [] if close_to_recorded(a, b) else [where]
-    if isinstance(a, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        return [] if same else [where]
-    if isinstance(a, np.ndarray):
-        return [] if a.dtype == b.dtype and np.array_equal(a, b) else [where]
-    if isinstance(a, dict):
-        if list(a) != list(b):
-            return [f"{where}: keys {list(a)} vs {list(b)}"]
-        return [d for k in a for d in differences(a[k], b[k], f"{where}/{k}", recorded)]
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{where}: {len(a)} vs {len(b)} items"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True))
-                for d in differences(x, y, f"{where}[{i}]", recorded)]
-    if isinstance(getattr(a, "__dict__", None), dict) and not callable(a):
-        return differences(vars(a), vars(b), f"{where}@", recorded)
-    return [] if a == b or a is b else [where]
 
 
 IMITATED = {"lightning": "mlp_lightning.ckpt", "timm": "mlp_timm.pth.tar", "mmengine": "mlp_mmengine.pth"}
@@ -151,36 +115,6 @@ def _assert_scan_clean(path: Path) -> set[str]:
 # --------------------------------------------------------------------------------------- Lightning
 
 
-@functools.lru_cache(maxsize=1)
-def _lit_class() -> type:
-    import lightning as L
-
-    class LitMLP(L.LightningModule):
-        """The MLP as ``self.model`` (keys ``model.*``), Adam + StepLR, hyper-parameters saved."""
-
-        def __init__(self, lr: float = 1e-2, arch: str = "mlp"):
-            super().__init__()
-            self.save_hyperparameters()
-            self.model = _train_module().mlp()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.model(x)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self(x), y)
-
-        def configure_optimizers(self) -> Any:
-            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.5)}
-
-    return LitMLP
-
-
-def _train_module() -> Any:
-    return sys.modules["ckptfix_fixtures_train"]  # conftest's `train` fixture loads it first
-
-
 def _lightning_fit(module: Any, root: Path, train: Any, max_epochs: int, ckpt_path: Path | None = None) -> Any:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -204,7 +138,7 @@ class LightningRun:
 def lightning_run(tmp_path_factory: pytest.TempPathFactory, train: Any) -> LightningRun:
     root = tmp_path_factory.mktemp("lightning")
     torch.manual_seed(train.MODEL_SEED)  # as train.py's _train, before the model is built
-    module = _lit_class()(lr=1e-2, arch="mlp")
+    module = lit_class()(lr=1e-2, arch="mlp")
     trainer, path = _lightning_fit(module, root, train, max_epochs=5)
     assert trainer.global_step == 5 and path.name == "epoch=4-step=5.ckpt"
     return LightningRun(path, module)
@@ -245,13 +179,13 @@ def test_lightning_resumes_from_keep_extra_output(lightning_run: LightningRun, t
     _ckptfix(cli_runner, "convert", lightning_run.path, converted, "--keep-extra", "-q")
     finals = []
     for i, src in enumerate([lightning_run.path, converted]):
-        module = _lit_class()()
+        module = lit_class()()
         trainer, _ = _lightning_fit(module, tmp_path / f"run{i}", train, max_epochs=7, ckpt_path=src)
         assert trainer.global_step == 7 and trainer.current_epoch == 7
         finals.append(module.model.state_dict())
     assert_bit_equal(finals[1], finals[0])
     assert not torch.equal(finals[0]["0.weight"], lightning_run.module.model.state_dict()["0.weight"])
-    restored = _lit_class().load_from_checkpoint(converted)
+    restored = lit_class().load_from_checkpoint(converted)
     assert dict(restored.hparams) == {"lr": 1e-2, "arch": "mlp"}
     assert_bit_equal(restored.model.state_dict(), lightning_run.module.model.state_dict())
 

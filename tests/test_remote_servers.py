@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from file_server import FileServer
-from hub_server import COMMIT, HubServer
-from remote_servers import S3Server, http_server, https_server, hub_server, s3_server
+from tests.file_server import FileServer
+from tests.hub_server import COMMIT, HubServer
+from tests.remote_servers import S3Server, http_server, https_server, hub_server, s3_server
 
 SERVERS = (http_server, https_server, hub_server, s3_server)  # the fixtures, registered by being in this module's namespace
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from file_server import FileServer
-from remote_servers import S3Server, http_server, s3_server
-from test_remote import ERRORS, _file_bytes, _Payload, failing, write_checkpoints
-from test_remote_convert import NAMES, _corrupt_record, masked, remote, write_sources
+from tests.file_server import FileServer
+from tests.remote_servers import S3Server, http_server, s3_server
+from tests.remote_sources import (ERRORS, NAMES, Payload, corrupt_record, failing, file_bytes, masked, remote,
+                                  write_checkpoints, write_sources)
 
 import ckptfix
 
@@ -33,7 +33,7 @@ def test_inspect_json_reports_bytes_fetched(cli_runner: Any, http_server: FileSe
     res = cli_runner.invoke(cli, ["inspect", "--json", http_server.url(names[kind])])
     assert res.exit_code == 0, res.output
     got = json.loads(res.stdout)
-    assert got["bytes_fetched"] == _file_bytes(http_server) > 0
+    assert got["bytes_fetched"] == file_bytes(http_server) > 0
     local = json.loads(cli_runner.invoke(cli, ["inspect", "--json", str(http_server.root / names[kind])]).stdout)
     assert "bytes_fetched" not in local  # a local file's object is as it was
     assert got["keys"] == local["keys"] and got["num_params"] == local["num_params"]
@@ -45,7 +45,7 @@ def test_scan_s3_exit_codes(cli_runner: Any, s3_server: S3Server, tmp_path: Path
     root = tmp_path / "bucket"
     root.mkdir()
     write_checkpoints(root)
-    torch.save({"hook": _Payload()}, root / "evil.pth")
+    torch.save({"hook": Payload()}, root / "evil.pth")
     s3_server.upload(root, key="")
     ok = cli_runner.invoke(cli, ["scan", "--json", s3_server.url("model.pth")])
     assert ok.exit_code == 0 and json.loads(ok.stdout)["bytes_fetched"] > 0, ok.output
@@ -90,7 +90,7 @@ def test_convert_failures_are_one_error_line(cli_runner: Any, http_server: FileS
     if case == "404":
         url = http_server.url("nope.pth")
     elif case == "damaged":
-        _corrupt_record(http_server.root / NAMES["ddp"])
+        corrupt_record(http_server.root / NAMES["ddp"])
     else:
         args = ["--dtype", "bf16"]
     res = cli_runner.invoke(cli, ["convert", url, str(tmp_path / "out.safetensors"), *args])
@@ -107,7 +107,7 @@ def test_inspect_url_in_a_real_process(http_server: FileServer) -> None:
     out = subprocess.run([sys.executable, "-m", "ckptfix", "inspect", "--json", http_server.url(names["zip"])],
                          capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["bytes_fetched"] == _file_bytes(http_server)
+    assert json.loads(out.stdout)["bytes_fetched"] == file_bytes(http_server)
 
 
 def test_verify_and_diff_of_a_url(cli_runner: Any, http_server: FileServer, fixtures_dir: Path) -> None:

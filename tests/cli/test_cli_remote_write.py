@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from remote_servers import S3Server, s3_server
-from test_remote_write import _failing_part, _object, _uploads, same_output, sources
+from tests.remote_servers import S3Server, s3_server
+from tests.remote_uploads import failing_part, object_bytes, same_output, sources, uploads
 
 from ckptfix.cli import cli
 
@@ -33,7 +33,8 @@ def test_convert_to_s3_reports_the_url_and_bytes(cli_runner: Any, s3_server: S3S
     got = json.loads(res.stdout)
     assert cli_runner.invoke(cli, ["convert", str(src), str(tmp_path / "out.safetensors")]).exit_code == 0
     local = (tmp_path / "out.safetensors").read_bytes()
-    assert got["dst"] == url and got["bytes_written"] == len(local) and same_output(_object(s3_server, "out.safetensors"), local)
+    assert got["dst"] == url and got["bytes_written"] == len(local)
+    assert same_output(object_bytes(s3_server, "out.safetensors"), local)
     assert any(n.startswith(f"uploaded {len(local)} bytes to {url} (3 parts)") for n in got["notes"])
     again = cli_runner.invoke(cli, ["convert", str(src), url])
     assert again.exit_code == 1 and again.stdout == ""
@@ -65,11 +66,11 @@ def test_sigterm_mid_upload_is_one_line_and_nothing_left(cli_runner: Any, s3_ser
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.5)
 
-    _failing_part(monkeypatch, 2, terminate)
+    failing_part(monkeypatch, 2, terminate)
     res = cli_runner.invoke(cli, ["convert", str(src), s3_server.url("out.pth")])
     assert res.exit_code == 128 + signal.SIGTERM and res.stdout == ""
     assert res.stderr == "Error: terminated (SIGTERM); nothing was written\n"
-    assert _object(s3_server, "out.pth") is None and _uploads(s3_server) == []
+    assert object_bytes(s3_server, "out.pth") is None and uploads(s3_server) == []
 
 
 def test_subprocess_convert_to_s3(s3_server: S3Server, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptfix.cli import cli
-from hostile_names import ESCAPES, marker, write_with_globals
+from tests.hostile_names import ESCAPES, marker, write_with_globals
 
 ROOT = Path(__file__).resolve().parents[2]
 RAW = ("\x1b", "\x07", "\x9b", "\u202e")  # what must never be printed as is

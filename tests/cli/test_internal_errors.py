@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptfix.cli import cli
-from hostile_names import meta_rebuild_state_dict, namespace_class_swap, safetensors_with_metadata
+from tests.hostile_names import meta_rebuild_state_dict, namespace_class_swap, safetensors_with_metadata
 
 ROOT = Path(__file__).resolve().parents[2]
 LINEAR = ["--model", "torch.nn:Linear", "--arg", "in_features=2", "--arg", "out_features=1"]

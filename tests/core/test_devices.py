@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -10,9 +14,20 @@ import torch
 import ckptfix
 from ckptfix.core.devices import DevicePlan, auto_device, parse_cli_map_location
 from ckptfix.errors import DeviceError
-from conftest import fake_location
 
 GPU_FIXTURES = ["mlp_cuda0.pth", "mlp_cuda1.pth", "mlp_model_parallel.pth"]
+
+
+@contextlib.contextmanager
+def fake_location(tag: str | Callable[[Any], str]) -> Iterator[None]:
+    """Make ``torch.save`` record ``tag`` (or ``tag(storage)``) as every storage's device.
+
+    A GPU-saved file differs from a CPU one only in these tags, so this makes real
+    cuda-tagged files on a machine without a GPU.
+    """
+    fn = tag if callable(tag) else (lambda _storage: tag)
+    with mock.patch.object(torch.serialization, "location_tag", fn):
+        yield
 
 
 @pytest.mark.parametrize("name", GPU_FIXTURES)

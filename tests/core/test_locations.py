@@ -13,7 +13,7 @@ from ckptfix.core import locations
 from ckptfix.core import positional
 from ckptfix.core.positional import BLOCK, ByteSource
 from ckptfix.errors import FormatError
-from page_cache import drop_from_page_cache, resident_bytes
+from tests.page_cache import drop_from_page_cache, resident_bytes
 
 
 @pytest.fixture(scope="module")

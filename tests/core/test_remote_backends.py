@@ -20,7 +20,7 @@ from ckptfix import errors
 from ckptfix.core import locations, remote
 from ckptfix.parse.format_registry import FORMATS, URL_VERBS
 from ckptfix.parse.sniff import sniff
-from memory_backend import MemoryBackend, registered
+from tests.memory_backend import MemoryBackend, registered
 
 #: fixtures of each kind: a torch zip (DDP keys), safetensors, DCP, legacy, TorchScript; "sharded" is made here
 FIXTURES = ["mlp_ddp.pth", "mlp_safetensors.safetensors", "mlp_fsdp2", "mlp_legacy.pth", "mlp_torchscript.pt", "sharded"]

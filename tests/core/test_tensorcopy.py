@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import safetensors.torch as st
 import torch
-from page_cache import drop_from_page_cache
 from torch import nn
 
 import ckptfix
 from ckptfix.core import tensorcopy
 from ckptfix.errors import FormatError
+from tests.page_cache import drop_from_page_cache
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.float8_e4m3fn,
           torch.float8_e5m2]

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_close_to_recorded, mapped_from
 import torch.distributed.checkpoint as tdcp
 
 from ckptfix.statedict import locate
@@ -26,6 +25,8 @@ from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.dcp import directory as dcp
 from ckptfix.formats import DCP, read as formats_read
 from ckptfix.parse.checkpoint_dirs import is_dcp_dir
+from tests.compare import assert_close_to_recorded
+from tests.page_cache import mapped_from
 
 
 def assert_same(got: dict, want: dict) -> None:

@@ -11,13 +11,14 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import fsdp2_dirs
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import ckptfix
 from ckptfix.formats.dcp import chunks
+from tests import fsdp2_dirs
+from tests.dcp_spy import ScratchSpy
 
 pytestmark = pytest.mark.slow
 
@@ -35,23 +36,6 @@ def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dic
             dcp_to_torch_save(str(path), str(root / f"{variant}.pth"))
         out[variant] = (path, torch.load(root / f"{variant}.pth", weights_only=True))
     return out
-
-
-class ScratchSpy:
-    """Counts the scratch mappings made (or refuses them): the streamed path must make none."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, refuse: bool):
-        self.made: list[int] = []
-        real = chunks.Scratch.__init__
-
-        def init(scratch: Any, nbytes: int) -> None:
-            if nbytes:
-                self.made.append(nbytes)
-                if refuse:
-                    raise AssertionError(f"a {nbytes}-byte scratch mapping was asked for")
-            real(scratch, nbytes)
-
-        monkeypatch.setattr(chunks.Scratch, "__init__", init)
 
 
 def same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -30,10 +30,9 @@ from ckptfix.ops.convert import steps as conversion
 from ckptfix.errors import UnsafeCheckpointError
 from ckptfix.core.torch_free import ENV_SWITCH
 from ckptfix.formats import describe, sniff
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_fast_path import DESCRIBED, _PROBE, _safetensors_copy, checkpoints, save_both  # noqa: E402
-from test_properties import _bits  # noqa: E402
+from tests.compare import raw_bytes
+from tests.describe_both import DESCRIBED, PROBE, safetensors_copy, save_both
+from tests.strategies import checkpoints
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 ROOT = FIXTURES.parent
@@ -93,7 +92,7 @@ def assert_same_objects(got: Any, want: Any, storages_f: list[int], storages_s: 
     if isinstance(want, torch.Tensor):
         assert (got.dtype, got.shape, got.stride(), got.storage_offset(), got.requires_grad) == \
             (want.dtype, want.shape, want.stride(), want.storage_offset(), want.requires_grad)
-        assert torch.equal(_bits(got), _bits(want))
+        assert torch.equal(raw_bytes(got), raw_bytes(want))
         storages_f.append(got.untyped_storage().data_ptr())
         storages_s.append(want.untyped_storage().data_ptr())
     elif isinstance(want, dict):
@@ -198,7 +197,7 @@ def test_random_checkpoints_shard_the_same(obj: Any, max_shard_size: int,
                 out = d / f"{src.suffix[1:]}-{fmt}"
                 out.mkdir()
                 took = assert_same_convert(src, out, mp, "", format=fmt, max_shard_size=max_shard_size)
-                if src.suffix == ".safetensors" and fmt == "pth" and _safetensors_copy(sd):
+                if src.suffix == ".safetensors" and fmt == "pth" and safetensors_copy(sd):
                     assert took  # nothing in a safetensors file needs torch to be rewritten as .pth shards
 
 
@@ -208,7 +207,7 @@ def test_random_checkpoints_shard_the_same(obj: Any, max_shard_size: int,
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 def test_convert_imports_no_torch(src: str, suffix: str, tmp_path: Path) -> None:
     dst = tmp_path / f"out{suffix}"
-    run = subprocess.run([sys.executable, "-c", _PROBE, "convert", str(FIXTURES / src), str(dst)],
+    run = subprocess.run([sys.executable, "-c", PROBE, "convert", str(FIXTURES / src), str(dst)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, ENV_SWITCH: "1"})
     assert run.returncode == 0, run.stderr
@@ -221,7 +220,7 @@ def test_convert_imports_no_torch(src: str, suffix: str, tmp_path: Path) -> None
                                        ("pth", "pytorch_model.bin.index.json")])
 def test_sharded_convert_imports_no_torch(src: str, fmt: str, index: str, tmp_path: Path) -> None:
     dst = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-c", _PROBE, "convert", str(FIXTURES / src), str(dst),
+    run = subprocess.run([sys.executable, "-c", PROBE, "convert", str(FIXTURES / src), str(dst),
                           "--max-shard-size", "1000", "--format", fmt],
                          capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, ENV_SWITCH: "1"})

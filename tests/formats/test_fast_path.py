@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import subprocess
 import sys
@@ -26,67 +25,23 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from safetensors.torch import save_file
 
 import ckptfix
-from ckptfix.cli import cli
 from ckptfix.core.torch_free import ENV_SWITCH
 from ckptfix.core.torch_free import NeedsTorch
 from ckptfix.formats import DCP, describe, sniff
-from ckptfix.core.tensorinfo import TensorInfo
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import adversarial  # noqa: E402
-from test_properties import state_dicts, tensors  # noqa: E402
+from tests import adversarial, hostile_files, malformed_files
+from tests.describe_both import DESCRIBED, PROBE, assert_same, fixture_paths, outcome, save_both
+from tests.strategies import checkpoints
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 ROOT = FIXTURES.parent
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 
-ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
-              torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,
-              torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
-#: the formats the torch-free path describes itself (the rest go through torch by design)
-DESCRIBED = {"torch-zip", "safetensors", "sharded-safetensors", "sharded-pth", "dcp"}
-
-
-def _outcome(path: Path, torch_free: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """``inspect --json`` and the text output, or the error class, through one path."""
-    monkeypatch.setenv(ENV_SWITCH, "1" if torch_free else "0")
-    try:
-        ckpt = ckptfix.describe(path)
-    except ckptfix.CkptfixError as e:
-        return type(e).__name__
-    from click.testing import CliRunner
-
-    text = CliRunner().invoke(cli, ["inspect", str(path)])
-    return json.dumps(ckpt.to_dict(), default=str, indent=1), text.output, text.exit_code
-
-
-def assert_same(path: Path, monkeypatch: pytest.MonkeyPatch, described: bool | None = None) -> Any:
-    fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
-    assert fast == slow, path
-    if described is not None:
-        monkeypatch.setenv(ENV_SWITCH, "1")
-        took = not isinstance(fast, str) and all(isinstance(v, TensorInfo) or not _is_tensor(v)
-                                                for v in ckptfix.describe(path).state_dict.values())
-        assert took == described, f"{path}: torch-free path {'not ' if described else ''}taken"
-    return fast
-
-
-def _is_tensor(v: Any) -> bool:
-    return isinstance(v, (torch.Tensor, TensorInfo))
-
 
 # -- the committed fixtures and generated layouts ------------------------------------------------------
 
-def _fixtures() -> list[Path]:
-    return sorted(p for p in FIXTURES.iterdir() if p.suffix in (".pth", ".pt", ".ckpt", ".tar", ".safetensors")
-                  or p.is_dir() and not p.name.startswith(("_", ".")))
-
-
-@pytest.mark.parametrize("path", _fixtures(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", fixture_paths(), ids=lambda p: p.name)
 def test_fixture_described_the_same_without_torch(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fmt = sniff(str(path))
     # mmengine (HistoryBuffer) and timm (argparse.Namespace) hold objects only torch's path builds
@@ -120,50 +75,6 @@ def test_generated_layouts_described_the_same(generated: Path, monkeypatch: pyte
 
 # -- hypothesis: every dtype, views, shared storages, nesting ----------------------------------------
 
-@st.composite
-def checkpoints(draw: Any) -> Any:
-    sd = draw(state_dicts())
-    for key in draw(st.lists(st.text("abcdefgh", min_size=1, max_size=4), max_size=4, unique=True)):
-        t = draw(tensors(draw(st.sampled_from(ALL_DTYPES))))
-        sd[f"extra.{key}"] = torch.nn.Parameter(t, requires_grad=False) if draw(st.booleans()) else t
-    if draw(st.booleans()):
-        sd._metadata = OrderedDict({"": {"version": 1}})  # type: ignore[attr-defined]
-    layout = draw(st.sampled_from(["bare", "nested", "training"]))
-    if layout == "bare":
-        return sd
-    if layout == "nested":
-        return {"state_dict": sd, "epoch": draw(st.integers(0, 10**6)), "note": draw(st.text(max_size=6))}
-    return {"model": sd, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
-            "scores": [draw(st.floats(allow_nan=False)), None, True], "ids": {1, 2}, "c": complex(1, 2),
-            "dtype": torch.float16}
-
-
-def save_both(obj: Any, d: Path) -> Any:
-    """``obj`` as d/ckpt.pth (torch.save) and its state dict as d/ckpt.safetensors; returns the state dict."""
-    torch.save(obj, d / "ckpt.pth")
-    inner = obj.get("state_dict", obj.get("model"))
-    sd = inner if isinstance(inner, dict) else obj  # a state dict may hold a tensor named "model" itself
-    save_file(_safetensors_copy(sd), d / "ckpt.safetensors")
-    return sd
-
-
-def _safetensors_copy(sd: Any) -> dict[str, torch.Tensor]:
-    from ckptfix.parse.safetensors_header import DTYPES
-
-    out, seen = {}, {}
-    for k, t in sd.items():
-        if isinstance(t, torch.Tensor) and str(t.dtype).removeprefix("torch.") in DTYPES.values():
-            sid = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), t.shape)
-            out[k] = seen.setdefault(sid, t.detach().contiguous().clone()) if t.numel() else t.detach().clone()
-    unique: dict[str, torch.Tensor] = {}
-    taken: set[int] = set()
-    for k, t in out.items():  # safetensors refuses shared tensors: keep the first of each
-        if id(t) not in taken:
-            taken.add(id(t))
-            unique[k] = t
-    return unique
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(obj=checkpoints())
@@ -185,25 +96,21 @@ def test_random_checkpoints_described_the_same(obj: Any, tmp_path_factory: pytes
 # -- malformed, mutated and hostile files: the same refusal ----------------------------------------
 
 def test_corpora_refused_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import test_hostile
-    import test_malformed
-    from test_readers_agree import _mutations
-
     files = [c.path for c in adversarial.build_corpus(tmp_path / "corpus")]
-    for case in test_hostile.CASES:
+    for case in hostile_files.CASES:
         if "nested" in case.name:
             continue  # only torch's own weights_only unpickler (not used here) crashes on these
         (tmp_path / case.name).mkdir()
         files.append(case.make(tmp_path / case.name))
-    for name, (make, _says) in test_malformed.CASES.items():
+    for name, (make, _says) in malformed_files.CASES.items():
         (tmp_path / f"malformed-{name}").write_bytes(make(tmp_path))
         files.append(tmp_path / f"malformed-{name}")
-    for label, data in _mutations(0, 60):
+    for label, data in malformed_files.mutations(0, 60):
         (tmp_path / f"mutation-{label}.pth").write_bytes(data)
         files.append(tmp_path / f"mutation-{label}.pth")
     refused = 0
     for path in files:
-        fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
+        fast, slow = outcome(path, True, monkeypatch), outcome(path, False, monkeypatch)
         assert fast == slow, path
         refused += isinstance(fast, str)
     assert refused >= 40
@@ -211,15 +118,10 @@ def test_corpora_refused_the_same_way(tmp_path: Path, monkeypatch: pytest.Monkey
 
 # -- no torch -----------------------------------------------------------------------------------------
 
-_PROBE = ("import atexit, sys\n"
-          "atexit.register(lambda: sys.stderr.write(f\"\\nTORCH={'torch' in sys.modules}\\n\"))\n"
-          "from ckptfix.cli import main\nsys.argv = ['ckptfix', *sys.argv[1:]]\nmain()\n")
-
-
 @pytest.mark.parametrize("command", ["inspect", "scan"])
 @pytest.mark.parametrize("name", ["mlp_ddp.pth", "mlp_lightning.ckpt", "mlp_safetensors.safetensors"])
 def test_short_commands_import_no_torch(command: str, name: str) -> None:
-    run = subprocess.run([sys.executable, "-c", _PROBE, command, str(FIXTURES / name)], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", PROBE, command, str(FIXTURES / name)], capture_output=True,
                          text=True, timeout=120, cwd=ROOT, env={**os.environ, ENV_SWITCH: "1"})
     assert run.returncode == 0, run.stderr
     assert "TORCH=False" in run.stderr, f"ckptfix {command} {name} imported torch"
@@ -227,7 +129,7 @@ def test_short_commands_import_no_torch(command: str, name: str) -> None:
 
 def test_sharded_inspect_imports_no_torch(generated: Path) -> None:
     for name in ("sharded_safetensors", "sharded_pth"):
-        run = subprocess.run([sys.executable, "-c", _PROBE, "inspect", str(generated / name)], capture_output=True,
+        run = subprocess.run([sys.executable, "-c", PROBE, "inspect", str(generated / name)], capture_output=True,
                              text=True, timeout=120, cwd=ROOT)
         assert run.returncode == 0 and "TORCH=False" in run.stderr, (name, run.stderr)
 
@@ -300,7 +202,7 @@ def test_edge_cases_fall_back_or_agree(name: str, tmp_path: Path, monkeypatch: p
 @pytest.fixture(scope="module")
 def fsdp2_model_only(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Real 2-rank FSDP2 saves (rows, rows_bf16, cols) of the model alone: every entry a tensor."""
-    import fsdp2_dirs
+    from tests import fsdp2_dirs
 
     return fsdp2_dirs.make(tmp_path_factory.mktemp("fsdp2"), optim=False)
 
@@ -308,7 +210,7 @@ def fsdp2_model_only(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 @pytest.fixture(scope="module")
 def fsdp2_with_optim(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Real 2-rank FSDP2 saves of model and Adam state: the hyper-parameters are bytes entries."""
-    import fsdp2_dirs
+    from tests import fsdp2_dirs
 
     return fsdp2_dirs.make(tmp_path_factory.mktemp("fsdp2-optim"), optim=True)
 
@@ -361,7 +263,7 @@ def test_dcp_inspect_imports_no_torch(which: str, fsdp2_model_only: dict[str, Pa
                                       fsdp2_with_optim: dict[str, Path]) -> None:
     path = {"fixture": FIXTURES / "mlp_fsdp2", "model-only": fsdp2_model_only["cols"],
             "with-optim": fsdp2_with_optim["rows"]}[which]
-    run = subprocess.run([sys.executable, "-c", _PROBE, "inspect", str(path)],
+    run = subprocess.run([sys.executable, "-c", PROBE, "inspect", str(path)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ,
                                                                                    ENV_SWITCH: "1"})
     assert run.returncode == 0 and "TORCH=False" in run.stderr, run.stderr
@@ -437,7 +339,7 @@ def test_dcp_malformed_metadata_refused_the_same_way(fsdp2_model_only: dict[str,
         assert data != original, name
         path = Path(shutil.copytree(source, tmp_path / name))
         (path / ".metadata").write_bytes(data)
-        fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
+        fast, slow = outcome(path, True, monkeypatch), outcome(path, False, monkeypatch)
         assert fast == slow, name
         refused += isinstance(fast, str)
     assert refused >= len(cases) - 1  # all but the quantized dtype, which torch describes
@@ -458,7 +360,7 @@ def _zip_of(members: list) -> bytes:
 def _bytes_entry_edits(canary: Path) -> dict[str, Any]:
     """Named edits of a DCP directory's bytes entry ``optim.param_groups.0.lr``: ``edit(info, distcp_bytes)``
     changes its storage info in place and returns the .distcp file's new bytes (a new record goes at its end)."""
-    from adversarial import as_weight, benign_zip_members, call, glob, proto, u, with_data_pkl, zip64_two_directories
+    from tests.adversarial import as_weight, benign_zip_members, call, glob, proto, u, with_data_pkl, zip64_two_directories
 
     payload = call(glob("posix", "system"), u(f"touch {canary}"))
     hostile = proto(2) + payload + b"."
@@ -538,7 +440,7 @@ def test_dcp_malformed_bytes_entries_refused_the_same_way(tmp_path: Path, monkey
         distcp.write_bytes(edit(info, distcp.read_bytes()))
         (path / ".metadata").write_bytes(pickle.dumps(meta, protocol=4))
         with adversarial.audit_events() as events:
-            fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
+            fast, slow = outcome(path, True, monkeypatch), outcome(path, False, monkeypatch)
         assert fast == slow, name
         assert not events and not canary.exists(), name
         outcomes[name] = fast if isinstance(fast, str) else "described"

@@ -13,14 +13,12 @@ the weights. ``--strip-prefix`` with ``--keep-extra`` on a framework checkpoint 
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +29,10 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError
 from ckptfix.formats.dcp.lightning import by_parameter_index
-from test_dcp_stream import ScratchSpy
-from test_real_libraries import assert_bit_equal, differences
+from tests.compare import assert_bit_equal, differences
+from tests.dcp_spy import ScratchSpy
+from tests.describe_both import PROBE, assert_same
+from tests.lightning_run import ShardedRun, sharded_run
 
 pytestmark = [  # Lightning's own noise: resuming into another directory, and its use of a torch deprecation
     pytest.mark.filterwarnings("ignore:The dirpath has changed from"),
@@ -41,6 +41,7 @@ pytestmark = [  # Lightning's own noise: resuming into another directory, and it
 
 TESTS = Path(__file__).resolve().parents[1]
 STRATEGIES = {"ModelParallelStrategy": "state_dict", "FSDPStrategy": "model"}  # the DCP entry holding the weights
+SHARED_FIXTURES = (sharded_run,)  # the fixture, registered by being in this module's namespace
 
 
 def _child_module() -> Any:
@@ -52,33 +53,6 @@ def _child_module() -> Any:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
-
-
-@dataclass
-class ShardedRun:
-    dirs: dict[str, Path]  # strategy (or "Fabric") → the directory it saved
-    truth: dict[str, Any]  # the run's full state at that save (real_lightning_sharded.py's truth.pt)
-
-
-@pytest.fixture(scope="session")
-def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> ShardedRun:
-    return _run_child(tmp_path_factory.getbasetemp() / "lightning_sharded")
-
-
-@functools.cache
-def _run_child(out: Path) -> ShardedRun:
-    """Once per session, though test_readme.py imports the fixture too (a fixture of its own there)."""
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
-                                                             "WORLD_SIZE", "NODE_RANK")}
-    res = subprocess.run([sys.executable, str(TESTS / "real_lightning_sharded.py"), str(out)], cwd=out,
-                         capture_output=True, text=True, timeout=300, env={**env, "PYTHONWARNINGS": "ignore"})
-    assert res.returncode == 0, res.stderr[-4000:]
-    best = Path(res.stdout.strip().splitlines()[-1])
-    assert best == out / "checkpoints" / "epoch=2-step=3.ckpt" and best.is_dir()
-    assert sorted(p.name for p in best.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    truth = torch.load(out / "truth.pt", weights_only=False)  # the child's own plain save
-    return ShardedRun({"ModelParallelStrategy": best, "FSDPStrategy": out / "fsdp", "Fabric": out / "fabric"}, truth)
 
 
 def _ckptfix(cli_runner: Any, *args: Any, code: int = 0) -> Any:
@@ -212,12 +186,10 @@ def test_fabric_directory_keeps_its_own_entries(sharded_run: ShardedRun, cli_run
 @pytest.mark.parametrize("which", [*STRATEGIES, "Fabric"])
 def test_described_without_torch_as_torch_describes_it(which: str, sharded_run: ShardedRun) -> None:
     """``inspect`` of the directory (DCP files and meta.pt) needs no torch, and says what the torch path says."""
-    from test_fast_path import _PROBE, assert_same
-
     path = sharded_run.dirs[which]
     with pytest.MonkeyPatch.context() as mp:
         assert_same(path, mp, described=True)
-    run = subprocess.run([sys.executable, "-c", _PROBE, "inspect", str(path)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", PROBE, "inspect", str(path)], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "CKPTFIX_TORCH_FREE": "1"})
     assert run.returncode == 0 and "TORCH=False" in run.stderr, run.stderr
 

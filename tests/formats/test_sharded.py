@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import mapped_from
 
 from ckptfix import formats
 from ckptfix.core.atomic import check_destination_dir
@@ -34,6 +33,7 @@ from ckptfix.errors import ConversionError, DestinationError, FormatError
 from ckptfix.formats import base, sharded
 from ckptfix.parse.checkpoint_dirs import find_index
 from ckptfix.parse.format_registry import sharded_as
+from tests.page_cache import mapped_from
 
 FMTS = {"safetensors": formats.SAFETENSORS, "pth": formats.TORCH_ZIP}
 

@@ -24,7 +24,6 @@ fixtures (DCP) have no ``torch.load`` reference and are only listed here.
 from __future__ import annotations
 
 import struct
-import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,13 +43,10 @@ from ckptfix.core.torch_free import NeedsTorch
 from ckptfix.formats import SAFETENSORS, describe, sniff
 from ckptfix.formats.torchsave import zip_describer
 from ckptfix.core.tensorinfo import TensorInfo
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import adversarial  # noqa: E402
-import test_hostile  # noqa: E402
-import test_malformed  # noqa: E402
-from test_fast_path import _fixtures, checkpoints, save_both  # noqa: E402
-from test_readers_agree import _bytes, _mutations, _refused_by_torch  # noqa: E402
+from tests import adversarial, hostile_files, malformed_files
+from tests.compare import raw_bytes, torch_refuses
+from tests.describe_both import fixture_paths, save_both
+from tests.strategies import checkpoints
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol", "ignore:TypedStorage is deprecated",
                                         "ignore:'torch.load' received a zip file that looks like a TorchScript")
@@ -81,10 +77,10 @@ def torch_free(path: Path) -> tuple[str | None, Any]:
 
 def torch_load(path: Path, in_child: bool = False) -> tuple[Any, dict[int, str]] | None:
     """``torch.load(path, weights_only=True)`` and the location tag torch read for each storage (by its
-    StorageImpl), or None where torch refuses or fails (as ``_refused_by_torch``; in a child process for
+    StorageImpl), or None where torch refuses or fails (as ``torch_refuses``; in a child process for
     files that crash torch's own unpickler). The storages stay on the CPU: cuda-tagged fixtures load here."""
     if in_child:
-        assert _refused_by_torch(path, in_child=True), f"{path}: loads in a child process; compare it in-process"
+        assert torch_refuses(path, in_child=True), f"{path}: loads in a child process; compare it in-process"
         return None
     locations: dict[int, str] = {}
 
@@ -94,7 +90,7 @@ def torch_load(path: Path, in_child: bool = False) -> tuple[Any, dict[int, str]]
 
     try:
         return torch.load(path, weights_only=True, map_location=where), locations
-    except Exception:  # any refusal or failure counts, as in _refused_by_torch
+    except Exception:  # any refusal or failure counts, as in torch_refuses
         return None
 
 
@@ -127,7 +123,7 @@ def _view_from_file(stored: bytes, info: TensorInfo) -> bytes:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return _bytes(t).numpy().tobytes()
+    return raw_bytes(t).numpy().tobytes()
 
 
 class Ties:
@@ -269,7 +265,7 @@ FIXTURE_VERDICTS = {  # every file fixture whose verdict is not DESCRIBED; the o
 }
 
 
-@pytest.mark.parametrize("path", [p for p in _fixtures() if p.is_file()], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in fixture_paths() if p.is_file()], ids=lambda p: p.name)
 def test_fixture_read_as_torch_reads_it(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert verdict(path, monkeypatch) == FIXTURE_VERDICTS.get(path.name, DESCRIBED)
 
@@ -277,13 +273,13 @@ def test_fixture_read_as_torch_reads_it(path: Path, monkeypatch: pytest.MonkeyPa
 def test_directory_fixtures_have_no_torch_load_reference() -> None:
     """Directories are not torch.load inputs (DCP directories are compared with ckptfix's torch path in
     tests/formats/test_fast_path.py); this only pins which they are, so a new kind of fixture can't go unnoticed."""
-    dirs = [p for p in _fixtures() if p.is_dir()]
+    dirs = [p for p in fixture_paths() if p.is_dir()]
     assert [(p.name, sniff(str(p))) for p in dirs] == [("mlp_fsdp2", "dcp")]
     assert all(torch_load(p) is None for p in dirs)
 
 
 def test_every_fixture_kind_is_covered() -> None:
-    files = [p for p in _fixtures() if p.is_file()]
+    files = [p for p in fixture_paths() if p.is_file()]
     formats = {sniff(str(p)) for p in files if p.name not in FIXTURE_VERDICTS}
     assert formats == {"torch-zip", "safetensors"}
     assert len(files) - len(FIXTURE_VERDICTS) >= 12
@@ -339,19 +335,19 @@ def _adversarial(tmp: Path) -> Corpus:
 
 
 def _hostile(tmp: Path) -> Corpus:
-    for case in test_hostile.CASES:
+    for case in hostile_files.CASES:
         (tmp / case.name).mkdir()
         yield case.name, case.make(tmp / case.name), case.name == "million-nested-dict-key"
 
 
 def _malformed(tmp: Path) -> Corpus:
-    for name, (make, _says) in test_malformed.CASES.items():
+    for name, (make, _says) in malformed_files.CASES.items():
         (tmp / f"malformed-{name}").write_bytes(make(tmp))
         yield f"malformed-{name}", tmp / f"malformed-{name}", False
 
 
 def _mutated(tmp: Path) -> Corpus:
-    for label, data in _mutations(0, 60):
+    for label, data in malformed_files.mutations(0, 60):
         (tmp / f"mutation-{label}.pth").write_bytes(data)
         yield f"mutation-{label}", tmp / f"mutation-{label}.pth", False
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torchvision
-from conftest import golden_from_manifest
 from torch import nn
 
 import ckptfix
@@ -22,6 +21,7 @@ import ckptfix.ops.api
 from ckptfix.cli import cli
 from ckptfix.model.spec import build_model
 from ckptfix.safety import integrity
+from tests.compare import golden_from_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import assert_close_to_recorded
 from torch import nn
 
 import ckptfix
 from ckptfix.statedict.wrappers import strip_wrappers
+from tests.compare import assert_close_to_recorded
 
 MLP_FIXTURES = [
     "mlp_single.pth", "mlp_dp.pth", "mlp_ddp.pth", "mlp_compile.pth", "mlp_compile_ddp.pth",

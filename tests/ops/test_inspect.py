@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptfix
-from page_cache import drop_from_page_cache, resident_bytes
+from tests.page_cache import drop_from_page_cache, resident_bytes
 
 
 @pytest.mark.parametrize("name", ["mlp_ddp.pth", "mlp_compile_ddp.pth", "mlp_train_ckpt.pth", "mlp_legacy.pth",

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_close_to_recorded
 from torch import nn
 
 import ckptfix
 from ckptfix.errors import LoadError
 from ckptfix.statedict.wrappers import strip_wrappers
+from tests.compare import assert_close_to_recorded
 
 MODES = ["single", "dp", "ddp", "compile", "compile_ddp", "ddp_compile", "amp",
          "cuda0", "cuda1", "model_parallel", "legacy", "train_ckpt", "safetensors"]

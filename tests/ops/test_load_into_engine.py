@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import safetensors.torch as st
 import torch
-from conftest import mapped_from
 from torch import nn
 
 import ckptfix
 from ckptfix.core import tensorcopy
 from ckptfix.errors import CkptfixError, LoadError
+from tests.page_cache import mapped_from
 
 
 class Net(nn.Module):

@@ -38,14 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import dist_harness
 import pytest
-import sharded_ranks
 import torch
-from sharded_ranks import BIG, MODELS, full_state_dict
 
 import ckptfix
 from ckptfix.errors import CkptfixError, LoadError
+from tests import dist_harness, sharded_ranks
+from tests.sharded_ranks import BIG, MODELS, full_state_dict
 
 WORLDS = (2, 4)
 FORMATS = ("torch", "safetensors", "hf-sharded", "dcp", "dcp-torch")
@@ -190,7 +189,7 @@ def write_checkpoints(root: Path, fixtures: Path) -> dict[str, Any]:
     ddp = torch.load(fixtures / "mlp_ddp.pth", weights_only=True)
     save_file(ddp, str(root / "ddp.safetensors"))
     torch.save({k.removeprefix("module."): v for k, v in ddp.items()}, root / "ddp-expected.pt")
-    import fsdp2_dirs
+    from tests import fsdp2_dirs
 
     files["dcp-cols"] = fsdp2_dirs.make(root / "fsdp2", variants=("cols",), optim=False)["cols"]
     files["dcp-cols-expected"] = root / "dcp-cols-expected.pt"
@@ -343,7 +342,7 @@ def byte_counts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Run
 
 
 def run_ranks(cases: list[dict[str, Any]], world: int, root: Path, cwd: list[Path] | None = None) -> dict[str, list[dict]]:
-    per_rank = dist_harness.run("test_load_into_sharded:run_cases", world, root / "run", {"cases": cases}, timeout=400,
+    per_rank = dist_harness.run("tests.ops.test_load_into_sharded:run_cases", world, root / "run", {"cases": cases}, timeout=400,
                                 cwd=cwd)
     return {cid: [r[cid] for r in per_rank] for cid in per_rank[0]}
 

@@ -4,7 +4,6 @@ stacks normalise to the single form; the static walker agrees with pickle on pla
 from __future__ import annotations
 
 import pickle
-import string
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -17,58 +16,11 @@ from hypothesis import strategies as st
 import ckptfix
 from ckptfix.parse import pickle_walk
 from ckptfix.statedict.wrappers import WRAPPER_SEGMENTS
+from tests.compare import raw_bytes
+from tests.strategies import segment, state_dicts
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                           HealthCheck.too_slow])
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int32, torch.int64,
-          torch.bool]
-_RESERVED = set(WRAPPER_SEGMENTS) | {"flat_param", "_flat_param"}
-segment = st.text(string.ascii_lowercase + string.digits + "_", min_size=1, max_size=6).filter(
-    lambda s: s not in _RESERVED)
-
-
-@st.composite
-def tensors(draw: Any, dtype: torch.dtype, min_dims: int = 0) -> torch.Tensor:
-    """Arbitrary bit patterns (NaNs, -0.0, subnormals included); bools are 0/1."""
-    shape = draw(st.lists(st.integers(0 if min_dims == 0 else 2, 4), min_size=min_dims, max_size=3))
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    if dtype == torch.bool:
-        return torch.tensor(draw(st.lists(st.booleans(), min_size=numel, max_size=numel))).reshape(shape)
-    size = numel * torch.empty((), dtype=dtype).element_size()
-    raw = bytearray(draw(st.binary(min_size=size, max_size=size)))
-    return torch.frombuffer(raw, dtype=dtype).reshape(shape).clone()
-
-
-@st.composite
-def state_dicts(draw: Any) -> OrderedDict:
-    keys = draw(st.lists(st.lists(segment, min_size=1, max_size=3).map(".".join), min_size=1, max_size=6,
-                         unique=True))
-    sd: OrderedDict = OrderedDict()
-    for key in keys:
-        kind = draw(st.sampled_from(["plain", "non-contiguous", "tied", "other-view"] if sd else ["plain",
-                                                                                                 "non-contiguous"]))
-        if kind == "plain":
-            sd[key] = draw(tensors(draw(st.sampled_from(DTYPES))))
-        elif kind == "non-contiguous":
-            base = draw(tensors(draw(st.sampled_from(DTYPES)), min_dims=2))
-            sd[key] = base.transpose(0, 1) if draw(st.booleans()) else base[:, ::2]
-        else:
-            other = sd[draw(st.sampled_from(list(sd)))]
-            if kind == "tied" or other.numel() == 0:
-                sd[key] = other  # the same tensor twice: tied weights
-            else:
-                sd[key] = other.reshape(-1)[draw(st.integers(0, other.numel() - 1)):] if other.is_contiguous() \
-                    else other[0]  # another view of the same storage
-    return sd
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes, via a fresh stride-1 copy (``contiguous()`` keeps odd strides on size-1 dims)."""
-    return torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().reshape(-1)).view(torch.uint8)
 
 
 def assert_bit_exact(got: Any, expected: OrderedDict) -> None:
@@ -76,7 +28,7 @@ def assert_bit_exact(got: Any, expected: OrderedDict) -> None:
     for key, t in expected.items():
         g = got[key]
         assert g.dtype == t.dtype and g.shape == t.shape, key
-        assert torch.equal(_bits(g), _bits(t)), key
+        assert torch.equal(raw_bytes(g), raw_bytes(t)), key
 
 
 @SETTINGS

@@ -1,7 +1,7 @@
 """Remote checkpoints (issue 19): ``describe`` and ``scan`` of https:// and s3:// sources read header bytes only,
 through the real servers of tests/remote_servers.py on 127.0.0.1 (tests/file_server.py's Range-honouring HTTP
 server with its failure switches, tests/hub_server.py's Hub, moto's S3 server), and give exactly what the same
-calls give for the local file. tests/cli/test_cli_remote.py imports ERRORS and the checkpoint writers from here.
+calls give for the local file.
 """
 
 from __future__ import annotations
@@ -10,40 +10,24 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix import errors
 from ckptfix.safety.scanner import scan
-from file_server import FileServer
-from hub_server import COMMIT, REPO, HubServer
-from remote_servers import S3Server, http_server, hub_server, s3_server
+from tests.file_server import FileServer
+from tests.hub_server import COMMIT, REPO, HubServer
+from tests.remote_servers import S3Server, http_server, hub_server, s3_server
+from tests.remote_sources import (ERRORS, Payload, assert_same_as_local, failing, file_bytes, hub_bytes, random_state_dict,
+                                  write_checkpoints)
 
 SERVERS = (http_server, hub_server, s3_server)  # the fixtures, registered by being in this module's namespace
 
 
 # -- checkpoints, written by the real code paths ------------------------------------------------------------
-
-def _state_dict(n: int = 12, width: int = 64 * 1024) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {f"module.layers.{i}.weight": torch.randn(width, generator=g) for i in range(n)}
-
-
-def write_checkpoints(root: Path) -> dict[str, str]:
-    """Each kind of remote checkpoint under ``root``: name → its path relative to root."""
-    sd = _state_dict()
-    torch.save({"state_dict": sd, "epoch": 3}, root / "model.pth")
-    save_file({k: v.clone() for k, v in sd.items()}, str(root / "model.safetensors"))
-    ckptfix.convert(root / "model.safetensors", root / "sharded", max_shard_size=1_000_000)
-    torch.save(sd, root / "legacy.pth", _use_new_zipfile_serialization=False)
-    return {"zip": "model.pth", "safetensors": "model.safetensors", "sharded": "sharded",
-            "sharded index": "sharded/model.safetensors.index.json", "legacy": "legacy.pth"}
-
 
 def write_dcp(root: Path) -> str:
     import warnings
@@ -52,22 +36,8 @@ def write_dcp(root: Path) -> str:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process, as intended
-        dcp.save({"model": _state_dict(4), "step": 7}, checkpoint_id=str(root / "dcp"))
+        dcp.save({"model": random_state_dict(4), "step": 7}, checkpoint_id=str(root / "dcp"))
     return "dcp"
-
-
-def _same(remote: dict, local: dict) -> None:
-    fetched = remote.pop("bytes_fetched")
-    assert isinstance(fetched, int) and fetched > 0
-    remote.pop("path"), local.pop("path")
-    assert remote == local
-
-
-def _file_bytes(server: FileServer) -> int:
-    """Body bytes the server sent of its files: not the bodies of its 404s (a client's probes for files that
-    are not there, such as a directory's ``.metadata``), which no client counts as fetched."""
-    with server.counts.lock:
-        return sum(n for path, n in server.counts.bytes_sent.items() if server.file_for(path) is not None)
 
 
 KINDS = ["zip", "safetensors", "sharded", "sharded index", "dcp"]
@@ -80,7 +50,7 @@ def test_http_describe_is_the_local_describe_from_headers_only(http_server: File
         names["dcp"] = write_dcp(http_server.root)
     local = http_server.root / names[kind]
     info = ckptfix.describe(http_server.url(names[kind]))
-    assert info.bytes_fetched == _file_bytes(http_server)  # every byte the server sent is counted, none twice
+    assert info.bytes_fetched == file_bytes(http_server)  # every byte the server sent is counted, none twice
     whole = local.parent if kind == "sharded index" else local
     size = sum(p.stat().st_size for p in ([whole] if whole.is_file() else whole.iterdir()))
     assert info.bytes_fetched < size / 4, (info.bytes_fetched, size)
@@ -88,15 +58,15 @@ def test_http_describe_is_the_local_describe_from_headers_only(http_server: File
     got = info.to_dict()
     got["notes"] = [n.replace(http_server.url(names[kind]).removesuffix("/model.safetensors.index.json"),
                               str(local.parent if kind == "sharded index" else local)) for n in got["notes"]]
-    _same(got, want)
+    assert_same_as_local(got, want)
 
 
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded"])
 def test_http_scan_is_the_local_scan(http_server: FileServer, kind: str) -> None:
     names = write_checkpoints(http_server.root)
     report = scan(http_server.url(names[kind]))
-    assert report.ok and report.bytes_fetched == _file_bytes(http_server)
-    _same(report.to_dict(), scan(http_server.root / names[kind], check_crc=False).to_dict())
+    assert report.ok and report.bytes_fetched == file_bytes(http_server)
+    assert_same_as_local(report.to_dict(), scan(http_server.root / names[kind], check_crc=False).to_dict())
 
 
 def test_a_large_remote_zip_costs_kilobytes(http_server: FileServer) -> None:
@@ -108,17 +78,12 @@ def test_a_large_remote_zip_costs_kilobytes(http_server: FileServer) -> None:
     assert http_server.counts.total_requests <= 100 + 5
 
 
-class _Payload:
-    def __reduce__(self) -> tuple:
-        return (os.system, ("echo pwned",))
-
-
 def test_remote_scan_finds_what_the_local_scan_finds(http_server: FileServer) -> None:
     """Safety unchanged: an unsafe global in a remote file is the same finding; nothing runs."""
-    torch.save({"state_dict": _state_dict(2), "hook": _Payload()}, http_server.root / "evil.pth")
+    torch.save({"state_dict": random_state_dict(2), "hook": Payload()}, http_server.root / "evil.pth")
     report = scan(http_server.url("evil.pth"))
     assert not report.ok and report.unsafe_globals == ["posix.system"]
-    _same(report.to_dict(), scan(http_server.root / "evil.pth", check_crc=False).to_dict())
+    assert_same_as_local(report.to_dict(), scan(http_server.root / "evil.pth", check_crc=False).to_dict())
 
 
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded", "dcp"])
@@ -136,8 +101,8 @@ def test_s3_describe_and_scan_are_the_local_ones(s3_server: S3Server, tmp_path: 
     with s3_server.counts.lock:  # what moto sent, the objects and the listings' XML, no more, no less
         sent = dict(s3_server.counts.bytes_sent)
     assert info["bytes_fetched"] == sum(sent.values()) > sum(n for path, n in sent.items() if path in objects)
-    _same(info, want)
-    _same(scan(url).to_dict(), scan(local, check_crc=False).to_dict())
+    assert_same_as_local(info, want)
+    assert_same_as_local(scan(url).to_dict(), scan(local, check_crc=False).to_dict())
 
 
 def test_remote_torch_path_is_refused_not_downloaded(http_server: FileServer) -> None:
@@ -152,43 +117,6 @@ def test_remote_torch_path_is_refused_not_downloaded(http_server: FileServer) ->
         ckptfix.inspect(http_server.url(names["zip"]), trust=True)
     # the sniff's first block per call (a 3 MB file), nothing for the trusted read
     assert http_server.counts.total_bytes <= 4 * 16 * 1024 and http_server.counts.requests == {"/legacy.pth": 4}
-
-
-def _changing(server: FileServer, file: str) -> None:
-    """The file replaced (same bytes, a later mtime: a new ETag and Last-Modified) once the next request for it
-    is answered."""
-    with server.counts.lock:
-        served = server.counts.requests.get(f"/{file}", 0)
-    server.change_after(file, served + 1, (server.root / file).read_bytes())
-
-
-SWITCHES: dict[str, Callable[[FileServer, str], None]] = {  # mode → how the http_server is set for it, per call
-    "files": lambda server, file: None,
-    "forbidden": lambda server, file: server.status.__setitem__(f"/{file}", 403),
-    "loop": lambda server, file: server.redirect_loop.add(f"/{file}"),
-    "norange": lambda server, file: setattr(server, "ignore_range", True),
-    "changing": _changing,
-    "slow": lambda server, file: server.delay.__setitem__(f"/{file}", 1.0),
-}
-ERRORS = [  # (mode, file, error, message); the mode is a switch of SWITCHES, set by failing()
-    ("files", "nope.pth", errors.MissingFileError, "no such file \\(HTTP 404\\)"),
-    ("forbidden", "model.pth", errors.RemoteError, "access denied \\(HTTP 403"),
-    ("loop", "model.pth", errors.RemoteError, "redirects in a loop"),
-    ("norange", "model.pth", errors.RemoteError, "ignores Range requests"),
-    ("changing", "model.pth", errors.RemoteError, "changed while it was being read"),
-    ("slow", "model.pth", errors.RemoteError, "tries\\)"),
-]
-
-
-def failing(server: FileServer, monkeypatch: pytest.MonkeyPatch, mode: str, file: str) -> str:
-    """The checkpoints written, the client's timeout (0.3 s) and retries (1) set, ``mode``'s switch turned on
-    for ``file``: its URL."""
-    monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "0.3")
-    monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "1")
-    if not (server.root / "model.pth").exists():
-        write_checkpoints(server.root)
-    SWITCHES[mode](server, file)
-    return server.url(file)
 
 
 @pytest.mark.parametrize("mode, file, error, message", ERRORS, ids=[e[0] for e in ERRORS])
@@ -240,13 +168,6 @@ def _hub_file_bytes(hub: HubServer) -> int:
         return sum(n for path, n in hub.counts.bytes_sent.items() if _hub_file(hub, path))
 
 
-def _hub_bytes(hub: HubServer) -> int:
-    """Body bytes the Hub sent, files and listings: all but the user-agent probe huggingface_hub makes once a process
-    (``/api/agent-harnesses``), whoever triggers it first."""
-    with hub.counts.lock:
-        return sum(n for path, n in hub.counts.bytes_sent.items() if path != "/api/agent-harnesses")
-
-
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded"])
 def test_hub_describe_and_scan_are_the_local_ones(hub_server: HubServer, kind: str) -> None:
     repo = hub_server.root  # the repository REPO
@@ -260,11 +181,11 @@ def test_hub_describe_and_scan_are_the_local_ones(hub_server: HubServer, kind: s
         local = repo
     for url in (f"hf://{REPO}/{name}".rstrip("/"), f"hf://{REPO}@main/{name}".rstrip("/")):
         info = ckptfix.describe(url)
-        assert _hub_file_bytes(hub_server) < info.bytes_fetched == _hub_bytes(hub_server)  # the listings counted
+        assert _hub_file_bytes(hub_server) < info.bytes_fetched == hub_bytes(hub_server)  # the listings counted
         got = info.to_dict()
         got["notes"] = [n.replace(url, str(local)) for n in got["notes"]]
-        _same(got, ckptfix.describe(local).to_dict())
-        _same(scan(url).to_dict(), scan(local, check_crc=False).to_dict())
+        assert_same_as_local(got, ckptfix.describe(local).to_dict())
+        assert_same_as_local(scan(url).to_dict(), scan(local, check_crc=False).to_dict())
         hub_server.counts.reset()
 
 
@@ -280,7 +201,7 @@ def test_hub_file_in_the_local_cache_is_read_from_there(hub_server: HubServer) -
     assert file_requests() > 0
     hub_server.counts.reset()
     info = ckptfix.describe(f"hf://{REPO}/{names['zip']}")
-    assert file_requests() == 0 and info.bytes_fetched == _hub_bytes(hub_server)  # (the API's listing: is it a folder?)
+    assert file_requests() == 0 and info.bytes_fetched == hub_bytes(hub_server)  # (the API's listing: is it a folder?)
     assert info.to_dict()["keys"] == ckptfix.describe(hub_server.root / names["zip"]).to_dict()["keys"]
 
 

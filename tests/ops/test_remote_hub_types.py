@@ -10,9 +10,9 @@ from safetensors.torch import save_file
 import ckptfix
 from ckptfix import errors
 from ckptfix.core.remote.hub import HubPath, split_hub
-from hub_server import COMMIT, REPO, HubServer
-from remote_servers import hub_server
-from test_remote import _hub_bytes, _same, _state_dict, write_checkpoints
+from tests.hub_server import COMMIT, REPO, HubServer
+from tests.remote_servers import hub_server
+from tests.remote_sources import assert_same_as_local, hub_bytes, random_state_dict, write_checkpoints
 
 SERVERS = (hub_server,)  # the fixture, registered by being in this module's namespace
 
@@ -43,16 +43,16 @@ def test_describe_a_checkpoint_in_a_dataset_or_space_repo(hub_server: HubServer,
     for url in (f"hf://{PREFIX[repo_type]}{REPO}/{names[kind]}", f"hf://{PREFIX[repo_type]}{REPO}@main/{names[kind]}"):
         hub_server.counts.reset()
         info = ckptfix.describe(url)
-        assert info.bytes_fetched == _hub_bytes(hub_server) > 0
+        assert info.bytes_fetched == hub_bytes(hub_server) > 0
         assert hub_server.counts.requests.get(hub_server.resolve_path(names[kind], COMMIT))
         got = info.to_dict()
         got["notes"] = [n.replace(url, str(local)) for n in got["notes"]]
-        _same(got, ckptfix.describe(local).to_dict())
+        assert_same_as_local(got, ckptfix.describe(local).to_dict())
 
 
 def test_a_dataset_is_not_the_model_of_the_same_name(hub_server: HubServer) -> None:
     hub_server.repo_type = "dataset"
-    save_file(_state_dict(2), str(hub_server.root / "model.safetensors"))
+    save_file(random_state_dict(2), str(hub_server.root / "model.safetensors"))
     assert ckptfix.describe(f"hf://datasets/{REPO}/model.safetensors").num_tensors == 2
     with pytest.raises(errors.MissingFileError, match="no such repository"):
         ckptfix.describe(f"hf://{REPO}/model.safetensors")

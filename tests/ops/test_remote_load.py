@@ -18,13 +18,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 import ckptfix
-import dist_harness
-import sharded_ranks
 from ckptfix import errors
-from file_server import FileServer
-from hub_server import REPO
-from remote_servers import http_server, hub_server, s3_server
-from test_remote import _file_bytes
+from tests import dist_harness, sharded_ranks
+from tests.file_server import FileServer
+from tests.hub_server import REPO
+from tests.remote_servers import http_server, hub_server, s3_server
+from tests.remote_sources import file_bytes
 
 SERVERS = (http_server, hub_server, s3_server)  # the fixtures, registered by being in this module's namespace
 
@@ -203,7 +202,7 @@ def test_a_load_fetches_the_file_once(http_server: FileServer, fmt: str) -> None
     with torch.device("meta"):
         model = Net(16_384).eval()
     report = ckptfix.load_into(model, http_server.url(name))
-    sent = _file_bytes(http_server)
+    sent = file_bytes(http_server)
     assert report.bytes_fetched == sent and size <= sent < 1.1 * size, (sent, size)
     assert torch.equal(model.inp.weight, net.inp.weight)
 
@@ -317,7 +316,7 @@ def test_fsdp2_ranks_fetch_only_their_shards(http_server: FileServer, tmp_path: 
     big = sharded_ranks.full_state_dict(sharded_ranks.BIG)
     save_file(big, str(http_server.root / "big.safetensors"))
     payload = {"fsdp2": http_server.url("mixed.pth"), "big": http_server.url("big.safetensors")}
-    ranks = dist_harness.run("test_remote_load:run_rank", world, tmp_path / "run", payload, timeout=300)
+    ranks = dist_harness.run("tests.ops.test_remote_load:run_rank", world, tmp_path / "run", payload, timeout=300)
     tensor_bytes = sum(t.nbytes for t in big.values())
     for r in ranks:
         assert r["fsdp2"]["wrong"] == [] and r["fsdp2"]["sharded"] > 0 and r["big"]["wrong"] == []

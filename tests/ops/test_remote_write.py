@@ -7,39 +7,23 @@ at ckptfix's own seam (``s3_backend.send_part``), the S3 server is real.
 
 from __future__ import annotations
 
-import io
 import os
 import signal
-import struct
 import tempfile
 import time
-import zipfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix import errors
 from ckptfix.core import upload
-from ckptfix.core.remote import s3 as s3_backend
-from remote_servers import S3Server, s3_server
+from tests.remote_servers import S3Server, s3_server
+from tests.remote_uploads import failing_part, object_bytes, same_output, sources, uploads
 
 SERVERS = (s3_server,)  # the fixture, registered by being in this module's namespace
 PART = 5 * 2**20  # S3's smallest part: a 12 MiB output goes up in 3 parts
-
-
-def sources(root: Path, mib: int) -> dict[str, Path]:
-    """A torch zip and a safetensors file of about ``mib`` MiB of float32 tensors, written by torch and safetensors."""
-    g = torch.Generator().manual_seed(1)
-    sd = {f"module.block.{i}.weight": torch.randn(mib * 2**18 // 4, generator=g) for i in range(4)}
-    sd["module.head.bias"] = torch.randn(10, generator=g)
-    torch.save({"state_dict": sd, "epoch": 1}, root / "model.pth")
-    save_file({k: v.clone() for k, v in sd.items()}, str(root / "model.safetensors"))
-    return {"pth": root / "model.pth", "safetensors": root / "model.safetensors"}
 
 
 @pytest.fixture
@@ -50,42 +34,6 @@ def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
     monkeypatch.setenv("CKPTFIX_UPLOAD_PART_SIZE", str(PART))
     return folder
-
-
-def _object(s3: S3Server, key: str) -> bytes | None:
-    try:
-        return s3.client().get_object(Bucket=s3.bucket, Key=key)["Body"].read()
-    except s3.client().exceptions.NoSuchKey:
-        return None
-
-
-def same_output(got: bytes | None, want: bytes) -> bool:
-    """``got`` is ``want`` byte for byte, but for a torch zip's ``.data/serialization_id`` (random per save, as torch
-    writes it: its 40 bytes and their CRC-32, in the local header and the central directory)."""
-    if got is None or len(got) != len(want):
-        return False
-    if not zipfile.is_zipfile(io.BytesIO(want)):
-        return got == want
-    masked = []
-    for data in (got, want):
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            info = next(i for i in z.infolist() if i.filename.endswith(".data/serialization_id"))
-            crc, directory = struct.pack("<I", info.CRC), z.start_dir
-        head = info.header_offset
-        name_len, extra_len = struct.unpack_from("<HH", data, head + 26)
-        start = head + 30 + name_len + extra_len
-        out = bytearray(data)
-        out[head + 14:head + 18] = bytes(4)  # the local header's CRC-32
-        out[start:start + info.file_size] = bytes(info.file_size)
-        tail = bytes(out[directory:])
-        assert tail.count(crc) == 1
-        out[directory:] = tail.replace(crc, bytes(4))  # the central directory's
-        masked.append(bytes(out))
-    return masked[0] == masked[1]
-
-
-def _uploads(s3: S3Server) -> list[Any]:
-    return s3.client().list_multipart_uploads(Bucket=s3.bucket).get("Uploads", [])
 
 
 OPTIONS: dict[str, dict[str, Any]] = {"torch-free": {}, "torch (fp16 cast)": {"dtype": "fp16"}}
@@ -101,14 +49,14 @@ def test_s3_output_is_the_local_output(s3_server: S3Server, tmp_path: Path, temp
     want_report = ckptfix.convert(files[src], local, **options)
     url = s3_server.url(f"runs/out{ext}")
     report = ckptfix.convert(files[src], url, **options)
-    assert same_output(_object(s3_server, f"runs/out{ext}"), local.read_bytes())
+    assert same_output(object_bytes(s3_server, f"runs/out{ext}"), local.read_bytes())
     size = local.stat().st_size
     parts = -(-size // PART) if size > PART else 1
     assert (mib == 1) == (parts == 1)
     assert report.dst == url and report.bytes_written == size
     assert f"uploaded {size} bytes to {url} ({parts} part{'s' if parts > 1 else ''})" in " ".join(report.notes)
     assert report.streamed == want_report.streamed and report.num_tensors == want_report.num_tensors
-    assert _uploads(s3_server) == [] and list(temp_dir.iterdir()) == []
+    assert uploads(s3_server) == [] and list(temp_dir.iterdir()) == []
 
 
 def test_hashed_name_on_s3(s3_server: S3Server, tmp_path: Path, temp_dir: Path) -> None:
@@ -116,28 +64,13 @@ def test_hashed_name_on_s3(s3_server: S3Server, tmp_path: Path, temp_dir: Path) 
     want = ckptfix.convert(files["pth"], tmp_path / "out.safetensors", hash=True)
     report = ckptfix.convert(files["pth"], s3_server.url("out.safetensors"), hash=True)
     name = os.path.basename(want.dst)
-    assert report.dst == s3_server.url(name) and same_output(_object(s3_server, name), Path(want.dst).read_bytes())
-    assert _object(s3_server, "out.safetensors") is None
-
-
-def _failing_part(monkeypatch: pytest.MonkeyPatch, on_part: int, action: Callable[[], None]) -> list[int]:
-    """``s3_backend.send_part`` runs ``action`` instead of sending part ``on_part``; the parts sent, in order."""
-    real, sent = s3_backend.send_part, []
-
-    def send_part(client: Any, url: str, upload_id: str, number: int, body: Any, stop: Any) -> str:
-        if number == on_part:
-            action()
-        etag = real(client, url, upload_id, number, body, stop)
-        sent.append(number)
-        return etag
-
-    monkeypatch.setattr(s3_backend, "send_part", send_part)
-    return sent
+    assert report.dst == s3_server.url(name) and same_output(object_bytes(s3_server, name), Path(want.dst).read_bytes())
+    assert object_bytes(s3_server, "out.safetensors") is None
 
 
 def _nothing_left(s3: S3Server, key: str, temp_dir: Path) -> None:
-    assert _object(s3, key) is None
-    assert _uploads(s3) == []  # aborted: no parts left stored (and billed)
+    assert object_bytes(s3, key) is None
+    assert uploads(s3) == []  # aborted: no parts left stored (and billed)
     assert list(temp_dir.iterdir()) == []
 
 
@@ -149,7 +82,7 @@ def test_a_failed_part_aborts_the_upload(s3_server: S3Server, tmp_path: Path, te
     def fail() -> None:
         raise errors.RemoteError("s3://ckpt/out.safetensors: S3 error InternalError (injected)")
 
-    sent = _failing_part(monkeypatch, 2, fail)
+    sent = failing_part(monkeypatch, 2, fail)
     with pytest.raises(errors.RemoteError, match="injected"):
         ckptfix.convert(files[src], s3_server.url("out.safetensors"))
     assert 2 not in sent
@@ -165,7 +98,7 @@ def test_a_signal_mid_upload_aborts_it(s3_server: S3Server, tmp_path: Path, temp
         os.kill(os.getpid(), signum)
         time.sleep(0.5)
 
-    _failing_part(monkeypatch, 2, interrupt)
+    failing_part(monkeypatch, 2, interrupt)
     with pytest.raises(errors.Interrupted) as caught:
         ckptfix.convert(files["pth"], s3_server.url("out.safetensors"))
     assert caught.value.signum == signum and not caught.value.written
@@ -176,11 +109,11 @@ def test_an_object_put_there_meanwhile_is_not_replaced(s3_server: S3Server, tmp_
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Without force the upload completes only if the key is still free (If-None-Match: *)."""
     files = sources(tmp_path, 12)
-    _failing_part(monkeypatch, 1, lambda: s3_server.client().put_object(Bucket=s3_server.bucket, Key="out.pth",
+    failing_part(monkeypatch, 1, lambda: s3_server.client().put_object(Bucket=s3_server.bucket, Key="out.pth",
                                                                          Body=b"theirs"))
     with pytest.raises(errors.DestinationError, match="an object is at this key already"):
         ckptfix.convert(files["pth"], s3_server.url("out.pth"))
-    assert _object(s3_server, "out.pth") == b"theirs" and _uploads(s3_server) == []
+    assert object_bytes(s3_server, "out.pth") == b"theirs" and uploads(s3_server) == []
     assert list(temp_dir.iterdir()) == []
 
 
@@ -191,10 +124,10 @@ def test_existing_object_needs_force(s3_server: S3Server, tmp_path: Path, temp_d
     url = s3_server.url("out.safetensors")
     with pytest.raises(errors.DestinationError, match="already exists; pass --force"):
         ckptfix.convert(files["pth"], url)
-    assert _object(s3_server, "out.safetensors") == b"old"
+    assert object_bytes(s3_server, "out.safetensors") == b"old"
     ckptfix.convert(files["pth"], tmp_path / "out.safetensors")
     report = ckptfix.convert(files["pth"], url, force=True)
-    assert same_output(_object(s3_server, "out.safetensors"), (tmp_path / "out.safetensors").read_bytes())
+    assert same_output(object_bytes(s3_server, "out.safetensors"), (tmp_path / "out.safetensors").read_bytes())
     assert report.bytes_written == (tmp_path / "out.safetensors").stat().st_size
 
 
@@ -213,11 +146,11 @@ def test_a_write_only_policy_can_upload(s3_server: S3Server, tmp_path: Path, tem
     if existing:
         with pytest.raises(errors.DestinationError, match="an object is at this key already"):
             ckptfix.convert(files["safetensors"], url)
-        assert _object(s3_server, "w/out.safetensors") == b"theirs" and _uploads(s3_server) == []
+        assert object_bytes(s3_server, "w/out.safetensors") == b"theirs" and uploads(s3_server) == []
         return
     report = ckptfix.convert(files["safetensors"], url)
     want = ckptfix.convert(files["safetensors"], tmp_path / "out.safetensors")
-    assert same_output(_object(s3_server, "w/out.safetensors"), Path(want.dst).read_bytes())
+    assert same_output(object_bytes(s3_server, "w/out.safetensors"), Path(want.dst).read_bytes())
     assert report.dst == url and s3_server.counts.requests[f"/{s3_server.bucket}/w/out.safetensors"] > 1
 
 
@@ -238,7 +171,7 @@ def test_unwritable_destinations_are_refused_before_reading(s3_server: S3Server,
     files = sources(tmp_path, 1)
     with pytest.raises(error, match=message):
         ckptfix.convert(files["pth"], dst, **options)
-    assert _uploads(s3_server) == [] and s3_server.client().list_objects_v2(Bucket=s3_server.bucket)["KeyCount"] == 0
+    assert uploads(s3_server) == [] and s3_server.client().list_objects_v2(Bucket=s3_server.bucket)["KeyCount"] == 0
 
 
 def test_the_source_itself_is_refused(s3_server: S3Server) -> None:

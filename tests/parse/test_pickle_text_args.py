@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,8 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import UnsafeCheckpointError
 from ckptfix.parse import pickle_walk, unpickler
+from tests import adversarial
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import adversarial  # noqa: E402
 
 _NO_GLOBALS = unpickler.Policy({}, {}, set(), {}, (list,), (dict,), persistent=False)
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import io
-import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +28,10 @@ from hypothesis import strategies as st
 import ckptfix
 from ckptfix.errors import CkptfixError
 from ckptfix.parse.zipdir import ZipFormatError, data_start, read_directory
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import adversarial  # noqa: E402
-from test_properties import state_dicts  # noqa: E402
+from tests import adversarial, hostile_files
+from tests.compare import raw_bytes, torch_refuses
+from tests.malformed_files import mutations
+from tests.strategies import state_dicts
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
@@ -95,42 +93,10 @@ def test_zip_reader_agrees_with_torch_on_the_corpus(tmp_path: Path) -> None:
     assert checked >= 20
 
 
-def _mutations(seed: int, count: int) -> list[tuple[str, bytes]]:
-    """Seeded damage to a real torch.save archive, aimed at what a reader parses: the end records, the
-    central directory, local headers, the zip64 fields; plus truncations and appended bytes."""
-    buf = io.BytesIO()
-    torch.save({"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.int64)}, buf)
-    base = buf.getvalue()
-    cd = base.find(b"PK\x01\x02")
-    rng = random.Random(seed)
-    out = []
-    for i in range(count):
-        data = bytearray(base)
-        kind = rng.choice(["directory", "end", "local", "truncate", "append", "swap"])
-        if kind == "directory":
-            for _ in range(rng.randint(1, 3)):
-                data[rng.randrange(cd, len(data))] = rng.randrange(256)
-        elif kind == "end":
-            at = len(data) - rng.randint(1, 22)
-            data[at] = rng.choice([0, 1, 0xFF, rng.randrange(256)])
-        elif kind == "local":
-            at = rng.choice([m.start() for m in re.finditer(b"PK\x03\x04", bytes(data))])
-            data[at + rng.randrange(30)] = rng.randrange(256)
-        elif kind == "truncate":
-            data = data[: rng.randrange(len(data) - 200, len(data))]
-        elif kind == "append":
-            data += rng.choice([b"PK\x05\x06" + bytes(18), bytes(rng.randrange(1, 40)), b"PK\x06\x07" + bytes(16)])
-        else:  # two central-directory entries swapped in order (names sorted differently)
-            data = bytearray(base.replace(b"data/0", b"DATA/0", 1) if rng.random() < 0.5 else base)
-            data[rng.randrange(cd, len(data))] ^= 1 << rng.randrange(8)
-        out.append((f"{kind}-{i}", bytes(data)))
-    return out
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_zip_reader_agrees_with_torch_on_damaged_archives(seed: int) -> None:
     agreed = 0
-    for label, data in _mutations(seed, 100):
+    for label, data in mutations(seed, 100):
         assert_same_view(data, label)
         agreed += torch_view(data) is not None
     assert agreed >= 10  # enough mutations that torch still reads, for the comparison to mean something
@@ -143,7 +109,7 @@ def same(a: Any, b: Any, path: str = "") -> None:
     assert type(a) is type(b), (path, type(a), type(b))
     if isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == (b.dtype, b.shape, b.stride(), b.storage_offset()), path
-        assert torch.equal(_bytes(a), _bytes(b)), path  # bit for bit: NaN payloads and -0.0 included
+        assert torch.equal(raw_bytes(a), raw_bytes(b)), path  # bit for bit: NaN payloads and -0.0 included
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
     elif isinstance(a, dict):
@@ -163,12 +129,6 @@ def same(a: Any, b: Any, path: str = "") -> None:
         assert b != b, path
     else:
         assert a == b, (path, a, b)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
 
 
 def _sharing(sd: dict) -> list[tuple[str, str]]:
@@ -207,29 +167,14 @@ def test_unpickler_loads_what_torch_loads(sd: Any, extra: Any, legacy: bool, pro
         assert (got.dtype, got.shape, got.stride(), got.storage_offset()) == (t.dtype, t.shape, t.stride(), t.storage_offset())
 
 
-def _refused_by_torch(path: Path, in_child: bool = False) -> bool:
-    """torch.load(weights_only=True) refuses or fails on ``path`` (in a child process where torch's own
-    unpickler may crash: it hashes dict keys of any depth, recursing in C)."""
-    if in_child:
-        code = "import sys, torch; torch.load(sys.argv[1], weights_only=True)"
-        return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=120).returncode != 0
-    try:
-        torch.load(path, weights_only=True)
-    except Exception:  # any refusal or failure counts
-        return True
-    return False
-
-
 def test_ckptfix_refuses_everything_torchs_weights_only_refuses(tmp_path: Path) -> None:
-    import test_hostile
-
     files = [(c.path, False) for c in adversarial.build_corpus(tmp_path / "corpus")]
-    for case in test_hostile.CASES:
+    for case in hostile_files.CASES:
         (tmp_path / case.name).mkdir()
         files.append((case.make(tmp_path / case.name), "nested" in case.name))
     refused_by_torch = 0
     for path, crashes_torch in files:
-        if not _refused_by_torch(path, in_child=crashes_torch):
+        if not torch_refuses(path, in_child=crashes_torch):
             continue
         refused_by_torch += 1
         with pytest.raises(CkptfixError):
@@ -239,9 +184,7 @@ def test_ckptfix_refuses_everything_torchs_weights_only_refuses(tmp_path: Path) 
 
 def test_torchs_own_unpickler_crashes_on_a_deep_dict_key(tmp_path: Path) -> None:
     """Why ckptfix bounds the depth of what it hashes: torch's weights_only unpickler dies on this file."""
-    import test_hostile
-
-    path = test_hostile.BY_NAME["million-nested-dict-key"].make(tmp_path)
+    path = hostile_files.BY_NAME["million-nested-dict-key"].make(tmp_path)
     code = "import sys, torch; torch.load(sys.argv[1], weights_only=True)"
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=120)
     assert out.returncode < 0  # killed by a signal (SIGSEGV), not an exception

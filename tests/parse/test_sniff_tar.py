@@ -4,7 +4,6 @@ any other tar is a FormatError, not an unsafe checkpoint (issue 20, item 5)."""
 from __future__ import annotations
 
 import pickle
-import sys
 import tarfile
 from pathlib import Path
 
@@ -15,9 +14,8 @@ from ckptfix.cli import cli
 from ckptfix.errors import FormatError
 from ckptfix.parse.format_registry import TORCH_LEGACY
 from ckptfix.parse.sniff import sniff
+from tests import adversarial
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import adversarial  # noqa: E402
 
 
 def _plain_tar(tmp_path: Path) -> Path:

@@ -19,9 +19,8 @@ import pytest
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import UnsafeCheckpointError
+from tests import adversarial
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import adversarial  # noqa: E402
 
 NAMES = adversarial.case_names()
 COMMANDS = ["load", "convert", "inspect", "verify", "diff", "scan"]

@@ -13,13 +13,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import fsdp2_dirs
 import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
 
 from ckptfix.safety import dcp_policy
 from ckptfix.safety.dcp_policy import METADATA
+from tests import fsdp2_dirs
 
 
 # -- the inert read against the torch read ------------------------------------------------------------

@@ -17,7 +17,6 @@ import fractions
 import io
 import os
 import pathlib
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,8 @@ from ckptfix.safety.allowlist import classify
 from ckptfix.safety.guards import ckptfix_objects
 from ckptfix.cli import cli
 from ckptfix.errors import UnsafeCheckpointError
+from tests import adversarial
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import adversarial  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script/save deprecation
 

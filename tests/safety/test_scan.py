@@ -18,9 +18,8 @@ import ckptfix
 from ckptfix.parse import pickle_walk
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, UnsafeCheckpointError
+from tests import adversarial
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import adversarial  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import torch
 import torchvision
 
 from ckptfix.cli import cli
+from tests import adversarial
 
-import adversarial  # noqa: E402
 
 ROOT_CLASSES = {"tiny": f"{adversarial.TinyNet.__module__}.TinyNet", "resnet18": "torchvision.models.resnet.ResNet"}
 

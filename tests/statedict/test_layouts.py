@@ -22,16 +22,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close_to_recorded, golden_from_manifest, recorded_tolerance
 from torch import nn
 
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import ConversionError, UnsafeCheckpointError
+from tests import adversarial
+from tests.compare import assert_close_to_recorded, golden_from_manifest, recorded_tolerance
+from tests.training import train_steps
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import adversarial  # noqa: E402
-from test_transforms import _train_steps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script/load deprecation
 
@@ -331,7 +330,7 @@ def _resume(path: Path, train: Any) -> list[float]:
     ckptfix.load_into(model, path)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     opt.load_state_dict(torch.load(path, weights_only=True)["optimizer_states"][0])
-    return _train_steps(model, opt, 5)
+    return train_steps(model, opt, 5)
 
 
 @pytest.mark.parametrize("to, dtype", [("single", None), ("ddp", "fp32")])

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 
-import adversarial
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import ConversionError, UnsafeCheckpointError
 from ckptfix.parse.inert import InertObject
+from tests import adversarial
 
 TESTS = Path(__file__).resolve().parents[1]
 RUN_CONFIG, MODE = "myproj.config.RunConfig", "myproj.config.Mode"

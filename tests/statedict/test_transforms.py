@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_close_to_recorded
 from torch import nn
 
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import ConversionError, KeyCollisionError
+from tests.compare import assert_close_to_recorded
+from tests.training import train_steps
 
 
 @pytest.mark.parametrize("dtype, torch_dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)])
@@ -111,25 +112,12 @@ def test_hash_names_the_file_after_its_sha256(tmp_path: Path, fixtures_dir: Path
     assert digest.startswith(HASH_REGEX.search(out.name).group(1))
 
 
-def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
-    g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(32, 13, generator=g), torch.randn(32, 1, generator=g)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _resume(path: Path, train: Any) -> list[float]:
     model = train.mlp()
     ckptfix.load_into(model, path, select="model_state_dict")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     opt.load_state_dict(torch.load(path, weights_only=True)["optimizer_state_dict"])
-    return _train_steps(model, opt, 5)
+    return train_steps(model, opt, 5)
 
 
 @pytest.mark.parametrize("to, dtype", [("ddp", None), ("single", None), ("compile", "fp32")])

@@ -1,0 +1,21 @@
+"""A few seeded training steps, the losses of which show that a resumed (converted) checkpoint trains on exactly as
+the original would (tests/statedict/test_transforms.py, tests/statedict/test_layouts.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    """``steps`` steps of MSE training on one seeded batch: the losses, which a resumed run must reproduce."""
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(32, 13, generator=g), torch.randn(32, 1, generator=g)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

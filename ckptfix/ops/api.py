@@ -16,6 +16,7 @@ from .load_into.loading import LoadOptions
 from .. import formats
 from ..statedict import transforms
 from ..core import locations, torch_free
+from ..core.limits import collector_paused
 from ..errors import NeedsLocalCopy
 from ..core.torch_free import NeedsTorch
 from .convert_options import ConvertOptions, takes
@@ -64,7 +65,7 @@ def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str]
     """
     path = os.fspath(path)
     remote = locations.is_remote(path)
-    with locations.session() as s, s.reporting():
+    with locations.session() as s, s.reporting(), collector_paused():
         fmt = formats.sniff(path)
         if torch_free.enabled() or remote:
             try:

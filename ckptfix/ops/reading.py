@@ -14,6 +14,7 @@ from ..formats.base import RawRead
 from ..statedict import locate, placeholders, wrappers
 from ..core import locations
 from ..core.devices import DevicePlan
+from ..core.limits import collector_paused
 from ..errors import NeedsLocalCopy
 from ..parse.format_registry import get
 from ..reports import Checkpoint, tensor_stats
@@ -30,13 +31,14 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
     A URL is read by the same format readers from the byte ranges they ask for, its values fetched once each
     (:mod:`ckptfix.ops.remote_read`); what only ``torch.load`` of the whole file reads raises NeedsLocalCopy."""
     if not locations.is_remote(path):
-        fmt = fmt or formats.sniff(path)
-        plan = DevicePlan(map_location, source=path)
-        return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow)
+        with collector_paused():  # (tens of thousands of small objects, none in a cycle)
+            fmt = fmt or formats.sniff(path)
+            plan = DevicePlan(map_location, source=path)
+            return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow)
     if trust:  # (the trusted path is torch.load's, of the whole file)
         raise NeedsLocalCopy(path, "reading it with trust (--trust)",
                              "torch.load reads the whole file; without trust it is read in place")
-    with locations.session() as s, s.reporting():
+    with locations.session() as s, s.reporting(), collector_paused():
         fmt = fmt or formats.sniff(path)
         if "read" not in get(fmt).from_url:
             raise NeedsLocalCopy(path, f"reading this {fmt} file", "torch reads the whole file")

@@ -102,9 +102,12 @@ def read_header(path: str) -> tuple[int, dict[str, dict], dict[str, str]]:
 def _parse_json(path: str, raw: bytes) -> dict:
     """The header's JSON object, read as serde_json reads it: no NaN or Infinity, no number out of f64's
     range, ``-0`` and integers past 64 bits as floats (never a size), no lone surrogate, 127 levels at most."""
+    bare = _JSON_STRING.sub(b"", raw)  # (the text between strings: numbers, constants, brackets)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys(f"{path}: safetensors header"),
-                            parse_constant=_no_constant, parse_int=_serde_int, parse_float=_serde_float)
+        header = _parse_plain(raw, bare)
+        if header is None:  # something only the strict hooks decide: read (or refuse) it that way
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys(f"{path}: safetensors header"),
+                                parse_constant=_no_constant, parse_int=_serde_int, parse_float=_serde_float)
     except FormatError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -117,7 +120,7 @@ def _parse_json(path: str, raw: bytes) -> dict:
                 what = "__metadata__" if key == "__metadata__" else f"tensor {key!r}"
                 raise FormatError(f"{path}: {what}: the header holds a lone surrogate (a \\ud800-\\udfff escape "
                                   "that is no pair), which is not Unicode: refused, as safetensors refuses it")
-    if _depth(raw) > _MAX_DEPTH:
+    if _depth(bare) > _MAX_DEPTH:
         raise FormatError(f"{path}: the safetensors header nests arrays or objects more than {_MAX_DEPTH} deep: "
                           "refused, as safetensors refuses it")
     return header
@@ -129,10 +132,38 @@ _BRACKETS = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-def _depth(raw: bytes) -> int:
-    """How deep a valid JSON text nests arrays and objects (strings aside), at most ``_MAX_DEPTH + 1``:
-    each pass removes the innermost pairs, in C (a header of 100,000 tensors takes milliseconds)."""
-    brackets = _JSON_STRING.sub(b"", raw).translate(_BRACKETS, _NOT_BRACKETS)
+#: what in a header's text between strings the plain parse might read otherwise than serde_json: a fraction or an
+#: exponent, a constant (true, false, NaN, Infinity: only null is read alike), ``-0``, an integer of 19+ digits
+_STRICT_ONLY = re.compile(rb"[.eEIN]|-0|\d{19}")
+
+
+def _parse_plain(raw: bytes, bare: bytes) -> dict | None:
+    """The header parsed by ``json`` without per-value hooks (5× faster on a header of 20,000 tensors), where that
+    reads it exactly as the strict parse would: no number or constant the hooks treat apart (``bare``: ``raw``
+    without its strings) and no key listed twice (the pairs the text holds, one per colon outside strings, are all
+    in the objects, which are at most two levels deep); None where it can't tell."""
+    if _STRICT_ONLY.search(bare):
+        return None
+    try:
+        header = json.loads(raw.decode("utf-8"))  # (as the strict parse decodes it: json.loads(bytes) also takes UTF-16)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError too: the strict parse says what is wrong)
+        return None
+    if type(header) is not dict:
+        return None
+    pairs = len(header)
+    for value in header.values():
+        if type(value) is dict:
+            pairs += len(value)
+            for inner in value.values():
+                if type(inner) is dict:
+                    pairs += len(inner)
+    return header if pairs == bare.count(b":") else None
+
+
+def _depth(bare: bytes) -> int:
+    """How deep a valid JSON text nests arrays and objects (``bare``: the text without its strings), at most
+    ``_MAX_DEPTH + 1``: each pass removes the innermost pairs, in C (a header of 100,000 tensors takes milliseconds)."""
+    brackets = bare.translate(_BRACKETS, _NOT_BRACKETS)
     depth = 0
     while brackets and depth <= _MAX_DEPTH:
         brackets = brackets.replace(b"[]", b"")
@@ -181,6 +212,10 @@ def _are_sizes(values: Any) -> bool:
 def _entry(path: str, key: str, value: Any) -> dict:
     """One tensor's entry, as safetensors' serde reads it (a struct from a JSON object, or from the list of
     its three fields; the dtype as a name, or a one-entry ``{"F32": null}``)."""
+    if type(value) is dict and len(value) == 3:  # the common form, checked in one pass
+        dtype, shape, offs = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+        if type(dtype) is str and dtype in DTYPES and _are_sizes(shape) and _are_sizes(offs) and len(offs) == 2:
+            return {"dtype": dtype, "shape": shape, "data_offsets": offs}
     if isinstance(value, list) and len(value) == len(_FIELDS):
         value = dict(zip(_FIELDS, value))
     if not isinstance(value, dict) or not value.keys() >= _FIELD_SET:

@@ -14,11 +14,8 @@ The read is one of three, chosen before any tensor byte is touched:
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +29,7 @@ from ...core.upload import check_destination, check_destination_dir, check_schem
 from ...core.devices import DevicePlan, normalise_device, storage_id
 from ...core.torch_free import NeedsTorch
 from ...errors import ConversionError, DeviceError, WrapperError
+from ...core.limits import collector_paused
 from ...core.progress import Progress, peak_rss_bytes
 from ...core.units import few, parse_size
 from . import remote_convert
@@ -354,24 +352,9 @@ def _write_output(req: Request, obj: Any, refs: dict | None, final: _Finalizer) 
 
 # -- the whole conversion ------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off (as it was after). The torch-free path builds some 25 objects
-    per tensor, none in a cycle, so each full collection only re-walks every object the process holds: in
-    a caller that has imported torch (200,000 of them) that made ``convert()`` of 20,000 tensors 20 % slower
-    than the whole CLI command."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def run(req: Request, start: float) -> ConvertReport:
     """Read, normalise, write and report; the torch-free path first where the request allows it."""
-    with _collector_paused():
+    with collector_paused():
         ckpt, mode = plan_read(req)
         if mode == TORCH_FREE:
             final = _Finalizer(req)

@@ -14,7 +14,7 @@ from typing import Any
 from .core.devices import storage_id
 from .statedict.locate import common_prefix, detect_framework
 from .core.units import shown
-from .core.tensorinfo import TensorInfo, is_tensor, shape_and_dtype
+from .core.tensorinfo import TensorInfo, is_tensor, layout_name, shape_and_dtype, sparse_parts
 from .parse.inert import InertGlobal, InertObject
 from .statedict.wrappers import strip_wrappers
 
@@ -44,9 +44,14 @@ def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default
             stats.non_tensors.append(key)
             continue
         stats.num_tensors += 1
+        nbytes = None
         if isinstance(t, TensorInfo):
             sid, dtype, device = id(t.storage), t.dtype, t.device
-            view = (sid, t.storage_offset, t.shape, t.stride, dtype)
+            view: tuple = (sid, t.storage_offset, t.shape, t.stride, dtype)
+        elif layout_name(t) is not None:  # sparse: the bytes of its indices and values, saved where its values are
+            parts = sparse_parts(t)
+            sid, dtype, device = storage_id(parts[-1]), str(t.dtype).replace("torch.", ""), str(t.device)
+            view, nbytes = (id(t),), sum(p.numel() * p.element_size() for p in parts)
         else:
             sid, dtype, device = storage_id(t), str(t.dtype).replace("torch.", ""), str(t.device)
             view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), dtype)
@@ -55,7 +60,7 @@ def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default
         if view not in seen:
             seen.add(view)
             stats.num_params += t.numel()
-            stats.nbytes += t.numel() * t.element_size()
+            stats.nbytes += t.numel() * t.element_size() if nbytes is None else nbytes
     stats.dtypes = dict(dtypes)
     stats.devices = dict(devices)
     return stats
@@ -65,7 +70,8 @@ def describe_value(v: Any) -> str:
     """A short description of a non-state-dict entry: ``dict (2 entries)``, ``int 3``."""
     if is_tensor(v):
         shape, dtype = shape_and_dtype(v)
-        return f"tensor {shape} {dtype}"
+        layout = layout_name(v)
+        return f"tensor {shape} {dtype}" + (f" {layout}" if layout is not None else "")
     if isinstance(v, Mapping):
         return f"{type(v).__name__} ({len(v)} entries)"
     if isinstance(v, (list, tuple)):
@@ -82,7 +88,8 @@ def describe_value(v: Any) -> str:
 def _shape_row(key: str, t: Any) -> dict[str, Any]:
     if is_tensor(t):
         shape, dtype = shape_and_dtype(t)
-        return {"key": key, "shape": shape, "dtype": dtype}
+        layout = layout_name(t)  # (only a sparse tensor's row has one: a strided tensor's row is as it was)
+        return {"key": key, "shape": shape, "dtype": dtype, **({"layout": layout} if layout is not None else {})}
     return {"key": key, "shape": None, "dtype": describe_value(t) if isinstance(t, InertObject) else type(t).__name__}
 
 

@@ -70,7 +70,8 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
         if cut and i == head:
             lines.append("  …")
         shape = "x".join(map(str, row["shape"])) if row["shape"] is not None else "-"
-        lines.append(f"  {key:<{width}}  [{shape}]  {shown(row['dtype'])}")
+        layout = f" {row['layout']}" if "layout" in row else ""  # a sparse tensor's
+        lines.append(f"  {key:<{width}}  [{shape}]  {shown(row['dtype'])}{layout}")
     for note in info["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -92,6 +92,33 @@ def is_tensor(v: Any) -> bool:
     return torch is not None and isinstance(v, torch.Tensor)
 
 
+def math_bits(t: Any) -> tuple[bool, bool]:
+    """``(conjugate, negative)``: the bits torch's rebuild sets from a file's metadata (``x.conj()``,
+    ``torch._neg_view(x)``), which make a tensor's values the conjugate or negation of its stored bytes.
+    A TensorInfo has none: the torch-free reader leaves such tensors to torch."""
+    if isinstance(t, TensorInfo):
+        return False, False
+    return bool(t.is_conj()), bool(t.is_neg())
+
+
+def layout_name(v: Any) -> str | None:
+    """``'sparse_csr'`` for a sparse tensor, None for a strided one (and a TensorInfo, always strided)."""
+    if isinstance(v, TensorInfo):
+        return None
+    name = str(v.layout).replace("torch.", "")
+    return None if name == "strided" else name
+
+
+def sparse_parts(t: Any) -> tuple[Any, ...]:
+    """The strided tensors a sparse tensor is saved as: its indices (compressed, then plain) and its values."""
+    name = layout_name(t)
+    if name == "sparse_coo":
+        return t._indices(), t._values()
+    if name in ("sparse_csr", "sparse_bsr"):
+        return t.crow_indices(), t.col_indices(), t.values()
+    return t.ccol_indices(), t.row_indices(), t.values()
+
+
 def shape_and_dtype(v: Any) -> tuple[list[int], str]:
     """``([2, 3], 'float32')`` for a TensorInfo or a tensor."""
     if isinstance(v, TensorInfo):

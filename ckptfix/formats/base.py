@@ -90,10 +90,9 @@ class CastRef:
         """The cast tensor on the CPU, with ``after``'s layout."""
         import torch
 
-        src = torch.empty(0, dtype=self.before.dtype)
         whole = (self.source.materialize().untyped_storage() if isinstance(self.source, (CastRef, PiecedRef))  # computed
                  else stored_bytes(self.source))
-        src.set_(whole, self.before.storage_offset(), self.before.shape, self.before.stride())
+        src = view_like(whole, self.before).resolve_conj().resolve_neg()  # (copy_ to another dtype drops a neg bit)
         out = torch.empty_strided(self.after.shape, self.after.stride(), dtype=self.after.dtype)
         out.copy_(src)
         self.check(self.key, src, out)
@@ -114,6 +113,18 @@ def stored_bytes(ref: Any) -> Any:
     if ref.nbytes:
         locations.open_source(ref.path).read_into(ref.offset, memoryview(cast(Any, out.numpy())))
     return out.untyped_storage()
+
+
+def view_like(storage: Any, like: Any) -> Any:
+    """A CPU tensor viewing ``storage`` as the meta tensor ``like`` does (dtype, offset, shape, stride), with its
+    conjugate and negative bits: the values torch's rebuild gives ``like``, not only its stored bytes."""
+    import torch
+
+    t = torch.empty(0, dtype=like.dtype).set_(storage, like.storage_offset(), like.shape, like.stride())
+    bits = torch._utils.get_tensor_metadata(like)
+    if bits:
+        torch._utils.set_tensor_metadata(t, bits)
+    return t
 
 
 def mapped(path: str) -> Any:

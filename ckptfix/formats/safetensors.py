@@ -16,7 +16,7 @@ from typing import Any
 
 from ..core import bytecopy, locations
 from ..core.devices import storage_id
-from ..core.tensorinfo import StorageInfo, TensorInfo
+from ..core.tensorinfo import StorageInfo, TensorInfo, math_bits
 from ..core.torch_free import NeedsTorch
 from ..core.units import dtype_name
 from ..errors import ConversionError
@@ -24,7 +24,7 @@ from ..parse.format_registry import SAFETENSORS
 from ..parse.safetensors_header import (DTYPES, META_KEY, PACKED, assemble, ckptfix_meta, header_shape, read_header,
                                          torch_shape)
 from .base import (CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides,
-                   source_record, stored_bytes)
+                   source_record, stored_bytes, view_like)
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
@@ -120,7 +120,7 @@ def _write_tensors(state_dict: Any, path: str, refs: dict | None) -> list[str]:
         sid = storage_id(t)
         if t.device.type == "meta" and sid not in refs:
             raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
-        view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, math_bits(t))
         if view in canonical and t.numel() > 0:
             aliases[key] = _alias(canonical[view], name, t.shape)
             continue
@@ -231,14 +231,13 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
             elif isinstance(ref, PiecedRef):  # chunks to assemble (file-backed scratch), then t's view of them
                 t, ref = torch.empty(0, dtype=t.dtype).set_(
                     ref.materialize().untyped_storage(), t.storage_offset(), t.shape, t.stride()), None
-            if ref is not None and t.is_contiguous():
+            bits = any(math_bits(t))  # a conjugate or negative view: its values are not its stored bytes
+            if ref is not None and t.is_contiguous() and not bits:
                 bytecopy.copy_range(source_fd(ref.path), out, ref.offset + t.storage_offset() * t.element_size(), pos, n)
             else:
-                if ref is not None:  # a non-contiguous view of a storage still in the source file
-                    real = torch.empty(0, dtype=t.dtype)
-                    real.set_(stored_bytes(ref), t.storage_offset(), t.shape, t.stride())
-                    t = real
-                flat = t.detach().cpu().reshape(-1)
+                if ref is not None:  # a view of a storage still in the source file, not its bytes as they are
+                    t = view_like(stored_bytes(ref), t)
+                flat = t.detach().cpu().resolve_conj().resolve_neg().reshape(-1)
                 if flat.stride(0) != 1:  # contiguous() keeps a 1-element view's stride; view() needs 1
                     flat = flat.clone(memory_format=torch.contiguous_format)
                 data = flat.view(torch.uint8).numpy()

@@ -24,7 +24,7 @@ from typing import Any
 from ..core import locations
 from ..core.atomic import DirOutput, atomic_dir
 from ..core.devices import storage_id
-from ..core.tensorinfo import TensorInfo
+from ..core.tensorinfo import TensorInfo, layout_name, sparse_parts
 from ..errors import ConversionError, FormatError
 from ..parse import format_registry as registry, inert
 from ..parse.checkpoint_dirs import find_index, load_index, member_path
@@ -215,6 +215,8 @@ def _torch_storage_and_size(key: str, t: Any, refs: dict | None) -> tuple[int, i
             f"{key!r} is a {type(t).__name__}, not a tensor: shards hold tensors only; write a single .pth"
         )
     sid = storage_id(t)
+    if layout_name(t) is not None:  # sparse: its own identity, the bytes of its indices and values
+        return sid, sum(p.numel() * p.element_size() for p in sparse_parts(t))
     if t.device.type == "meta" and sid not in (refs or {}):
         raise ConversionError("tensors were loaded on 'meta' (no data): load them on cpu to write a file")
     return sid, t.numel() * t.element_size()

@@ -213,7 +213,7 @@ def _entry(path: str, key: str, value: Any) -> dict:
     """One tensor's entry, as safetensors' serde reads it (a struct from a JSON object, or from the list of
     its three fields; the dtype as a name, or a one-entry ``{"F32": null}``)."""
     if type(value) is dict and len(value) == 3:  # the common form, checked in one pass
-        dtype, shape, offs = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+        dtype, shape, offs = value.get("dtype"), value.get("shape"), value.get("data_offsets", ())
         if type(dtype) is str and dtype in DTYPES and _are_sizes(shape) and _are_sizes(offs) and len(offs) == 2:
             return {"dtype": dtype, "shape": shape, "data_offsets": offs}
     if isinstance(value, list) and len(value) == len(_FIELDS):

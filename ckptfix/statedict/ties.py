@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.devices import storage_id
-from ..core.tensorinfo import TensorInfo, is_tensor
+from ..core.tensorinfo import TensorInfo, is_tensor, math_bits
 
 
 def untie_aliases(state_dict: Mapping[str, Any], refs: dict | None = None) -> tuple[OrderedDict, list[str]]:
@@ -41,16 +41,17 @@ def untie_aliases(state_dict: Mapping[str, Any], refs: dict | None = None) -> tu
 
 
 def _view(t: Any) -> tuple | None:
-    """What makes two entries one tensor: the same storage, offset, shape, stride and dtype (None: not a tensor)."""
+    """What makes two entries one tensor: the same storage, offset, shape, stride, dtype and conjugate/negative
+    bits (None: not a tensor)."""
     if isinstance(t, TensorInfo):
-        return id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype
+        return id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype, (False, False)
     if not is_tensor(t):
         return None
     import torch
 
     if t.layout != torch.strided:
         return None
-    return storage_id(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+    return storage_id(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, math_bits(t)
 
 
 def _own_storage(t: Any, refs: dict | None) -> Any:
@@ -60,6 +61,9 @@ def _own_storage(t: Any, refs: dict | None) -> Any:
     old = t.untyped_storage()
     new = torch.UntypedStorage(old.nbytes(), device="meta") if t.device.type == "meta" else old.clone()
     out = torch.empty(0, dtype=t.dtype, device=t.device).set_(new, t.storage_offset(), t.shape, t.stride())
+    bits = torch._utils.get_tensor_metadata(t)  # a conjugate or negative view stays one
+    if bits:
+        torch._utils.set_tensor_metadata(out, bits)
     if refs is not None and storage_id(t) in refs:
         refs[storage_id(out)] = refs[storage_id(t)]
     return out

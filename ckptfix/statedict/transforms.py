@@ -89,13 +89,15 @@ def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: boo
     cast_cache: dict[tuple, Any] = {}
     out: OrderedDict = OrderedDict()
     for key, t in state_dict.items():
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == target:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == target \
+                or t.layout != torch.strided:  # (a sparse tensor is kept as saved: its values aren't cast)
             out[key] = t
             if isinstance(t, torch.Tensor):
                 name = dtype_name(t.dtype)
                 report.kept[name] = report.kept.get(name, 0) + 1
             continue
-        view = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        view = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+                t.is_conj(), t.is_neg())  # (a conjugate or negative view of the same bytes is another tensor)
         if view in cast_cache:
             out[key] = cast_cache[view]
             continue

@@ -1,8 +1,9 @@
 """The files ``torch.save`` writes: the zip format (torch >= 1.6) and the legacy pickle stream. Read through
 torch's own loader with ckptfix's restricted unpickler (``torch_io``), or record by record without loading
 tensor data (``records``), or described without torch (``zip_describer``); written by ``torch.save``, by copying
-records (``records``, ``zipwriter``), or without torch (``planner``, torch's globals stood in by
-``torch_globals``). This module is the family's interface: the verbs :mod:`ckptfix.formats` dispatches to.
+records (``records``, ``zipwriter``; ``data.pkl`` for tensors on meta by ``meta_pickle``), or without torch
+(``planner``, torch's globals stood in by ``torch_globals``). This module is the family's interface: the verbs
+:mod:`ckptfix.formats` dispatches to.
 
 May import: the layers below :mod:`ckptfix.formats`, its shared types (:mod:`ckptfix.formats.base`) and sibling families.
 """

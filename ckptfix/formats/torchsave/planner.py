@@ -55,11 +55,14 @@ class _Records:
     """The ``data/KEY`` records to copy, in first-use order, as torch's streamed writer numbers them:
     a torch zip source's record key where it is still free, else the next index."""
 
-    def __init__(self, keep_keys: bool):
+    def __init__(self, keep_keys: bool, shared: frozenset[int] = frozenset()):
         self.keep_keys = keep_keys
         self.order: list[tuple[str, StorageRef]] = []
         self.key_of: dict[int, str] = {}
         self.used: set[str] = set()
+        #: the dtypes each storage's tensors have; ``shared``: storages of several, written as untyped (see below)
+        self.dtypes: dict[int, set[str]] = {}
+        self.shared = shared
 
     def persistent_id(self, arg: _StorageArg) -> tuple:
         st = arg.storage
@@ -88,7 +91,7 @@ class _Saves:
         return self.records.persistent_id(obj) if type(obj) is _StorageArg else None
 
     def reducer_override(self, obj: Any) -> Any:
-        return _reduce_tensor(obj) if type(obj) is TensorInfo else NotImplemented
+        return _reduce_tensor(obj, self.records) if type(obj) is TensorInfo else NotImplemented
 
 
 class _Pickler(_Saves, pickle.Pickler):
@@ -111,11 +114,15 @@ class _PyPickler(_Saves, pickle._Pickler):
         self.records = records
 
 
-def _reduce_tensor(t: TensorInfo) -> tuple:
+def _reduce_tensor(t: TensorInfo, records: _Records) -> tuple:
+    """As torch writes the tensor. A storage its tensors view under several dtypes (an untyped record read as
+    float by one v3 tensor, as bytes by another): torch.load gives every reference the typed storage of the
+    first and v2 takes its dtype, so every tensor but a uint8 one is written as v3 over the untyped storage."""
     if t.is_parameter:  # torch: Parameter.__reduce_ex__ → _rebuild_parameter(plain data, requires_grad, hooks)
         inner = TensorInfo(t.dtype, t.shape, t.stride, t.storage_offset, t.storage)
         return REBUILD_PARAMETER, (inner, t.requires_grad, OrderedDict())
-    if t.dtype not in STORAGE_CLASS:  # no legacy storage class (uint16, float8 …): torch writes v3
+    records.dtypes.setdefault(id(t.storage), set()).add(t.dtype)
+    if t.dtype not in STORAGE_CLASS or id(t.storage) in records.shared and t.dtype != "uint8":  # torch writes v3
         args: tuple[Any, ...] = (_StorageArg(t.storage, None), t.storage_offset, t.shape, t.stride, t.requires_grad,
                                  OrderedDict(), DTYPES[t.dtype])
         return REBUILD_TENSOR_V3, args
@@ -180,6 +187,10 @@ def pickle_structure(obj: Any, keep_keys: bool) -> tuple[bytes, list[tuple[str, 
     records = _Records(keep_keys)
     buf = io.BytesIO()
     pickler(buf, records).dump(obj)
+    shared = frozenset(sid for sid, found in records.dtypes.items() if len(found) > 1)
+    if shared:  # (rare) pickled again, each tensor over those storages as _reduce_tensor says
+        records, buf = _Records(keep_keys, shared), io.BytesIO()
+        pickler(buf, records).dump(obj)
     try:
         return to_torch(buf.getvalue()), records.order
     except ValueError as e:  # the marker where _unmarked can't see it: torch's writer, not a broken file

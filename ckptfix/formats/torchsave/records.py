@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -26,8 +25,8 @@ from ...parse.zipdir import zip_directory
 from ...parse.unpickler import SafePickle
 from ...parse.zipdir import data_start
 from ...safety import guards, scanner
-from ...safety.standins import pickler_base_for
 from ..base import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
+from .meta_pickle import pickle_meta
 from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 
@@ -154,26 +153,6 @@ class _LazyCrcs:
             w.close()
 
 
-def _meta_tensor_reducer(storage_of: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    import torch
-
-    def reduce(obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor) or obj.device.type != "meta":
-            return NotImplemented
-        storage = storage_of(obj)
-        args: tuple[Any, ...] = (storage, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad, OrderedDict())
-        if isinstance(obj, torch.nn.Parameter):
-            inner = torch.Tensor._make_subclass(torch.Tensor, obj.detach(), False)
-            return (torch._utils._rebuild_parameter, (inner, obj.requires_grad, OrderedDict()))
-        if type(obj) is not torch.Tensor:
-            raise FormatError(f"tensor subclass {type(obj).__name__} can't be rewritten in place; use --trust")
-        if obj.dtype in torch.storage._new_dtypes():  # no legacy storage class (uint16, float8 …): as torch.save
-            return (torch._utils._rebuild_tensor_v3, (obj.untyped_storage(), *args[1:], obj.dtype))
-        return (torch._utils._rebuild_tensor_v2, args)
-
-    return reduce
-
-
 def write_structure(
     obj: Any,
     refs: dict[int, StorageRef],
@@ -186,51 +165,8 @@ def write_structure(
     ``location`` maps each saved device tag to the tag written. Records keep their source keys
     when they come from a torch zip, so only storages still referenced are copied.
     """
-    import torch
-
-    order: list[tuple[str, StorageRef]] = []
-    key_of: dict[int, str] = {}
-    used: set[str] = set()
-
-    def storage_of(t: Any) -> Any:
-        return torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
-
-    typed, untyped = torch.storage.TypedStorage, torch.UntypedStorage
-
-    def persistent_id(o: Any) -> Any:
-        cls = type(o)  # called for every object pickled: the common case must be cheap
-        if cls is typed:
-            st, numel = o._untyped_storage, o._size()
-            storage_type = getattr(torch, o._pickle_storage_type())
-        elif cls is untyped:
-            st, numel, storage_type = o, o.nbytes(), untyped
-        else:
-            return None
-        sid = storage_id(st)
-        if sid not in refs:
-            raise FormatError("internal: a tensor without a source storage reached the zip writer")
-        ref = refs[sid]
-        if sid not in key_of:
-            key = ref.key if ref.key is not None and ref.key not in used else str(len(order))
-            while key in used:  # a fresh key for a source without record keys (safetensors)
-                key = f"{key}_"
-            used.add(key)
-            key_of[sid] = key
-            order.append((key, ref))
-        return ("storage", storage_type, key_of[sid], location(ref.location), numel)
-
-    reducer = _meta_tensor_reducer(storage_of)
-
-    class _Pickler(pickler_base_for(obj)):  # type: ignore[misc] # stand-ins keep their original names
-        def persistent_id(self, o: Any) -> Any:
-            return persistent_id(o)
-
-        def reducer_override(self, o: Any) -> Any:
-            return reducer(o)
-
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(obj)
-    return write_archive(buf.getvalue(), order, dst, archive)
+    data, order = pickle_meta(obj, refs, location)
+    return write_archive(data, order, dst, archive)
 
 
 def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str, archive: str = "archive") -> int:

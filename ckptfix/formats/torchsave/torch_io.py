@@ -16,7 +16,7 @@ from typing import Any
 
 from ...core import locations
 from ...safety import guards, scanner
-from ...errors import CkptfixError, FormatError, NeedsLocalCopy, UnsafeCheckpointError, trust_advice
+from ...errors import CkptfixError, ConversionError, FormatError, NeedsLocalCopy, UnsafeCheckpointError, trust_advice
 from ...safety.standins import pickle_module_for
 from ...parse.unpickler import Refused, SafePickle
 from ...parse.format_registry import get
@@ -164,5 +164,9 @@ def write(obj: Any, path: str) -> list[str]:
         # A failed write (disk full, Ctrl-C) makes torch's cleanup raise "unexpected pos", hiding it.
         if isinstance(e.__context__, (OSError, KeyboardInterrupt)):
             raise e.__context__ from None
+        if "view the same data as different types" in str(e):  # loaded from a file whose records say so
+            raise ConversionError(
+                "two tensors or storages view the same bytes as different dtypes, which torch.save refuses to write; "
+                "convert to the CPU without --trust, which copies the file's records as they are") from None
         raise
     return []

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix import errors
-from ckptfix.parse.sniff import zip_directory
+from ckptfix.parse.zipdir import zip_directory
 from tests.file_server import FileServer
 from tests.hub_server import REPO, HubServer
 from tests.remote_servers import S3Server

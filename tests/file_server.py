@@ -1,7 +1,8 @@
-"""A real HTTP file server on 127.0.0.1 for remote-checkpoint tests and bench/remote.py (issue 19): serves a
-directory, honours ``Range: bytes=a-b`` (206 + Content-Range), sends ETag and Last-Modified, answers HEAD,
-counts the body bytes it sends and the requests it answers per path, and has switches for the failures a
-client must survive. Needs nothing but the standard library (bench/remote.py imports it without pytest).
+"""A real HTTP file server on 127.0.0.1 (or another loopback address: ``host``) for remote-checkpoint tests and
+bench/remote.py (issue 19): serves a directory, honours ``Range: bytes=a-b`` (206 + Content-Range), sends ETag
+and Last-Modified, answers HEAD, counts the body bytes it sends and the requests it answers per path, and has
+switches for the failures a client must survive. Needs nothing but the standard library (bench/remote.py
+imports it without pytest).
 
     with FileServer(tmp_path) as server:             # or the ``http_server`` fixture (tests/remote_servers.py)
         url = server.url("model.safetensors")        # http://127.0.0.1:PORT/model.safetensors
@@ -10,6 +11,9 @@ client must survive. Needs nothing but the standard library (bench/remote.py imp
         server.ignore_range = True                   # 200 with the whole body, whatever the Range
         server.status["/model.safetensors"] = 403    # or 404
         server.delay["/model.safetensors"] = 5.0     # seconds before the status line: a client's read timeout
+        server.drip["/model.safetensors"] = 2        # the body sent at 2 bytes/s: a stall
+        server.redirects["/a"] = other.url("b")      # 302 to another server (FileServer(root, host="127.0.0.2"))
+        server.request_headers                       # [(path, {header (lower case): value})], each request's
         server.redirect_loop.add("/loop")            # 302 to itself, for ever
         server.flaky["/model.safetensors"] = 2       # each (path, Range) asked for: 503 twice, then answered
         server.change_after("model.safetensors", 1, new_bytes)  # replaced (new ETag, Last-Modified) after 1 request
@@ -103,9 +107,12 @@ class FileServer:
     """Serves ``root`` on 127.0.0.1 (a free port) from a thread; a context manager, or :meth:`start` /
     :meth:`stop`. The switches are plain attributes, read at each request."""
 
-    def __init__(self, root: str | os.PathLike[str], tls: tuple[Path, Path] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str], tls: tuple[Path, Path] | None = None, host: str = "127.0.0.1") -> None:
         self.root = Path(root)
         self.tls = tls  # (certificate, key) files: serve https (:func:`self_signed_cert` makes a pair)
+        self.host = host  # 127.0.0.2 is another loopback host on Linux (a redirect to another origin)
+        self.request_headers: list[tuple[str, dict[str, str]]] = []
+        self.drip: dict[str, int] = {}  # path → bytes/s: its body sent that slowly (a server that stalls a client)
         self.counts = Counts()
         self.ignore_range = False
         self.status: dict[str, int] = {}
@@ -122,7 +129,7 @@ class FileServer:
     # -- life -------------------------------------------------------------------------------------
     def start(self) -> FileServer:
         handler = type("Handler", (FileHandler,), {"server_state": self})
-        self._httpd = _Server(("127.0.0.1", 0), handler)
+        self._httpd = _Server((self.host, 0), handler)
         if self.tls is not None:
             self._httpd.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             self._httpd.tls.load_cert_chain(*self.tls)
@@ -215,7 +222,7 @@ class _Server(ThreadingHTTPServer):
 
 
 def self_signed_cert(folder: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and localhost, its own CA (so it is also the CA bundle a client trusts:
+    """A certificate for 127.0.0.1, 127.0.0.2 and localhost, its own CA (so it is also the CA bundle a client trusts:
     SSL_CERT_FILE, REQUESTS_CA_BUNDLE), and its key, written to ``folder``; needs ``cryptography``."""
     import datetime
 
@@ -232,6 +239,7 @@ def self_signed_cert(folder: Path) -> tuple[Path, Path]:
             .not_valid_after(now + datetime.timedelta(days=2))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.2")),
                                                         x509.DNSName("localhost")]), critical=False)
             .sign(key, hashes.SHA256()))
     cert_file, key_file = folder / "server.crt", folder / "server.key"
@@ -242,8 +250,8 @@ def self_signed_cert(folder: Path) -> tuple[Path, Path]:
 
 
 class FileHandler(BaseHTTPRequestHandler):
-    """One request: the switches in order (delay, flaky 503, redirect loop, redirect, forced status), the subclass's
-    routes, then the file (HEAD, or GET with or without Range)."""
+    """One request: its headers recorded, the switches in order (delay, flaky 503, redirect loop, redirect, forced
+    status), the subclass's routes, then the file (HEAD, or GET with or without Range; dripped if asked)."""
 
     server_state: FileServer
     protocol_version = "HTTP/1.1"  # keep-alive, as the clients expect; every response has a Content-Length
@@ -280,6 +288,8 @@ class FileHandler(BaseHTTPRequestHandler):
         state = self.server_state
         path = self.url_path
         served = state.counts._request(path, self.headers.get("Range"))
+        with state._lock:
+            state.request_headers.append((path, {key.lower(): value for key, value in self.headers.items()}))
         if (wait := state.delay.get(path)) is not None:
             time.sleep(wait)
         if state.flaky_fails(path, self.headers.get("Range")):
@@ -346,14 +356,18 @@ class FileHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if method == "HEAD":
             return None
+        rate = state.drip.get(path)
+        step = CHUNK if rate is None else max(1, rate // 10)  # (a drip: a tenth of a second's bytes at a time)
         with open(file, "rb") as f:
             f.seek(first)
             left = last - first + 1
             while left > 0:
-                chunk = f.read(min(CHUNK, left))
+                chunk = f.read(min(step, left))
                 if not chunk:
                     break
                 state.counts._sent(path, len(chunk))  # (counted first: see above)
                 self.wfile.write(chunk)
                 left -= len(chunk)
+                if rate is not None:
+                    time.sleep(len(chunk) / rate)
         return None

@@ -11,7 +11,8 @@ hf_file_system.py):
 - ``HEAD``/``GET /{repo}/resolve/{rev}/{file}``, with Range (``get_hf_file_metadata``, ``hf_hub_download``,
   ``get_safetensors_metadata``'s ``bytes=0-100000``, ``HfFileSystemFile._fetch_range``): the file with
   ``X-Repo-Commit``, ``ETag``, ``X-Linked-Etag`` and ``X-Linked-Size``. ``redirect_to_cdn = True`` answers
-  it with a 302 to ``/cdn/{sha}/{file}`` instead, as the Hub does for LFS files.
+  it with a 302 to ``/cdn/{sha}/{file}`` instead, as the Hub does for LFS files (on this server, or on
+  ``cdn_url``'s: another HubServer of the same root, on 127.0.0.2 say, as the Hub's CDN is another host).
 
 huggingface_hub also asks once per process for ``/api/agent-harnesses`` (a registry it does without): a 404
 here, as every other path. Errors carry the Hub's ``X-Error-Code`` (RepoNotFound, RevisionNotFound, EntryNotFound), which
@@ -55,10 +56,11 @@ class HubServer(FileServer):
     """Serves ``root`` as the repo ``repo`` at revision ``main`` (commit :data:`COMMIT`): a model repo, or with
     ``repo_type`` ``"dataset"``/``"space"`` one of those (its paths then under ``/datasets/``, ``/api/datasets/`` …)."""
 
-    def __init__(self, root: str | Path, repo: str = REPO, repo_type: str = "model") -> None:
-        super().__init__(root)
+    def __init__(self, root: str | Path, repo: str = REPO, repo_type: str = "model", host: str = "127.0.0.1") -> None:
+        super().__init__(root, host=host)
         self.repo, self.repo_type = repo, repo_type
         self.redirect_to_cdn = False
+        self.cdn_url: str | None = None  # the CDN's base URL (default: this server's)
 
     def resolve_path(self, name: str, revision: str = "main") -> str:
         """The URL path of a file's resolve endpoint (the key of its counts)."""
@@ -155,7 +157,8 @@ class HubServer(FileServer):
         etag = etag_of(file)
         hub = {"X-Repo-Commit": COMMIT, "X-Linked-Etag": etag, "X-Linked-Size": str(file.stat().st_size)}
         if redirect:
-            handler.send_simple(HTTPStatus.FOUND, b"", {**hub, "ETag": etag, "Location": f"{self.base_url}/cdn/{COMMIT}/{name}"})
+            cdn = self.cdn_url or self.base_url
+            handler.send_simple(HTTPStatus.FOUND, b"", {**hub, "ETag": etag, "Location": f"{cdn}/cdn/{COMMIT}/{name}"})
         else:
             handler.send_file(method, path, file, hub)
         return True

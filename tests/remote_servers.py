@@ -7,10 +7,10 @@ F811 flags each test's argument of the same name as a redefinition of an unused 
     SERVERS = (http_server, https_server, hub_server, s3_server)
 
 - ``http_server``: :class:`file_server.FileServer` on the test's own directory (``http_server.root``): Range,
-  ETag/Last-Modified, HEAD, byte and request counts, and the switches (ignore Range, 404/403, delay, 503 N times
-  per Range, redirect loop, a file that changes after N requests).
+  ETag/Last-Modified, HEAD, byte and request counts, each request's headers, and the switches (ignore Range,
+  404/403, delay, drip, 503 N times per Range, redirect loop, redirect, a file that changes after N requests).
 - ``https_server``: the same over TLS, with a self-signed certificate the clients trust through the
-  environment (SSL_CERT_FILE, REQUESTS_CA_BUNDLE).
+  environment (SSL_CERT_FILE, REQUESTS_CA_BUNDLE), valid for 127.0.0.1, 127.0.0.2 and localhost.
 - ``hub_server``: :class:`hub_server.HubServer` (the Hub endpoints huggingface_hub uses) on its own
   directory as repo ``org/name``; ``HF_ENDPOINT`` and huggingface_hub's import-time copies of it point there,
   its cache is under the test's tmp_path.
@@ -103,8 +103,9 @@ class S3Server:
     """moto's S3 server on 127.0.0.1 (a free port), its WSGI app wrapped to count the body bytes each
     request's path was sent (``counts``, keyed ``/bucket/key``; :class:`file_server.Counts`), with switches by path:
     ``status`` (403 → S3's AccessDenied, any other code → its own XML error), ``head_status`` (the same for HEAD
-    requests only: a write-only policy, without s3:ListBucket, gets a 403 for a HEAD of a missing key) and ``delay``
-    (seconds before answering: a client's read timeout). A changed object: upload it again (new ETag)."""
+    requests only: a write-only policy, without s3:ListBucket, gets a 403 for a HEAD of a missing key), ``delay``
+    (seconds before answering: a client's read timeout) and ``drip`` (bytes/s: a GET's body sent that slowly, a
+    stall). A changed object: upload it again (new ETag)."""
 
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
@@ -112,6 +113,7 @@ class S3Server:
         self.counts = Counts()
         self.status: dict[str, int] = {}
         self.delay: dict[str, float] = {}
+        self.drip: dict[str, int] = {}
         self.head_status: dict[str, int] = {}
         counts = self.counts
         server = self
@@ -145,6 +147,7 @@ class S3Server:
         self.counts.reset()
         self.status.clear()
         self.delay.clear()
+        self.drip.clear()
         self.head_status.clear()
 
     def client(self) -> Any:
@@ -179,7 +182,7 @@ _S3_ERRORS = {403: "AccessDenied", 404: "NoSuchKey", 500: "InternalError", 503: 
 
 def _count_bytes(app: Any, counts: Counts, server: S3Server) -> Any:
     """A WSGI middleware: every request counted, and every body byte the app returns for it, by path; the
-    server's ``delay`` and ``status`` switches applied first."""
+    server's ``delay`` and ``status`` switches applied first, its ``drip`` to the body."""
 
     def counted(environ: dict[str, Any], start_response: Any) -> Iterator[bytes]:
         path = environ.get("PATH_INFO", "")
@@ -198,12 +201,23 @@ def _count_bytes(app: Any, counts: Counts, server: S3Server) -> Any:
             chunks: Iterable[bytes] = [body]
         else:
             chunks = app(environ, start_response)
-        for chunk in chunks:
+        rate = server.drip.get(path) if environ.get("REQUEST_METHOD") == "GET" else None
+        for chunk in chunks if rate is None else _dripped(chunks, rate):
             if environ.get("REQUEST_METHOD") != "HEAD":
                 counts._sent(path, len(chunk))
             yield chunk
 
     return counted
+
+
+def _dripped(chunks: Iterable[bytes], rate: int) -> Iterator[bytes]:
+    """``chunks`` again, a tenth of a second's bytes at ``rate`` bytes/s at a time (werkzeug writes each at once)."""
+    step = max(1, rate // 10)
+    for chunk in chunks:
+        for i in range(0, len(chunk), step):
+            piece = chunk[i:i + step]
+            yield piece
+            time.sleep(len(piece) / rate)
 
 
 _S3: list[S3Server] = []  # one moto server for the session (it takes a second to start), reset per test

@@ -76,6 +76,7 @@ SWITCHES: dict[str, Callable[[FileServer, str], None]] = {  # mode → how the h
     "norange": lambda server, file: setattr(server, "ignore_range", True),
     "changing": _changing,
     "slow": lambda server, file: server.delay.__setitem__(f"/{file}", 1.0),
+    "drip": lambda server, file: server.drip.__setitem__(f"/{file}", 20),  # (2 bytes each 0.1 s: no read waits 0.3 s)
 }
 
 
@@ -86,6 +87,7 @@ ERRORS = [  # (mode, file, error, message); the mode is a switch of SWITCHES, se
     ("norange", "model.pth", errors.RemoteError, "ignores Range requests"),
     ("changing", "model.pth", errors.RemoteError, "changed while it was being read"),
     ("slow", "model.pth", errors.RemoteError, "tries\\)"),
+    ("drip", "model.pth", errors.RemoteError, "stalled: .* CKPTFIX_REMOTE_MIN_RATE"),
 ]
 
 
@@ -93,6 +95,7 @@ def failing(server: FileServer, monkeypatch: pytest.MonkeyPatch, mode: str, file
     """The checkpoints written, the client's timeout (0.3 s) and retries (1) set, ``mode``'s switch turned on
     for ``file``: its URL."""
     monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "0.3")
+    monkeypatch.setenv("CKPTFIX_REMOTE_STALL_WINDOW", "1")
     monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "1")
     if not (server.root / "model.pth").exists():
         write_checkpoints(server.root)

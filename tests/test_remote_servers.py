@@ -119,6 +119,30 @@ def test_http_flaky_fails_each_range_n_times(http_server: FileServer, fails: int
     assert requests.get(http_server.url("absent.pth"), timeout=10).status_code == 404  # other paths unaffected
 
 
+@pytest.mark.parametrize("via", ["requests", "boto3"])
+def test_drip_sends_a_body_that_slowly(http_server: FileServer, s3_server: S3Server, via: str) -> None:
+    """``drip[path] = N``: the body comes at about N bytes/s, in pieces (a client sees it move, slowly); a server on
+    127.0.0.2 (another host to a client) records each request's headers."""
+    import time
+
+    import requests
+
+    data = bytes(range(256)) * 8  # 2 KiB at 4 KiB/s: about half a second
+    (http_server.root / "b.bin").write_bytes(data)
+    start = time.monotonic()
+    if via == "requests":
+        with FileServer(http_server.root, host="127.0.0.2") as other:
+            other.drip["/b.bin"] = 4096
+            r = requests.get(other.url("b.bin"), headers={"Range": "bytes=0-2047", "X-Probe": "1"}, timeout=10)
+            assert r.status_code == 206 and r.content == data and other.base_url.startswith("http://127.0.0.2:")
+            assert [(p, h["x-probe"], h["range"]) for p, h in other.request_headers] == [("/b.bin", "1", "bytes=0-2047")]
+    else:
+        s3_server.upload(http_server.root / "b.bin")
+        s3_server.drip[f"/{s3_server.bucket}/b.bin"] = 4096
+        assert s3_server.client().get_object(Bucket=s3_server.bucket, Key="b.bin")["Body"].read() == data
+    assert 0.4 < time.monotonic() - start < 5
+
+
 def test_http_redirect_loop(http_server: FileServer) -> None:
     import requests
 

@@ -2,22 +2,27 @@
 
 Every fetch is a Range request checked three ways: the server honoured the Range (a 200 with the whole body is
 refused before its body is read), the bytes are the ones asked for, and the file's validator (ETag or
-Last-Modified) is the first fetch's. A web server lists nothing: a URL whose last segment has no extension is a
-directory, its files asked for by name. Nothing is written over HTTP (it has no standard upload).
+Last-Modified) is the first fetch's. The body is read under a :class:`~.common.Pace` (a stall or a deadline ends
+it). Redirects are followed as huggingface_hub's and requests' clients follow them: credentials (``Authorization``,
+``Cookie``, ``Proxy-Authorization``: the Hub's token) go only where the request itself went (the same scheme, host
+and port), and an https URL is never followed to http. A web server lists nothing: a URL whose last segment has no
+extension is a directory, its files asked for by name. Nothing is written over HTTP (it has no standard upload).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 import urllib.error
 import urllib.request
 from typing import Any
+from urllib.parse import urlsplit
 
 from ...errors import DestinationError, MissingFileError, RemoteError
 from ..positional import BLOCK, ByteSource
 from .backend import Backend
-from .common import Transient, changed, timeout, with_retries
+from .common import Pace, Transient, changed, read_body, timeout, with_retries
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -55,16 +60,25 @@ class HttpSource(ByteSource):
     def _request(self, offset: int, n: int) -> bytes:
         headers = {**self.headers, "Range": f"bytes={offset}-{offset + n - 1}", "Accept-Encoding": "identity"}
         req = urllib.request.Request(self.url, headers=headers)
+        pace = Pace(self.name)
+        wait = min(timeout(), pace.deadline) if pace.deadline > 0 else timeout()
         try:
-            with urllib.request.urlopen(req, timeout=timeout()) as r:
-                return self._answer(r, offset, n)
+            with _opener().open(req, timeout=wait) as r:
+                return self._answer(r, offset, n, pace)
         except urllib.error.HTTPError as e:
             raise self._status_error(e.code, e.reason) from None
+        except _Downgrade as e:
+            raise RemoteError(f"{self.name}: the server redirects {e.args[0]} to {e.args[1]}: refused (an https "
+                              "URL is not followed to plain http, where anyone on the way reads and changes it)") from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, (socket.timeout, TimeoutError, ConnectionError)):
+                if pace.overdue():  # (a wait cut short by the deadline is the deadline's error)
+                    raise pace.late() from None
                 raise Transient(f"{type(e.reason).__name__}: {e.reason}") from None
             raise RemoteError(f"{self.name}: can't connect ({e.reason})") from None
         except (TimeoutError, ConnectionError) as e:
+            if pace.overdue():
+                raise pace.late() from None
             raise Transient(f"timed out or reset ({type(e).__name__}: {e})") from None
 
     def _status_error(self, code: int, reason: Any) -> Exception:
@@ -87,7 +101,7 @@ class HttpSource(ByteSource):
             return Transient(f"the server failed (HTTP {code} {reason})")
         return RemoteError(f"{self.name}: the server answered HTTP {code} {reason}")
 
-    def _answer(self, r: Any, offset: int, n: int) -> bytes:
+    def _answer(self, r: Any, offset: int, n: int, pace: Pace) -> bytes:
         validator = _validator(r.headers)
         if r.status == 200:  # the whole body: refuse before reading it
             length = r.headers.get("Content-Length")
@@ -109,13 +123,63 @@ class HttpSource(ByteSource):
         elif validator != self.validator or total is not None and total != self.size:
             raise changed(self.name, self.validator, validator if validator != self.validator else f"size {total}")
         want = min(n, self.size - offset)
+        pace.body()
         try:
-            data = r.read(want)
+            data = read_body(r.read1, want, pace)
         except (TimeoutError, ConnectionError) as e:
+            if pace.overdue():
+                raise pace.late() from None
             raise Transient(f"timed out or reset while reading ({e})") from None
         if len(data) != want:
             raise Transient(f"the connection ended after {len(data)} of {want} bytes")
         return data
+
+
+class _Downgrade(Exception):
+    """A redirect from https to http: (from, to), each without its query or credentials."""
+
+
+#: the request headers that carry credentials, dropped when a redirect leaves the request's origin
+CREDENTIALS = ("authorization", "cookie", "proxy-authorization")
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """``url``'s scheme, host and port (a default port spelled out): where a credential may go."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
+
+
+def _shown(url: str) -> str:
+    """``url`` without credentials, query or fragment (a CDN's signed query string is a credential too)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
+
+
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects, which copy every request header to the next URL, made safe for a token: a redirect that
+    leaves the request's scheme, host and port loses its credentials, and https → http is refused."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is None:
+            return None
+        before, after = _origin(req.full_url), _origin(new.full_url)
+        if before[0] == "https" and after[0] != "https":
+            fp.close()
+            raise _Downgrade(_shown(req.full_url), _shown(new.full_url))
+        if before != after:
+            for key in [k for k in new.headers if k.lower() in CREDENTIALS]:
+                del new.headers[key]
+        return new
+
+
+@functools.cache
+def _opener() -> urllib.request.OpenerDirector:
+    """urllib's default opener with :class:`_Redirects` (built once, as ``urlopen``'s own is)."""
+    return urllib.request.build_opener(_Redirects())
 
 
 def _validator(headers: Any) -> tuple[str, str] | None:

@@ -2,8 +2,10 @@
 when an hf:// URL is first used: ``HF_ENDPOINT``, ``HF_TOKEN``).
 
 A file already in the local HF cache is read from there; else over HTTP (:class:`~.http.HttpSource`), pinned to
-the commit the first answer names, so a push mid-read changes nothing. Folders are listed with the Hub's tree API;
-the repository itself is a directory. Nothing is written to the Hub (``huggingface-cli upload`` does that).
+the commit the first answer names, so a push mid-read changes nothing (the Hub's token goes only where the Hub
+itself is: a redirect to its CDN drops it, :mod:`.http`). Folders are listed with the Hub's tree API; the repository
+itself is a directory. A URL with ``.``, ``..`` or empty segments is refused before anything is asked. Nothing is
+written to the Hub (``huggingface-cli upload`` does that).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, NamedTuple
 from ...errors import DestinationError, MissingFileError, RemoteError
 from ..positional import ByteSource, LocalSource
 from .backend import Backend
-from .common import import_client, timeout
+from .common import import_client, plain_segments, timeout
 from .http import HttpSource
 
 
@@ -54,6 +56,7 @@ _HUB_PREFIXES = {"datasets": "dataset", "spaces": "space"}
 
 def split_hub(location: str) -> HubPath:
     """``hf://org/repo[@revision]/path`` (or ``hf://datasets/…``, ``hf://spaces/…``) → its :class:`HubPath`."""
+    plain_segments(location, location[len("hf://"):].strip("/"), "Hub path")
     parts = location[len("hf://"):].strip("/").split("/")
     repo_type = _HUB_PREFIXES.get(parts[0], "model")
     if repo_type != "model":
@@ -92,9 +95,10 @@ def hub_source(location: str) -> ByteSource:
         raise MissingFileError(f"{location}: no such repository or revision ({type(e).__name__}); for a private "
                                "repository set HF_TOKEN", location) from None
     except hub.errors.HfHubHTTPError as e:
-        raise RemoteError(f"{location}: the Hub answered {e}") from None
+        raise hub_error(location, e) from None
     except OSError as e:
-        raise RemoteError(f"{location}: can't reach the Hub ({e}); check HF_ENDPOINT and the network") from None
+        raise RemoteError(f"{location}: can't reach the Hub ({' '.join(str(e).split())}); check HF_ENDPOINT and the "
+                          "network") from None
     pinned = hub.hf_hub_url(repo_id, filename, repo_type=repo_type, revision=meta.commit_hash or revision,
                             endpoint=endpoint)
     return HttpSource(pinned, hub.utils.build_hf_headers(), name=location)
@@ -116,8 +120,20 @@ def hub_list(location: str) -> tuple[list[str], int]:
         except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
             raise MissingFileError(f"{location}: no such repository or revision ({type(e).__name__})", location) from None
         except hub.errors.HfHubHTTPError as e:
-            raise RemoteError(f"{location}: the Hub answered {e}") from None
+            raise hub_error(location, e) from None
     return names, fetched[0]
+
+
+def hub_error(location: str, error: Any) -> RemoteError:
+    """huggingface_hub's HTTP error as one line: the status and what the Hub said, without httpx's "For more
+    information check: …" or the lines huggingface_hub adds."""
+    response = getattr(error, "response", None)
+    code = getattr(response, "status_code", None)
+    status = f"HTTP {code} {getattr(response, 'reason_phrase', '')}".strip() if code else type(error).__name__
+    said = " ".join(str(getattr(error, "server_message", None) or "").split())
+    said = f" ({said[:200]}{'…' if len(said) > 200 else ''})" if said else ""
+    hint = "; for a private or gated repository set HF_TOKEN" if code in (401, 403) else ""
+    return RemoteError(f"{location}: the Hub answered {status}{said}{hint}")
 
 
 @contextlib.contextmanager

@@ -2,7 +2,10 @@
 prefix, and written with S3's multipart upload.
 
 The client is configured the standard AWS way (``AWS_ENDPOINT_URL``, profiles, …). Every ranged GET is sent with
-``If-Match`` the ETag of the first answer, so an object replaced mid-read is refused, not mixed.
+``If-Match`` the ETag of the first answer, so an object replaced mid-read is refused, not mixed; its body is read
+in socket-sized pieces under a :class:`~.common.Pace` (a stall or a deadline ends it). botocore signs each request
+itself, for the host it sends that request to: no credential of ckptfix's rides along a redirect. A key with a
+``.`` or ``..`` segment is refused before anything is asked.
 
 Writing: the writers seek (a zip's headers, a safetensors header), so the output is first written to a local temp
 file (:func:`ckptfix.core.upload.output_path`), then uploaded with S3's multipart API: parts of
@@ -28,7 +31,7 @@ from ...errors import DestinationError, MissingFileError, RemoteError, pass_flag
 from .. import interrupts
 from ..positional import ByteSource
 from .backend import Backend
-from .common import changed, import_client, retries, timeout
+from .common import Pace, Transient, changed, import_client, plain_segments, read_body, retries, timeout, with_retries
 
 
 class S3Backend(Backend):
@@ -54,7 +57,9 @@ class S3Backend(Backend):
 
 
 def split_s3(location: str) -> tuple[str, str]:
+    """``s3://BUCKET/KEY`` → (bucket, key); a key with ``.`` or ``..`` segments is refused."""
     bucket, _, key = location[len("s3://"):].partition("/")
+    plain_segments(location, key, "S3 key", empty=True)
     return bucket, key
 
 
@@ -128,16 +133,37 @@ class S3Source(ByteSource):
         self.validator = self.etag or None
 
     def _fetch(self, offset: int, n: int) -> bytes:
+        return with_retries(self.name, lambda: self._get_range(offset, n))
+
+    def _get_range(self, offset: int, n: int) -> bytes:
+        from urllib3.exceptions import HTTPError as Urllib3Error  # (botocore's transport)
+
         client = s3_client()
         extra = {"IfMatch": self.etag} if self.etag else {}
+        pace = Pace(self.name)
         r = s3_call(self.name, lambda: client.get_object(Bucket=self.bucket, Key=self.key,
                                                          Range=f"bytes={offset}-{offset + n - 1}", **extra))
         if self.etag and r.get("ETag", self.etag) != self.etag:
             raise changed(self.name, self.etag, r.get("ETag"))
-        data = r["Body"].read()
-        if len(data) != min(n, self.size - offset):
+        want = min(n, self.size - offset)
+        pace.body()
+        try:
+            data = read_body(_read1(r["Body"]), want, pace)
+        except BaseException as e:
+            r["Body"].close()  # (a connection read halfway is not reused)
+            if isinstance(e, (Urllib3Error, TimeoutError, ConnectionError)):
+                raise Transient(f"timed out or reset while reading ({type(e).__name__}: {e})") from None
+            raise
+        if len(data) != want:
             raise RemoteError(f"{self.name}: S3 sent {len(data)} bytes for bytes={offset}-{offset + n - 1}: refused")
-        return bytes(data)
+        return data
+
+
+def _read1(body: Any) -> Any:
+    """``read(n)`` on a GetObject body that returns what one socket read brings (urllib3's ``read1``, under
+    botocore's StreamingBody), so a drip reaches the pace; small reads where urllib3 has none (before 2.0)."""
+    read1 = getattr(getattr(body, "_raw_stream", None), "read1", None)
+    return read1 if read1 is not None else (lambda n: body.read(min(n, 1024)))
 
 
 def s3_list(location: str) -> tuple[list[str], int]:

@@ -24,9 +24,9 @@ import ckptfix
 from ckptfix import errors
 from ckptfix.cli import cli
 from ckptfix.core.remote.http import HttpSource
-from file_server import FileServer
-from hub_server import COMMIT, HubServer
-from remote_servers import S3Server, http_server, https_server, hub_server, s3_server
+from tests.file_server import FileServer
+from tests.hub_server import COMMIT, HubServer
+from tests.remote_servers import S3Server, http_server, https_server, hub_server, s3_server
 
 SERVERS = (http_server, https_server, hub_server, s3_server)  # the fixtures, registered by being in this namespace
 

@@ -113,6 +113,9 @@ class Checkpoint:
     raw: Any = field(default=None, repr=False)  # the whole unpickled object, for keep_extra
     refs: dict = field(default_factory=dict, repr=False)  # storage id -> StorageRef (structure reads)
     bytes_fetched: int | None = None  # a remote checkpoint: the bytes describing it fetched (None: a local one)
+    #: what the ``_metadata`` rule dropped (:mod:`ckptfix.statedict.metadata`), a line each, also in ``notes``;
+    #: ``verify``'s findings
+    metadata_dropped: list[str] = field(default_factory=list)
 
     @functools.cached_property
     def stats(self) -> TensorStats:

@@ -83,6 +83,7 @@ def _merge(index_path: str, read_part: Reader) -> RawRead:
     alias_shard: dict[str, str] = {}  # an alias the index doesn't list -> the shard that restores it
     raw = RawRead(obj=None, format=str(sharded_as.pop()))
     module_metadata: OrderedDict = OrderedDict()
+    unusable: Any = None  # a shard's _metadata that is not a dict
     refs_complete = True
     for shard, keys in by_shard.items():
         part = read_part(paths[shard], kinds[shard])
@@ -99,14 +100,18 @@ def _merge(index_path: str, read_part: Reader) -> RawRead:
                 aliases_after.setdefault(previous, []).append(key)
             previous = key
         merged.update(sd)
-        module_metadata.update(getattr(sd, "_metadata", None) or {})
+        meta = getattr(sd, "_metadata", None)
+        if isinstance(meta, dict):
+            module_metadata.update(meta)
+        elif meta is not None:
+            unusable = unusable if unusable is not None else meta  # (refused as the state dict's: statedict.metadata)
         raw.tags.update(part.tags)
         raw.notes.extend(part.notes)
         refs_complete = refs_complete and bool(part.refs or not sd)
         raw.refs.update(part.refs)
     raw.obj = _in_order(weight_map, merged, aliases_after)
-    if module_metadata:
-        raw.obj._metadata = module_metadata
+    if module_metadata or unusable is not None:
+        raw.obj._metadata = unusable if unusable is not None else module_metadata
     if not refs_complete:
         raw.refs = {}
     raw.notes.insert(0, f"{len(by_shard)} shard(s) listed by {os.path.basename(index_path)}")

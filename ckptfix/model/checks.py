@@ -17,11 +17,11 @@ from .. import text
 from ..core.devices import storage_id
 from ..core.progress import Progress
 from ..errors import GoldenError, LoadError
-from ..ops import api
+from ..ops import api, reading
 from ..parse.format_registry import get as format_of
 from ..reports import Checkpoint
 from ..safety import integrity
-from ..statedict import repair
+from ..statedict import metadata, repair
 from . import fixes, serving
 from . import forward as fwd
 from . import golden as gold
@@ -69,8 +69,8 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> Gate:
     path = os.fspath(path)
     with_values = options.forward and str(options.map_location).strip().lower() != "meta"  # meta holds no values to run
     source = models.ModelSource(model, options.model_args, options.dtype)
-    ckpt = api.read(path, map_location=options.map_location if with_values else "meta", trust=options.trust,
-                    select=options.select)
+    ckpt = reading.read_checkpoint(path, options.map_location if with_values else "meta", options.trust, options.select,
+                                   refuse=True, judged=True)
     structure, is_fresh = source.structure(meta=not with_values)
     target = repair.describe_target(structure, float_dtype=source.dtype)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
@@ -85,9 +85,16 @@ def first_report(gate: Gate) -> VerifyReport:
         unexpected=fit.unexpected, shape_mismatch=fit.shape_mismatch, dtype_mismatch=fit.dtype_mismatch,
         nonfinite=None, forward=None, sha256=None, exact=gate.options.exact, format=ckpt.format,
         state_dict_key=ckpt.state_dict_key, matched=gate.chosen.matched, total=gate.chosen.total,
-        non_tensor=fit.non_tensor, tolerated=fit.tolerated, notes=list(ckpt.notes), model_dtype=gate.source.dtype_name,
+        non_tensor=fit.non_tensor, tolerated=fit.tolerated,
+        notes=_notes(ckpt), model_dtype=gate.source.dtype_name,
         devices=dict(ckpt.devices), serving_device=gate.options.serving_device,
     )
+
+
+def _notes(ckpt: Checkpoint) -> list[str]:
+    """The read's notes, less what :func:`module_metadata` reports as failures."""
+    dropped = {metadata.note(line) for line in ckpt.metadata_dropped}
+    return [n for n in ckpt.notes if n not in dropped]
 
 
 def sha256(gate: Gate, report: VerifyReport) -> Findings:
@@ -181,6 +188,13 @@ def key_fit(gate: Gate, report: VerifyReport) -> Findings:
         counts = sorted({f"{r['checkpoint']} -> {r['model']}" for r in fit.dtype_mismatch})
         found.warnings.append(f"{len(fit.dtype_mismatch)} tensors are cast on load ({', '.join(counts)})")
     return found
+
+
+def module_metadata(gate: Gate, report: VerifyReport) -> Findings:
+    """What the state dict's ``_metadata`` holds that torch's loaders can't take (a placeholder, a version that is not
+    a number, a module entry that is not a dict …): a failure per module key, with why
+    (:mod:`ckptfix.statedict.metadata`). ckptfix's load, load_into and convert drop it; the file as saved keeps it."""
+    return Findings(failures=[f"state dict {line}" for line in gate.ckpt.metadata_dropped])
 
 
 def as_saved(gate: Gate, report: VerifyReport) -> Findings:
@@ -324,4 +338,5 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
 
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
-CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, as_saved, devices, zip_crcs, forward_outputs)
+CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs,
+          forward_outputs)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 from .convert import steps as conversion
 from .load_into import loading
 from .load_into.loading import LoadOptions
 from .. import formats
-from ..statedict import transforms
+from ..statedict import metadata, transforms
 from ..core import locations, torch_free
 from ..core.limits import collector_paused
 from ..errors import NeedsLocalCopy
@@ -99,11 +100,14 @@ def load(
     ``rename`` takes ``'REGEX=REPLACEMENT'`` rules (full match, in order); ``dtype`` casts
     floating-point tensors (fp32/fp16/bf16), never integer or bool buffers.
 
-    ``path`` may be a URL, read as :func:`read` reads one.
+    ``path`` may be a URL, read as :func:`read` reads one. Its ``_metadata`` comes back as torch's loaders take it
+    (:mod:`ckptfix.statedict.metadata`): whatever else it held is dropped with a UserWarning naming each part.
 
     >>> model.load_state_dict(ckptfix.load("ddp_compiled.pth"))   # doctest: +SKIP
     """
     ckpt = read(path, map_location=map_location, trust=trust, select=select, allow=allow)
+    if ckpt.metadata_dropped:
+        warnings.warn(f"{ckpt.path}: " + "; ".join(map(metadata.note, ckpt.metadata_dropped)), UserWarning, stacklevel=2)
     sd, _notes = conversion.normalise_keys(ckpt, to, strip_prefix, add_prefix, rename)
     if dtype is not None:
         sd, _report = transforms.cast_floating(sd, dtype, allow_overflow)

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from .. import formats
 from ..formats.base import RawRead
-from ..statedict import locate, placeholders, wrappers
+from ..statedict import locate, metadata, placeholders, wrappers
 from ..core import locations
 from ..core.devices import DevicePlan
 from ..core.limits import collector_paused
@@ -24,9 +24,10 @@ T = TypeVar("T")
 
 
 def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refuse: bool,
-                    fmt: str | None = None, allow: Iterable[str] = ()) -> Checkpoint:
+                    fmt: str | None = None, allow: Iterable[str] = (), *, judged: bool = False) -> Checkpoint:
     """``path`` read with ``map_location`` (``'meta'``: structure only); ``fmt`` when already sniffed;
-    ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`).
+    ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`);
+    ``judged`` (verify): a ``_metadata`` no model loads is dropped and recorded for the gate, not refused.
 
     A URL is read by the same format readers from the byte ranges they ask for, its values fetched once each
     (:mod:`ckptfix.ops.remote_read`); what only ``torch.load`` of the whole file reads raises NeedsLocalCopy."""
@@ -34,7 +35,7 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
         with collector_paused():  # (tens of thousands of small objects, none in a cycle)
             fmt = fmt or formats.sniff(path)
             plan = DevicePlan(map_location, source=path)
-            return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow)
+            return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow, judged=judged)
     if trust:  # (the trusted path is torch.load's, of the whole file)
         raise NeedsLocalCopy(path, "reading it with trust (--trust)",
                              "torch.load reads the whole file; without trust it is read in place")
@@ -43,7 +44,8 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
         if "read" not in get(fmt).from_url:
             raise NeedsLocalCopy(path, f"reading this {fmt} file", "torch reads the whole file")
         plan = DevicePlan(map_location, source=path)
-        ckpt = summarise(path, fmt, remote_read.read(path, fmt, plan, trust, select), select, refuse, allow)
+        ckpt = summarise(path, fmt, remote_read.read(path, fmt, plan, trust, select), select, refuse, allow,
+                         judged=judged)
         ckpt.bytes_fetched = s.bytes_fetched
     return ckpt
 
@@ -60,15 +62,18 @@ def structure_first(path: str, select: str, serves: Callable[[Checkpoint], T | N
 
 
 def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
-              allow: Iterable[str] = ()) -> Checkpoint:
-    """The Checkpoint for what a reader returned: the state dict found, wrappers detected, stats."""
+              allow: Iterable[str] = (), *, judged: bool = False) -> Checkpoint:
+    """The Checkpoint for what a reader returned: the state dict found (its ``_metadata`` as torch's loaders take
+    it: :mod:`ckptfix.statedict.metadata`), wrappers detected, stats."""
     raw.obj, config_notes = placeholders.take_configs(raw.obj)
     sel, inert_notes = placeholders.select(raw.obj, lambda obj: locate.find_state_dict(obj, select, source=path),
                                            allow, path)
     sd = sel.state_dict
+    dropped = metadata.apply(sd, path, refuse=refuse and not judged)
     keys = list(sd.keys())
     default_tag = get(fmt).default_device
-    notes = list(raw.notes) + config_notes + inert_notes + locate.check_deepspeed(raw.obj, select, path, refuse=refuse)
+    notes = list(raw.notes) + config_notes + inert_notes + [metadata.note(line) for line in dropped]
+    notes += locate.check_deepspeed(raw.obj, select, path, refuse=refuse)
     if sel.ema_keys:
         notes.append(f"EMA weights also present at {', '.join(sel.ema_keys)} (take them with select=KEY)")
     return Checkpoint(
@@ -84,4 +89,5 @@ def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
         notes=notes,
         raw=raw.obj,
         refs=raw.refs,
+        metadata_dropped=dropped,
     )

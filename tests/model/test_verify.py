@@ -17,7 +17,7 @@ import torchvision
 from torch import nn
 
 import ckptfix
-import ckptfix.ops.api
+import ckptfix.ops.reading
 from ckptfix.cli import cli
 from ckptfix.model.spec import build_model
 from ckptfix.safety import integrity
@@ -304,14 +304,14 @@ def test_the_models_own_prefix_is_added(fixtures_dir: Path, train: Any) -> None:
 
 def test_no_forward_reads_on_meta(monkeypatch, fixtures_dir: Path) -> None:
     seen = []
-    real_read = ckptfix.ops.api.read
+    real_read = ckptfix.ops.reading.read_checkpoint
 
-    def spy(path: Any, **kwargs: Any) -> Any:
-        ckpt = real_read(path, **kwargs)
-        seen.append((kwargs.get("map_location"), {t.device.type for t in ckpt.state_dict.values()}))
+    def spy(path: Any, map_location: Any, *args: Any, **kwargs: Any) -> Any:
+        ckpt = real_read(path, map_location, *args, **kwargs)
+        seen.append((map_location, {t.device.type for t in ckpt.state_dict.values()}))
         return ckpt
 
-    monkeypatch.setattr(ckptfix.ops.api, "read", spy)
+    monkeypatch.setattr(ckptfix.ops.reading, "read_checkpoint", spy)
     report = ckptfix.verify(fixtures_dir / "mlp_ddp.pth", MLP_SPEC, forward=False,
                             reference=fixtures_dir / "mlp_single.pth")
     assert seen == [("meta", {"meta"})]

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import adversarial
+from tests import adversarial
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError

@@ -70,6 +70,16 @@ def test_the_tree_keeps_its_shape() -> None:
     assert not twins, twins
 
 
+def test_no_function_runs_over_sixty_lines() -> None:
+    """A function says one thing: none in ckptfix/ is over 60 lines (its decorators and docstring included)."""
+    import ast
+
+    long = [f"{p.relative_to(PACKAGE)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for p in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60]
+    assert not long, long
+
+
 def test_architecture_names_what_exists() -> None:
     """ARCHITECTURE.md stays short and true: every module, folder and attribute it names in backticks exists."""
     import importlib

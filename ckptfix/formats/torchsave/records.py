@@ -85,7 +85,13 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
             kept[key] = typed
         return typed
 
-    policy = policy or guards.torch_policy(placeholders=True)
+    obj = _unpickle(path, data, policy or guards.torch_policy(placeholders=True), persistent_load)
+    return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)
+
+
+def _unpickle(path: str, data: bytes, policy: Any, persistent_load: Callable[[Any], Any]) -> Any:
+    """``data.pkl`` of ``path`` unpickled under ``policy``; whatever it refuses or breaks on is named by the full
+    static scan where that finds more, else one FormatError."""
     stream = io.BytesIO(data)
     unpickler = SafePickle(policy).Unpickler(stream, encoding="utf-8")
     unpickler.where = f"{path}: data.pkl"
@@ -104,7 +110,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
     except Exception as e:  # every failure of a hostile or broken pickle becomes a FormatError
         scanner.ensure_safe(path, TORCH_ZIP, placeholders=True)
         raise translate_load_error(path, TORCH_ZIP, e) from None
-    return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)
+    return obj
 
 
 def data_members(path: str) -> list[Recorded]:

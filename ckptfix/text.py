@@ -124,6 +124,7 @@ def verify_text(report: Any) -> str:
     mode = f"--exact: as {loader} + strict load_state_dict would load it" if report.exact else "repairs allowed"
     mode += f"; model in {report.model_dtype}" if report.model_dtype else ""
     mode += f"; serving device {report.serving_device}" if report.serving_device else ""
+    mode += "; structure only: values not checked" if report.nonfinite is None else ""
     tolerated = f", {len(report.tolerated)} tolerated" if report.tolerated else ""
     lines = [f"{'VERIFIED' if report.ok else 'FAILED'}: {report.checkpoint} against {report.model} ({mode})",
              f"  keys: {report.fix or 'as saved'}: {report.matched}/{report.total} keys match{tolerated}"]

@@ -359,6 +359,9 @@ RECIPES: dict[str, Entry] = {
         {"run.pth": "mypkg dims=[64,128]", **MYPKG_FILES}, env_path=True),
     "ckptfix verify run.pth --model path/to/net.py:build --no-forward": Entry(
         {"run.pth": "fixture:mlp_ddp.pth", "path": "dir", "path/to": "dir", "path/to/net.py": "net.py"}),
+    "ckptfix verify run.pth --model path/to/net.py:build --structure-only": Entry(
+        {"run.pth": "fixture:mlp_ddp.pth", "path": "dir", "path/to": "dir", "path/to/net.py": "net.py"},
+        check=_output_has("structure only: values not checked")),
     "ckptfix verify model.safetensors --model timm:create_model --arg model_name=resnet18 --input-shape 1,3,224,224 "
     "--reference run.pth": Entry({"model.safetensors": "resnet18 1000", "run.pth": "resnet18 1000 ddp"},
                                  check=_output_has("max abs diff 0")),

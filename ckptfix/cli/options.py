@@ -163,16 +163,13 @@ def verify_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def verify_kwargs(values: dict[str, Any]) -> dict[str, Any]:
     """``ckptfix.verify``'s keywords from the command's parameters: the options that go together checked first
-    (a usage error, exit 2), then each value parsed as its flag's ``kind`` says, and the keywords the command
-    always passes (``progress``)."""
+    (a usage error, exit 2), then each value parsed as its flag's ``kind`` says."""
     declared = list(verify_declared.flagged())
     kwargs = _keywords(declared, values)
     rule = verify_declared.broken_rule(kwargs)
     if rule is not None:
         raise click.UsageError(rule.usage)
-    fixed = {f.name: f.metadata["command_line"] for f in fields(verify_declared.VerifyOptions)
-             if f.metadata.get("command_line") is not None}
-    return {**_parsed(declared, kwargs), **fixed}
+    return _parsed(declared, kwargs)
 
 
 def tolerance_options(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,10 +1,13 @@
-"""A progress line on stderr for long copies, and the run's resource figures for reports."""
+"""A progress line on stderr for long copies, a line per phase where stderr is not a terminal, and the run's
+resource figures for reports."""
 
 from __future__ import annotations
 
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import TextIO
 
@@ -75,6 +78,25 @@ class Progress:
             f"{self.tensors}/{self.total_tensors} tensors  {human_size(rate, 'GiB')}/s   "
         )
         self.stream.flush()
+
+
+class Phases:
+    """One line per phase of a long verb, written as the phase ends — ``ckptfix verify: read (1.2 s)`` — where the
+    stream (stderr) is not a terminal: a CI log sees the gate advance (a terminal draws :class:`Progress` instead).
+    A phase that raises writes nothing: the error line follows."""
+
+    def __init__(self, verb: str, enabled: bool, stream: TextIO | None = None):
+        self.verb = verb
+        self.stream = stream or sys.stderr
+        self.enabled = enabled and not self.stream.isatty()
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.enabled:
+            self.stream.write(f"ckptfix {self.verb}: {name} ({time.perf_counter() - start:.1f} s)\n")
+            self.stream.flush()
 
 
 def peak_rss_bytes() -> int:

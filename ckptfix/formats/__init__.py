@@ -33,12 +33,12 @@ from ..parse import format_registry as registry
 from ..parse.checkpoint_dirs import deepspeed_beside
 from ..parse.format_registry import (DCP, DEEPSPEED, SAFETENSORS, SHARDED, SHARDED_PTH, SHARDED_SAFETENSORS,
                                      TORCH_LEGACY, TORCH_ZIP, TORCHSCRIPT)
-from ..parse.sniff import sniff
+from ..parse.sniff import resolve, sniff
 from .base import Family, RawRead, WritePlan
 
 __all__ = ["DCP", "DEEPSPEED", "SAFETENSORS", "SHARDED", "SHARDED_PTH", "SHARDED_SAFETENSORS", "TORCH_LEGACY",
            "TORCH_ZIP", "TORCHSCRIPT", "describe", "dir_output", "format_for_destination", "plan_write",
-           "read", "recorded_members", "sniff", "write", "write_sharded"]
+           "read", "recorded_members", "resolve", "sniff", "write", "write_sharded"]
 
 
 def family(fmt: str) -> Family:

@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import text
 from ..core.devices import storage_id
-from ..core.progress import Progress
+from ..core.progress import Phases, Progress
 from ..errors import GoldenError, LoadError
 from ..ops import api, reading
 from ..parse.format_registry import get as format_of
@@ -36,8 +36,9 @@ class Gate:
     """What the checks look at: the options, the checkpoint as read, the model, and the key repair that fits them."""
 
     options: VerifyOptions
-    path: str
-    #: the tensors were read with their values (not on meta): NaN/Inf and the forward check run
+    path: str  #: what was read: the path given, or the one file of a save_pretrained directory
+    #: the tensors were read with their values (not on meta): NaN/Inf checked, and the forward check runs unless
+    #: ``forward`` is off
     with_values: bool
     source: models.ModelSource
     ckpt: Checkpoint
@@ -46,6 +47,12 @@ class Gate:
     target: repair.Target
     chosen: repair.Repair
     fit: repair.Fit
+    phase: Phases  #: ``with gate.phase("hash"):`` a line on stderr as the step ends (not on a terminal)
+
+    @property
+    def runs_forward(self) -> bool:
+        """The model is loaded (and run, with a reference or golden outputs): values read, ``forward`` on."""
+        return self.with_values and self.options.forward
 
     @cached_property
     def aliases(self) -> serving.Aliases:
@@ -65,16 +72,19 @@ class Gate:
 
 
 def open_gate(path: Any, model: Any, options: VerifyOptions) -> Gate:
-    """Read the checkpoint (on meta without the forward check) and the model, and fit its keys to the model's."""
-    path = os.fspath(path)
-    with_values = options.forward and str(options.map_location).strip().lower() != "meta"  # meta holds no values to run
+    """Read the checkpoint (on meta with ``structure_only``) and build the model (on meta without the forward
+    check), and fit its keys to the model's."""
+    phase = Phases("verify", options.progress)
+    with_values = not options.structure_only and str(options.map_location).strip().lower() != "meta"  # meta: no values
     source = models.ModelSource(model, options.model_args, options.dtype)
-    ckpt = reading.read_checkpoint(path, options.map_location if with_values else "meta", options.trust, options.select,
-                                   refuse=True, judged=True)
-    structure, is_fresh = source.structure(meta=not with_values)
+    with phase("read"):
+        ckpt = reading.read_checkpoint(os.fspath(path), options.map_location if with_values else "meta", options.trust,
+                                       options.select, refuse=True, judged=True)
+    with phase("build"):
+        structure, is_fresh = source.structure(meta=not (with_values and options.forward))
     target = repair.describe_target(structure, float_dtype=source.dtype)
-    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
-    return Gate(options, path, with_values, source, ckpt, structure, is_fresh, target, chosen, fit)
+    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
+    return Gate(options, ckpt.path, with_values, source, ckpt, structure, is_fresh, target, chosen, fit, phase)
 
 
 def first_report(gate: Gate) -> VerifyReport:
@@ -99,9 +109,11 @@ def _notes(ckpt: Checkpoint) -> list[str]:
 
 def sha256(gate: Gate, report: VerifyReport) -> Findings:
     """The file's SHA-256 (a directory has no one hash), unless neither the options nor the forward check ask."""
-    if not (gate.options.checksum or gate.with_values):
+    if not (gate.options.checksum or gate.runs_forward):
         return Findings()
-    return Findings(fields={"sha256": integrity.file_sha256(gate.path, "verify" if gate.options.progress else None)})
+    with gate.phase("hash"):
+        digest = integrity.file_sha256(gate.path, "verify" if gate.options.progress else None)
+    return Findings(fields={"sha256": digest})
 
 
 def served_keys(gate: Gate, report: VerifyReport) -> Findings:
@@ -129,7 +141,8 @@ def tensor_values(gate: Gate, report: VerifyReport) -> Findings:
 
     sd, found = gate.fit.state_dict, Findings()
     if gate.with_values:
-        found.fields["nonfinite"] = _nonfinite(sd, list(gate.target.shapes), gate.options.progress)
+        with gate.phase("values"):
+            found.fields["nonfinite"] = _nonfinite(sd, list(gate.target.shapes), gate.options.progress)
     mismatched = []
     for group in gate.target.tied:
         present = [k for k in group if isinstance(sd.get(k), torch.Tensor)]
@@ -138,7 +151,7 @@ def tensor_values(gate: Gate, report: VerifyReport) -> Findings:
             continue
         if not gate.with_values:
             found.warnings.append(f"tied parameters {', '.join(present)} are separate tensors in the checkpoint; "
-                                  "their values are not compared on meta (run without --no-forward)")
+                                  "their values are not compared on meta (run without --structure-only)")
         elif any(sd[k].shape != sd[present[0]].shape or not torch.equal(sd[k], sd[present[0]]) for k in present[1:]):
             mismatched.append({"keys": present, "reason": "the model ties them but their values differ; "
                                                           "only one survives loading"})
@@ -233,7 +246,10 @@ def devices(gate: Gate, report: VerifyReport) -> Findings:
 
 def zip_crcs(gate: Gate, report: VerifyReport) -> Findings:
     """The CRC-32 a zip stores for each member, against its bytes (with or without the forward check)."""
-    return Findings(failures=integrity.crc_failures(gate.path, gate.ckpt.format))
+    if not format_of(gate.ckpt.format).zip:
+        return Findings()
+    with gate.phase("crc"):
+        return Findings(failures=integrity.crc_failures(gate.path, gate.ckpt.format))
 
 
 def forward_outputs(gate: Gate, report: VerifyReport) -> Findings:
@@ -242,29 +258,39 @@ def forward_outputs(gate: Gate, report: VerifyReport) -> Findings:
     request = fwd.ForwardRequest(o.reference, o.golden, o.record_golden, o.atol, o.rtol, o.input_shape, o.input_dtype,
                                  o.input_range, o.inputs, o.seed)
     found = Findings()
-    if gate.with_values and gate.fit.loads:
+    if gate.runs_forward and gate.fit.loads:
         found = _run_forward(gate, report, gate.structure if gate.is_fresh else gate.source.fresh(), request)
-    elif gate.with_values:
+    elif gate.runs_forward:
         found.notes.append("forward check skipped: the checkpoint does not load into the model" + request.ignored)
+    elif gate.with_values:
+        found.notes.append("no forward check (--no-forward): the model was not loaded; NaN/Inf checked on the "
+                           "values as read" + request.ignored)
     else:
-        found.notes.append("structure only (--no-forward): read on meta; NaN/Inf and forward not checked"
-                           + request.ignored)
+        why = "--structure-only" if o.structure_only else "map_location meta"
+        found.notes.append(f"structure only ({why}): read on meta; NaN/Inf and forward not checked" + request.ignored)
     if o.golden is not None and found.fields.get("golden", report.golden) is None:
         found.fields["golden"] = {"path": os.fspath(o.golden), "action": "skipped", "input": None, "outputs": None}
     return found
 
 
 def _run_forward(gate: Gate, report: VerifyReport, net: Any, req: fwd.ForwardRequest) -> Findings:
-    """Load into a fresh model (strictly, as torch does); run it on one input and compare its outputs
-    with the reference's and the golden file's; record the golden file when asked."""
-    found = Findings()
+    """Load into a fresh model (strictly, as torch does); with a reference or golden outputs, run it
+    (:func:`_outputs`)."""
     try:
-        net.load_state_dict(gate.fit.state_dict, strict=True)
+        with gate.phase("load"):
+            net.load_state_dict(gate.fit.state_dict, strict=True)
     except (RuntimeError, ValueError, TypeError) as e:
-        found.failures.append(f"torch's load_state_dict refused the repaired state dict: {str(e).splitlines()[0]}")
-        return found
+        return Findings(failures=[f"torch's load_state_dict refused the repaired state dict: {str(e).splitlines()[0]}"])
     if req.reference is None and req.golden is None:
-        return found
+        return Findings()
+    with gate.phase("forward"):
+        return _outputs(gate, report, net, req)
+
+
+def _outputs(gate: Gate, report: VerifyReport, net: Any, req: fwd.ForwardRequest) -> Findings:
+    """Run the loaded model on one input and compare its outputs with the reference's and the golden file's;
+    record the golden file when asked."""
+    found = Findings()
     recorded = _golden_to_compare(req, net)
     recipe = resolve_input(net, req.input_shape, req.input_dtype, req.input_range, req.seed, req.inputs,
                            recorded=recorded.input if recorded else None)

@@ -32,10 +32,9 @@ def own_flag(decls: tuple[str, ...], **kwargs: Any) -> Flag:
     return Flag(decls, dash_value=not kwargs.get("is_flag", False), **kwargs)
 
 
-def keyword(default: Any, command_line: Any = None) -> Any:
-    """A field without a flag: a library keyword only. The command passes ``command_line`` for it when that
-    is not None (``progress``: always on), else the library's default."""
-    return field(default=default, metadata={"command_line": command_line})
+def keyword(default: Any) -> Any:
+    """A field without a flag: a library keyword only (the command passes the library's default)."""
+    return field(default=default)
 
 
 @dataclass(frozen=True)
@@ -47,8 +46,8 @@ class VerifyOptions:
     exact: bool = option(False, own_flag(("--exact",), is_flag=True, help=(
         "Pass only if the serving loader (torch.load(weights_only=True), or safetensors.torch.load_file for "
         "safetensors) + load_state_dict(strict=True) takes the file as saved, dtypes included.")))
-    forward: bool = option(True, own_flag(("--no-forward",), is_flag=True, dest="no_forward", negate=True,
-                                      help="Keys, shapes and dtypes only: reads on meta, no tensor data."))
+    forward: bool = option(True, own_flag(("--no-forward",), is_flag=True, dest="no_forward", negate=True, help=(
+        "No model load or forward: keys, shapes, dtypes and NaN/Inf, the values read at read speed.")))
     atol: float | None = option(None, own_flag(("--atol",), metavar="X", kind="tolerance",
                                            help=f"Absolute tolerance ({_TOLERANCE})."))
     rtol: float | None = option(None, own_flag(("--rtol",), metavar="X", kind="tolerance",
@@ -62,7 +61,7 @@ class VerifyOptions:
     select: str = option("auto", flag_of(_CONVERT["select"]))
     trust: bool = option(False, flag_of(_CONVERT["trust"]))
     seed: int = keyword(INPUT_SEED)
-    #: the file's SHA-256 in the report; the command line hashes with --json only (text + --no-forward: no hash)
+    #: the file's SHA-256 in the report; the command line hashes with --json only (text without the forward: no hash)
     checksum: bool = option(True, JSON)
     dtype: Any = option(None, own_flag(("--dtype",), choices=DTYPES, help=(
         "Serving dtype: the model is built, then cast to it; the forward (and --reference) run in it.")))
@@ -81,7 +80,12 @@ class VerifyOptions:
     serving_device: str | None = option(None, own_flag(("--serving-device",), metavar="DEV", help=(
         "With --exact: the device the serving code loads on (cpu, cuda, cuda:N); fail when the file's saved "
         "devices differ (default: those of this machine).")))
-    progress: bool = keyword(False, command_line=True)
+    #: on stderr: a progress line on a terminal, else one line per phase as it ends (the command: unless --quiet)
+    progress: bool = option(False, own_flag(("--quiet",), is_flag=True, dest="quiet", negate=True, help=(
+        "Nothing on stderr but errors: no progress line on a terminal, no line per phase (read, build, hash, "
+        "values, crc, load, forward) elsewhere.")))
+    structure_only: bool = option(False, own_flag(("--structure-only",), is_flag=True, help=(
+        "Keys, shapes and dtypes only: reads on meta, no tensor data (no NaN/Inf check, no forward).")))
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -92,8 +96,8 @@ class VerifyOptions:
 
 #: the fields' flags in ``ckptfix verify --help`` (after ``--model``); a flag not named here follows them
 HELP_ORDER = ("model_args", "exact", "serving_device", "reference", "input_shape", "input_dtype", "input_range",
-              "inputs", "golden", "record_golden", "dtype", "atol", "rtol", "forward", "map_location", "select",
-              "trust", "checksum")
+              "inputs", "golden", "record_golden", "dtype", "atol", "rtol", "forward", "structure_only", "map_location",
+              "select", "trust", "checksum", "progress")
 
 
 def flagged() -> Iterator[Field]:

@@ -67,7 +67,7 @@ def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str]
     path = os.fspath(path)
     remote = locations.is_remote(path)
     with locations.session() as s, s.reporting(), collector_paused():
-        fmt = formats.sniff(path)
+        path, fmt = formats.resolve(path)
         if torch_free.enabled() or remote:
             try:
                 raw = formats.describe(path, fmt, select)

@@ -33,14 +33,14 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
     (:mod:`ckptfix.ops.remote_read`); what only ``torch.load`` of the whole file reads raises NeedsLocalCopy."""
     if not locations.is_remote(path):
         with collector_paused():  # (tens of thousands of small objects, none in a cycle)
-            fmt = fmt or formats.sniff(path)
+            path, fmt = (path, fmt) if fmt else formats.resolve(path)
             plan = DevicePlan(map_location, source=path)
             return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow, judged=judged)
     if trust:  # (the trusted path is torch.load's, of the whole file)
         raise NeedsLocalCopy(path, "reading it with trust (--trust)",
                              "torch.load reads the whole file; without trust it is read in place")
     with locations.session() as s, s.reporting(), collector_paused():
-        fmt = fmt or formats.sniff(path)
+        path, fmt = (path, fmt) if fmt else formats.resolve(path)
         if "read" not in get(fmt).from_url:
             raise NeedsLocalCopy(path, f"reading this {fmt} file", "torch reads the whole file")
         plan = DevicePlan(map_location, source=path)

@@ -1,6 +1,7 @@
 """Where the files of a directory checkpoint are: a Hugging Face sharded index, a DCP directory, a
-DeepSpeed tag directory. Paths and names only, no tensor bytes: the scanner (:mod:`ckptfix.safety`) and
-the format readers (:mod:`ckptfix.formats`) both need them, so they sit below both."""
+DeepSpeed tag directory, a ``save_pretrained`` directory's one weights file. Paths and names only, no tensor
+bytes: the scanner (:mod:`ckptfix.safety`) and the format readers (:mod:`ckptfix.formats`) both need them, so
+they sit below both."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core import locations
+from ..core.units import few
 from ..errors import DeepSpeedZeroError, FormatError, MissingFileError, RemoteError
 from .format_registry import SHARDED, SHARDED_PTH, get
 
@@ -104,6 +106,33 @@ def load_index(index_path: str) -> dict[str, str]:
         if not isinstance(shard, str):
             raise FormatError(f"{index_path}: key {key!r} maps to {shard!r}, not a shard file name")
     return weight_map
+
+
+# -- save_pretrained directories (one weights file, no index) ----------------------------------------------
+
+#: the one weights file of a ``save_pretrained`` directory that has no index, in transformers' preference: each
+#: sharded format's index name less ``.index.json`` (``model.safetensors``, then ``pytorch_model.bin``)
+SINGLE_NAMES = tuple(str(get(fmt).index_name).removesuffix(".index.json") for fmt in SHARDED)
+#: how a weights file's name ends: another one beside the single file leaves open which the caller means
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+#: what transformers' Trainer saves beside the weights in its ``checkpoint-N`` directories: training state, not
+#: weights (``from_pretrained`` reads the single file there too)
+TRAINER_STATE = re.compile(r"training_args\.bin|optimizer\.(?:pt|bin)|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth")
+
+
+def single_weights(directory: str) -> str | None:
+    """The file a ``save_pretrained`` directory (no index) stands for: its ``model.safetensors``, else its
+    ``pytorch_model.bin``; None where it holds neither. FormatError where other weights files lie beside it
+    (which one is the checkpoint?): every verb reads such a directory as that one file, or refuses it."""
+    name = locations.first_file(directory, SINGLE_NAMES)
+    if name is None:
+        return None
+    listed = locations.listdir(directory) or []  # (None: a URL that can't be listed, https: the names asked for)
+    others = [n for n in listed if n.endswith(WEIGHT_SUFFIXES) and n not in SINGLE_NAMES and not TRAINER_STATE.fullmatch(n)]
+    if others:
+        raise FormatError(f"{directory}: holds {few(others)} beside {name}: which is the checkpoint? Give the file "
+                          f"itself, or move the other weights files out of the directory")
+    return locations.join(directory, name)
 
 
 # -- torch.distributed.checkpoint -----------------------------------------------------------------------

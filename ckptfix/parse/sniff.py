@@ -15,6 +15,7 @@ from typing import Any
 from ..core import locations
 from ..errors import FormatError, MissingFileError, NeedsLocalCopy, RemoteError
 from . import format_registry as registry, recognise
+from .checkpoint_dirs import SINGLE_NAMES, single_weights
 from .legacy_tar import opens_as_tar
 from .recognise import ZIP_MAGIC, Head, Listing
 
@@ -24,11 +25,25 @@ _LFS_PREFIX = b"version https://git-lfs.github.com/spec/"
 def sniff(path: str) -> str:
     """Name the format of ``path`` (a local path, or a URL :mod:`ckptfix.core.locations` reads) from its bytes,
     or raise a FormatError that says what it is."""
+    return resolve(path)[1]
+
+
+def resolve(path: str) -> tuple[str, str]:
+    """What a verb reads for ``path``, and its format: ``path`` itself, or for a ``save_pretrained`` directory (one
+    ``model.safetensors`` or ``pytorch_model.bin``, no index) that file
+    (:func:`~ckptfix.parse.checkpoint_dirs.single_weights`). Every verb opens its path through this."""
     remote = locations.is_remote(path)
     if not remote and not os.path.exists(path):
         raise MissingFileError(f"{path}: no such file", path)
-    if (locations.is_dir(path) if remote else os.path.isdir(path)) or path.endswith(".index.json"):
-        return _sniff_dir(path)
+    directory = locations.is_dir(path) if remote else os.path.isdir(path)
+    if directory or path.endswith(".index.json"):
+        fmt = _sniff_dir(path)
+        if fmt is not None:
+            return path, fmt
+        single = single_weights(path) if directory else None
+        if single is None:
+            raise _not_a_directory_checkpoint(path, directory)
+        path = single
     try:
         head, size = locations.read_head(path, 4096)
     except OSError as e:
@@ -39,7 +54,7 @@ def sniff(path: str) -> str:
         raise FormatError(f"{path}: is empty (0 bytes): the save or the download did not finish")
     if head.startswith(_LFS_PREFIX):
         raise FormatError(f"{path}: this is a Git LFS pointer file, not the checkpoint; run `git lfs pull`")
-    return _sniff_file(Head(path, remote, head, size))
+    return path, _sniff_file(Head(path, remote, head, size))
 
 
 def _recogniser(fmt: str) -> Callable[[Any], bool]:
@@ -96,22 +111,24 @@ def _not_a_checkpoint(h: Head) -> FormatError:
     )
 
 
-def _sniff_dir(path: str) -> str:
+def _sniff_dir(path: str) -> str | None:
     """The first format in the registry's order whose recogniser claims the directory (a
-    torch.distributed.checkpoint, a DeepSpeed or a Hugging Face sharded one) or the index json; else what it lacks."""
+    torch.distributed.checkpoint, a DeepSpeed or a Hugging Face sharded one) or the index json; else None."""
     listing = Listing(path, locations.is_remote(path))
-    for fmt in registry.RECOGNISED_BY_LISTING:
-        if _recogniser(fmt)(listing):
-            return fmt
-    if not locations.is_dir(path):
-        raise FormatError(f"{path}: is not a sharded-checkpoint index (expected a JSON file with a weight_map)")
+    return next((fmt for fmt in registry.RECOGNISED_BY_LISTING if _recogniser(fmt)(listing)), None)
+
+
+def _not_a_directory_checkpoint(path: str, directory: bool) -> FormatError:
+    """What a directory (or an index json) no recogniser claims, holding no ``save_pretrained`` file, lacks."""
+    if not directory:
+        return FormatError(f"{path}: is not a sharded-checkpoint index (expected a JSON file with a weight_map)")
+    singles = " / ".join(SINGLE_NAMES)
     if locations.is_remote(path):
-        raise FormatError(f"{path}: is neither a torch.distributed.checkpoint (no .metadata) nor a sharded "
-                          "checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json); give a file "
-                          "inside it")
-    singles = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, n))]
-    hint = f"; give the file inside it: {os.path.join(path, singles[0])}" if singles else ""
-    raise FormatError(
+        return FormatError(f"{path}: is neither a torch.distributed.checkpoint (no .metadata), a sharded checkpoint "
+                           "(no model.safetensors.index.json / pytorch_model.bin.index.json) nor a save_pretrained "
+                           f"directory (no {singles}); give a file inside it")
+    return FormatError(
         f"{path}: is a directory but neither a torch.distributed.checkpoint (no .metadata), a DeepSpeed checkpoint "
-        f"(no latest) nor a sharded checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json){hint}"
+        f"(no latest), a sharded checkpoint (no model.safetensors.index.json / pytorch_model.bin.index.json) nor a "
+        f"save_pretrained directory (no {singles})"
     )

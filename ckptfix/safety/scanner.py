@@ -33,7 +33,7 @@ from .file_scanners import (PICKLE, Collector, Finding, GlobalRef, ScanReport, s
                             starts_with_magic)
 from ..parse.format_registry import DCP, DEEPSPEED, FORMATS, TORCH_ZIP
 from ..parse.legacy_tar import opens_as_tar
-from ..parse.sniff import sniff
+from ..parse.sniff import resolve
 from ..parse.zipdir import zip_directory
 
 __all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe"]
@@ -53,7 +53,7 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
     _limits.current()  # a malformed CKPTFIX_MAX_* variable is an error of its own, not a finding
     with locations.session() as s, s.reporting():
         remote = locations.is_remote(path)
-        fmt = fmt or _scan_format(path)
+        path, fmt = (path, fmt) if fmt else _scan_format(path)
         spec = FORMATS.get(fmt)
         if spec is None and fmt != PICKLE:
             raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors), "
@@ -244,10 +244,11 @@ def _whole_module_message(path: str, report: ScanReport, findings: list[Finding]
             f"{trust_advice().split(', ', 1)[1]}. `ckptfix scan {path}` lists everything it references.")
 
 
-def _scan_format(path: str) -> str:
-    """The checkpoint's format, or ``pickle`` for a plain pickle (not a checkpoint, but scannable)."""
+def _scan_format(path: str) -> tuple[str, str]:
+    """What is scanned (a save_pretrained directory: its one file) and its format, or ``pickle`` for a plain pickle
+    (not a checkpoint, but scannable)."""
     try:
-        return sniff(path)
+        return resolve(path)
     except FormatError as e:
         if locations.is_remote(path):
             raise
@@ -258,5 +259,5 @@ def _scan_format(path: str) -> str:
     except OSError:
         head = b""
     if len(head) == 2 and head[0] == 0x80 and head[1] <= 5:
-        return PICKLE
+        return path, PICKLE
     raise not_checkpoint

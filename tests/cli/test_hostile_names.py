@@ -39,7 +39,7 @@ CASES = [
     (["inspect", "{beside}"], 0), (["scan", "{beside}"], 3), (["convert", "{beside}", "{tmp}/o.safetensors"], 0),
     (["inspect", "{inside}"], 1), (["convert", "{inside}", "{tmp}/o.pth"], 1), (["scan", "{inside}"], 3),
     (["inspect", "{key}"], 0), (["diff", "{key}", "{beside}"], 3),
-    (["verify", "{key}", "--model", "torch.nn:Linear", "--arg", "in_features=2", "--arg", "out_features=1"], 3),
+    (["verify", "{key}", "--model", "torch.nn:Linear", "--arg", "in_features=2", "--arg", "out_features=1", "--quiet"], 3),
 ]
 
 

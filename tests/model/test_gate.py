@@ -177,7 +177,7 @@ def test_the_input_error_says_what_to_pass_for_the_model(cli_runner: Any, nlp: P
         spec = f"{nlp}:{fn}"
         torch.save(build_model(spec).state_dict(), tmp_path / "m.pth")
         res = cli_runner.invoke(cli, ["verify", str(tmp_path / "m.pth"), "--model", spec,
-                                      "--reference", str(tmp_path / "m.pth")])
+                                      "--reference", str(tmp_path / "m.pth"), "--quiet"])
         assert res.exit_code == 1 and res.stderr.startswith(f"Error: {message}"), res.output
         assert "pass --input-shape (library" not in res.stderr  # not the generic advice, which can't help here
     res = cli_runner.invoke(cli, ["verify", str(tmp_path / "m.pth"), "--model", f"{nlp}:token_net",

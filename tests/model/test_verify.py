@@ -302,7 +302,10 @@ def test_the_models_own_prefix_is_added(fixtures_dir: Path, train: Any) -> None:
     assert report.ok and report.fix == "strip module., add prefix model." and report.matched == 6
 
 
-def test_no_forward_reads_on_meta(monkeypatch, fixtures_dir: Path) -> None:
+@pytest.mark.parametrize("option, reads", [("structure_only", "meta"), ("forward", "cpu")])
+def test_structure_only_reads_on_meta_no_forward_reads_values(option: str, reads: str, monkeypatch,
+                                                              fixtures_dir: Path) -> None:
+    """``--structure-only``: nothing but the structure; ``--no-forward``: the values too (NaN/Inf), no model run."""
     seen = []
     real_read = ckptfix.ops.reading.read_checkpoint
 
@@ -312,10 +315,14 @@ def test_no_forward_reads_on_meta(monkeypatch, fixtures_dir: Path) -> None:
         return ckpt
 
     monkeypatch.setattr(ckptfix.ops.reading, "read_checkpoint", spy)
-    report = ckptfix.verify(fixtures_dir / "mlp_ddp.pth", MLP_SPEC, forward=False,
-                            reference=fixtures_dir / "mlp_single.pth")
-    assert seen == [("meta", {"meta"})]
-    assert report.ok and report.fix == "strip module." and report.nonfinite is None and report.forward is None
+    report = ckptfix.verify(fixtures_dir / "mlp_ddp.pth", MLP_SPEC, reference=fixtures_dir / "mlp_single.pth",
+                            **{option: option == "structure_only"})
+    assert seen == [(reads, {reads})]
+    assert report.ok and report.fix == "strip module." and report.forward is None
+    assert report.nonfinite == (None if reads == "meta" else [])
+    assert report.notes[-1].startswith("structure only (--structure-only): read on meta" if reads == "meta" else
+                                       "no forward check (--no-forward): the model was not loaded")
+    assert report.notes[-1].endswith("; --reference ignored")
 
 
 def test_text_no_forward_does_not_hash_the_file(monkeypatch, cli_runner, fixtures_dir: Path) -> None:
@@ -340,7 +347,9 @@ def test_nonfinite_values_fail(cli_runner, fixtures_dir: Path, tmp_path: Path) -
     assert report["failures"] == ["2 non-finite: 2.bias, 4.weight"]  # the keys, not only a count
     text = cli_runner.invoke(cli, ["verify", str(tmp_path / "nan.pth"), "--model", MLP_SPEC]).output
     assert "  FAIL: 2 non-finite: 2.bias, 4.weight\n" in text and "  NaN/Inf (2):\n    2.bias\n    4.weight\n" in text
-    assert _json(cli_runner, [str(tmp_path / "nan.pth"), "--model", MLP_SPEC, "--no-forward"], 0)["nonfinite"] is None
+    assert _json(cli_runner, [str(tmp_path / "nan.pth"), "--model", MLP_SPEC, "--no-forward"], 3)["nonfinite"] == \
+        ["2.bias", "4.weight"]  # the fast gate checks the values too, at read speed
+    assert _json(cli_runner, [str(tmp_path / "nan.pth"), "--model", MLP_SPEC, "--structure-only"], 0)["nonfinite"] is None
 
 
 TIED = '''
@@ -420,8 +429,8 @@ def test_text_report_names_the_repair(cli_runner, fixtures_dir: Path, manifest: 
     res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_ddp_compile.pth"), "--model", MLP_SPEC,
                                   "--golden", str(golden)])
     assert res.exit_code == 0
-    assert res.output.startswith("VERIFIED: ") and "keys: strip module._orig_mod.: 6/6 keys match" in res.output
-    assert "(ok; atol=1e-06, rtol=1e-05: recorded-value default for float32; input 4x13 float, seed 1234)" in res.output
+    assert res.stdout.startswith("VERIFIED: ") and "keys: strip module._orig_mod.: 6/6 keys match" in res.stdout
+    assert "(ok; atol=1e-06, rtol=1e-05: recorded-value default for float32; input 4x13 float, seed 1234)" in res.stdout
 
 
 def test_errors_exit_1(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
@@ -433,13 +442,14 @@ def test_errors_exit_1(cli_runner, fixtures_dir: Path, tmp_path: Path) -> None:
 
 def test_subprocess_exit_codes(fixtures_dir: Path) -> None:
     exe = str(Path(sys.executable).with_name("ckptfix"))
-    ok = subprocess.run([exe, "verify", str(fixtures_dir / "mlp_dp.pth"), "--model", MLP_SPEC, "--json"],
+    ok = subprocess.run([exe, "verify", str(fixtures_dir / "mlp_dp.pth"), "--model", MLP_SPEC, "--json", "--quiet"],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True and ok.stderr == ""
     bad = subprocess.run([exe, "verify", str(fixtures_dir / "mlp_dp.pth"), "--model", MLP_SPEC, "--exact"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 3 and bad.stdout.startswith("FAILED: ")
-    err = subprocess.run([exe, "verify", str(fixtures_dir / "mlp_dp.pth"), "--model", "no_such_pkg.models:build"],
+    err = subprocess.run([exe, "verify", str(fixtures_dir / "mlp_dp.pth"), "--model", "no_such_pkg.models:build",
+                          "--quiet"],
                          capture_output=True, text=True, timeout=120)
     assert err.returncode == 1 and err.stderr.startswith("Error: model spec 'no_such_pkg.models:build': can't import")
 

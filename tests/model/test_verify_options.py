@@ -33,9 +33,9 @@ SIGNATURE = (
     "trust: 'bool' = False, seed: 'int' = 1234, checksum: 'bool' = True, dtype: 'Any' = None, "
     "input_dtype: 'str | None' = None, input_range: 'tuple[float, float] | None' = None, inputs: 'Any' = None, "
     "golden: 'Any' = None, record_golden: 'bool' = False, serving_device: 'str | None' = None, "
-    "progress: 'bool' = False) -> 'VerifyReport'")
+    "progress: 'bool' = False, structure_only: 'bool' = False) -> 'VerifyReport'")
 #: keywords the command line has no flag for
-LIBRARY_ONLY = {"seed", "progress"}
+LIBRARY_ONLY = {"seed"}
 
 
 def _command_options(command: click.Command) -> list[click.Option]:
@@ -50,7 +50,7 @@ def test_the_signature_is_the_one_users_call() -> None:
 def test_a_positional_call_binds_as_before(fixtures_dir: Path) -> None:
     """reference, exact, forward: the third to fifth parameters, by position."""
     report = ckptfix.verify(fixtures_dir / "mlp_ddp.pth", MLP_SPEC, None, False, False)
-    assert report.ok and report.forward is None and report.notes[-1].startswith("structure only (--no-forward)")
+    assert report.ok and report.forward is None and report.notes[-1].startswith("no forward check (--no-forward)")
     with pytest.raises(TypeError):
         ckptfix.verify(fixtures_dir / "mlp_ddp.pth", MLP_SPEC, None, exact=False, reference=None)
 
@@ -111,7 +111,8 @@ def test_the_command_passes_every_option(calls: list[Any], cli_runner: Any, tmp_
     argv = ["verify", "a.pth", "--model", "m:f", "--arg", "n=3", "--arg", "name=x", "--exact", "--serving-device", "cpu",
             "--reference", "r.pth", "--input-shape", "2x13", "--input-dtype", "long", "--input-range", "-1,1",
             "--input", "i.pt", "--golden", "g.safetensors", "--record-golden", "--dtype", "bf16", "--atol", "0.5",
-            "--rtol", "0.25", "--no-forward", "--map-location", "cuda:1=cpu", "--select", "ema", "--trust", "--json"]
+            "--rtol", "0.25", "--no-forward", "--map-location", "cuda:1=cpu", "--select", "ema", "--trust", "--json",
+            "--structure-only", "--quiet"]
     res = cli_runner.invoke(cli, argv)
     assert res.exit_code == 0, res.output
     ((path, model, kwargs),) = calls
@@ -120,7 +121,7 @@ def test_the_command_passes_every_option(calls: list[Any], cli_runner: Any, tmp_
                           input_shape=(2, 13), input_dtype="long", input_range=(-1.0, 1.0), inputs="i.pt",
                           golden="g.safetensors", record_golden=True, dtype="bf16", atol=0.5, rtol=0.25, forward=False,
                           map_location=parse_cli_map_location(("cuda:1=cpu",)), select="ema", trust=True, checksum=True,
-                          progress=True)
+                          progress=False, structure_only=True)
 
 
 def test_the_command_defaults_are_the_library_defaults(calls: list[Any], cli_runner: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,11 @@ def test_directory_outputs_refuse_what_they_cannot_do(tmp_path: Path, fixtures_d
 
 
 def test_plain_directory_is_a_clear_error(tmp_path: Path) -> None:
-    (tmp_path / "model.safetensors").write_bytes(b"x")
-    with pytest.raises(FormatError, match="neither a torch.distributed.checkpoint.*give the file inside it"):
+    (tmp_path / "notes.txt").write_bytes(b"x")
+    with pytest.raises(FormatError, match="neither a torch.distributed.checkpoint.*nor a save_pretrained directory"):
+        ckptfix.inspect(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"x")  # save_pretrained's layout: read as its file, its damage named
+    with pytest.raises(FormatError, match=f"^{re.escape(str(tmp_path / 'model.safetensors'))}: unknown format"):
         ckptfix.inspect(tmp_path)
 
 

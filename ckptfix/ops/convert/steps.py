@@ -59,7 +59,7 @@ class Request(ConvertOptions):
 def validate(src: str, dst: str, options: ConvertOptions) -> Request:
     """Check the request before anything is read: source format, destination, device, dtype."""
     check_scheme(dst)  # s3:// is uploaded; https:// and hf:// are refused
-    fmt_in = formats.sniff(src)
+    src, fmt_in = formats.resolve(src)  # a save_pretrained directory: its one file
     shard_size, fmt_out = _plan_output(src, dst, options.format, options.max_shard_size, options.keep_extra,
                                        options.hash, options.force)
     plan = DevicePlan(options.map_location, source=src)

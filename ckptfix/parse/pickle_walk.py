@@ -334,6 +334,10 @@ class _Machine:
         state = self.pop()
         target = self.top()
         if isinstance(target, Call):
+            if target.built:  # pickle writes one BUILD per object; a second one calls what the first set
+                what = getattr(target.func, "full", "call result")
+                self.r.problems.append(f"BUILD at byte {pos} gives a {what} state a second time "
+                                       "(pickle then calls the __setstate__ the first BUILD may have set)")
             target.state, target.built = state, True
         elif isinstance(target, Ref):
             self.mutate(target, "BUILD", pos)

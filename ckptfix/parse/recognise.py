@@ -19,6 +19,7 @@ from ..errors import FormatError, NeedsLocalCopy
 from .checkpoint_dirs import find_index, index_format, is_dcp_dir, is_deepspeed_dir
 from .format_registry import SHARDED_PTH, SHARDED_SAFETENSORS
 from .legacy_tar import opens_as_tar, tar_block, tar_has_storages
+from .disguise import pickle_prefix
 from .pickle_walk import walk
 from .zipdir import RangeFile, zip_directory
 
@@ -94,6 +95,10 @@ def safetensors(h: Head) -> bool:
             f"{h.path}: looks like safetensors but its header length ({n} bytes) runs past the "
             f"end of the file ({h.size} bytes): truncated or corrupt"
         )
+    if pickle_prefix(h.path, h.remote, h.head, h.size) is not None:
+        raise FormatError(f"{h.path}: is ambiguous: its bytes read as safetensors and as a pickle (a file made to "
+                          "be two formats at once); refused: pickle.loads or torch.load(weights_only=False) of it "
+                          f"would run what the pickle names (`ckptfix scan {h.path}` lists it)")
     return True
 
 

@@ -16,6 +16,7 @@ from ..core import locations
 from ..errors import FormatError, MissingFileError, NeedsLocalCopy, RemoteError
 from . import format_registry as registry, recognise
 from .checkpoint_dirs import SINGLE_NAMES, single_weights
+from .disguise import compression
 from .legacy_tar import opens_as_tar
 from .recognise import ZIP_MAGIC, Head, Listing
 
@@ -92,6 +93,10 @@ def _not_a_checkpoint(h: Head) -> FormatError:
     if not h.remote and opens_as_tar(path):
         return FormatError(f"{path}: is a tar archive but not a torch checkpoint (no 'storages' member); "
                            "extract the checkpoint from it and give that file")
+    packed = compression(head)
+    if packed is not None:
+        return FormatError(f"{path}: is {packed}-compressed, not a checkpoint: torch.load does not read it; "
+                           f"decompress it first (`ckptfix scan {path}` looks inside)")
     low = head.removeprefix(b"\xef\xbb\xbf").lstrip()[:64].lower()  # (a UTF-8 byte order mark first)
     if low.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head", b"<!--")):
         return FormatError(

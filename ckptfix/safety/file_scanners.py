@@ -169,7 +169,9 @@ class Collector:
 
 
 def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bool,
-              unpickled_by_caller: str | None = None, also: frozenset[str] = frozenset(), directory: Any = None) -> None:
+              unpickled_by_caller: str | None = None, also: frozenset[str] = frozenset(), directory: Any = None,
+              every_pickle: bool = False) -> None:
+    """A zip's structure and pickles (``*.pkl``; ``every_pickle``: any member that starts as a pickle does)."""
     layout = zipcheck.check_zip(c.path, buf, size, torchscript=torchscript, check_crc=check_crc, directory=directory)
     for kind, where, message in layout.findings:
         c.find(kind, where, message)
@@ -185,7 +187,8 @@ def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bo
                 c.add_walk(w)
     names = [m.name for m in layout.members]
     for i, m in enumerate(layout.members):
-        if not zipcheck.is_pickle(m.name) or m.flags & 1 or m.compress_type not in (0, 8):
+        unnamed = not zipcheck.is_pickle(m.name)
+        if unnamed and not every_pickle or m.flags & 1 or m.compress_type not in (0, 8):
             continue  # encrypted / unknown compression: already a finding
         if unpickled_by_caller and m.name == f"{layout.root}/{unpickled_by_caller}" and layout.unique(m.name) is m:
             continue  # the caller unpickles it with ckptfix's restricted unpickler and checks its end
@@ -199,6 +202,8 @@ def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bo
             continue
         except ValueError as e:
             c.damage(where, f"member {where} {e}")
+            continue
+        if unnamed and data[:1] != b"\x80":
             continue
         walks = pickle_walk.walk_stack(data, 0, len(data), where)
         for w in walks:

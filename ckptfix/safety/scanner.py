@@ -15,9 +15,13 @@ second line.
 
 from __future__ import annotations
 
+import bz2
+import lzma
 import mmap
 import os
 import struct
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 from . import dcp_policy
@@ -33,12 +37,19 @@ from .file_scanners import (PICKLE, Collector, Finding, GlobalRef, ScanReport, s
                             starts_with_magic)
 from ..parse.format_registry import DCP, DEEPSPEED, FORMATS, TORCH_ZIP
 from ..parse.legacy_tar import opens_as_tar
+from ..parse.disguise import compression, pickle_prefix
+from ..parse.recognise import LEGACY_MAGIC, ZIP_MAGIC
 from ..parse.sniff import resolve
 from ..parse.zipdir import zip_directory
 
 __all__ = ["ScanReport", "GlobalRef", "Finding", "scan", "ensure_safe"]
 
 _CODE_KINDS = {"unsafe-global", "unsafe-construct", "torchscript-code", "malformed"}
+#: what scan reads that is no checkpoint format (every other verb refuses it): a zip holding no data.pkl, a
+#: compressed file, and a safetensors file that is a pickle too
+ZIP, COMPRESSED, POLYGLOT = "zip", "compressed", "safetensors and pickle"
+_DECOMPRESSORS: dict[str, Callable[[], Any]] = {"gzip": lambda: zlib.decompressobj(wbits=47), "xz": lzma.LZMADecompressor,
+                                                 "bz2": bz2.BZ2Decompressor}
 
 
 def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by_caller: str | None = None) -> ScanReport:
@@ -55,10 +66,10 @@ def scan(path: Any, fmt: str | None = None, check_crc: bool = True, unpickled_by
         remote = locations.is_remote(path)
         path, fmt = (path, fmt) if fmt else _scan_format(path)
         spec = FORMATS.get(fmt)
-        if spec is None and fmt != PICKLE:
+        if spec is None and fmt not in (PICKLE, ZIP, COMPRESSED, POLYGLOT):
             raise FormatError(f"{path}: scan reads checkpoint files (torch zip or legacy, TorchScript, safetensors), "
                               f"sharded checkpoints and DCP directories, not {fmt}")
-        scanner = spec.scanner if spec is not None else PICKLE
+        scanner = spec.scanner if spec is not None else fmt
         if remote and (spec is None or "scan" not in spec.from_url):
             raise NeedsLocalCopy(path, f"scanning a {fmt} file", "a URL is scanned in place only as " + ", ".join(
                 f.label or f.name for f in FORMATS.values() if "scan" in f.from_url))
@@ -110,6 +121,67 @@ def _scan_pickle(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str 
         for w in pickle_walk.walk_stack(buf, 0, min(size, _limits.current().max_pickle_bytes), "pickle"):
             c.add_walk(w)
     return c.finish()
+
+
+def _scan_other_zip(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
+    """A zip holding no data.pkl (no verb reads it as a checkpoint): every member that is a pickle, whatever its name."""
+    c = Collector(path, fmt)
+    with locations.open_buffer(path, whole=True) as buf:
+        scan_zip(c, buf, len(buf), False, check_crc, every_pickle=True)
+    return c.finish()
+
+
+def _scan_polyglot(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
+    """A safetensors file whose bytes are a pickle too: the pickle's globals, and the finding."""
+    c = Collector(path, fmt)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        w = pickle_prefix(path, False, f.read(4096), size)
+    if w is not None:
+        c.add_walk(w)
+    c.find("polyglot", "file", "the file reads both as safetensors and as a pickle: safetensors readers see tensors, "
+                               "pickle.loads and torch.load(weights_only=False) run the pickle")
+    return c.finish()
+
+
+def _scan_compressed(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
+    """A gzip/xz/bz2 file: decompressed in memory up to max_pickle_bytes, then scanned as what it holds (a torch
+    zip, a legacy file or a plain pickle); torch.load reads none of them, whoever decompresses it might."""
+    c = Collector(path, fmt)
+    limit = _limits.current().max_pickle_bytes
+    with open(path, "rb") as f:
+        kind = compression(f.read(8)) or ""
+        f.seek(0)
+        inner, out = _DECOMPRESSORS[kind](), bytearray()
+        try:
+            while len(out) <= limit and (chunk := f.read(1 << 20)):
+                out += inner.decompress(chunk, limit + 1 - len(out))
+                while len(out) <= limit and (rest := _pending(inner)) is not None:
+                    out += inner.decompress(rest, limit + 1 - len(out))
+        except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError) as e:
+            raise FormatError(f"{path}: is a corrupt {kind} file ({e})") from None
+    where = f"{kind}-compressed content"
+    if len(out) > limit:
+        c.find("resource-limit", where, f"{where}: {_limits.exceeded('max_pickle_bytes', 'decompressed content')}")
+        return c.finish()
+    data = bytes(out)
+    if data.startswith(ZIP_MAGIC):
+        scan_zip(c, data, len(data), False, check_crc, every_pickle=True)
+    elif data[:1] == b"\x80" and pickle_walk.walk(data[:64], 0).value == LEGACY_MAGIC:
+        scan_legacy(c, data, len(data))
+    elif data[:1] == b"\x80":
+        for w in pickle_walk.walk_stack(data, 0, len(data), where):
+            c.add_walk(w)
+    else:
+        raise FormatError(f"{path}: is {kind}-compressed, and what it holds is neither a pickle nor a torch checkpoint")
+    return c.finish()
+
+
+def _pending(inner: Any) -> bytes | None:
+    """What to feed a decompressor that stopped at its output bound to go on (None: it wants the next input)."""
+    if hasattr(inner, "unconsumed_tail"):  # zlib keeps what it did not read
+        return inner.unconsumed_tail or None
+    return None if inner.eof or inner.needs_input else b""  # lzma and bz2 keep it inside
 
 
 def _scan_sharded(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
@@ -171,7 +243,8 @@ def _scan_dcp(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | N
 #: the registry's ``scanner`` names (and the plain pickle) → the scan each runs
 SCANNERS = {"safetensors": _scan_safetensors, "torch-zip": _scan_zip, "torchscript": _scan_torchscript,
              "torch-legacy": _scan_legacy, PICKLE: _scan_pickle, "sharded": _scan_sharded, "dcp": _scan_dcp,
-             "deepspeed": _scan_deepspeed}
+             "deepspeed": _scan_deepspeed, ZIP: _scan_other_zip, COMPRESSED: _scan_compressed,
+             POLYGLOT: _scan_polyglot}
 
 
 def ensure_safe(path: str, fmt: str, structure_only: bool = False, unpickled_by_caller: str | None = None,
@@ -255,9 +328,15 @@ def _scan_format(path: str) -> tuple[str, str]:
         not_checkpoint = e
     try:
         with open(path, "rb") as f:
-            head = f.read(2)
+            head = f.read(4096)
     except OSError:
         head = b""
-    if len(head) == 2 and head[0] == 0x80 and head[1] <= 5:
+    if len(head) >= 2 and head[0] == 0x80 and head[1] <= 5:
         return path, PICKLE
+    if compression(head) is not None:
+        return path, COMPRESSED
+    if head.startswith(ZIP_MAGIC) and "no data.pkl" in str(not_checkpoint):
+        return path, ZIP
+    if head[8:9] == b"{" and pickle_prefix(path, False, head, os.path.getsize(path)) is not None:
+        return path, POLYGLOT
     raise not_checkpoint

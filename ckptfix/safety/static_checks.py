@@ -140,8 +140,11 @@ def refused_build(name: str, state: Any) -> str | None:
     kind = r.build if r is not None else None
     if kind is None:
         return f"BUILD gives state to the result of {name}, which ckptfix never does"
-    if kind == "attributes" and isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-        dunder = next((k for k in state[1] if isinstance(k, str) and is_dunder(k)), None)
+    if kind == "attributes":
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        if not all(p is None or isinstance(p, dict) for p in parts):
+            return f"BUILD of a {name}: state must be a dict of attribute names"
+        dunder = next((k for p in parts if p for k in p if isinstance(k, str) and is_dunder(k)), None)
         if dunder is not None:
             return f"BUILD of a {name} sets its attribute {shown(dunder)}, which no checkpoint sets"
     check = numpy_policy.STATIC_BUILDS.get(kind)

@@ -1,0 +1,215 @@
+"""load_into stays all or nothing when the file is truncated while it is read (issue 27 item 2): a read that comes
+up short is a FormatError, and every parameter and buffer of the model is bit-identical to before the call — the
+direct reads, the casts and torch's own loads (BatchNorm) alike. A meta-built model holds views of the mapped
+file: truncating it later is SIGBUS, as with ``torch.load(mmap=True)``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch as st
+import torch
+from torch import nn
+
+import ckptfix
+from ckptfix.core import rollback, tensorcopy
+from ckptfix.errors import FormatError
+
+
+class Net(nn.Module):
+    """Direct reads (the Linears), torch's own load (BatchNorm: its own ``_load_from_state_dict``), an int buffer."""
+
+    def __init__(self, width: int = 96) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.b = nn.Linear(width, 64)
+        self.register_buffer("steps", torch.arange(5))
+
+
+def _save(tmp_path: Path, fmt: str, sd: dict[str, torch.Tensor]) -> Path:
+    path = tmp_path / f"m.{fmt}"
+    st.save_file(sd, path) if fmt == "safetensors" else torch.save(sd, path)
+    return path
+
+
+def _other_values(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A state dict for ``model`` whose every value differs from the model's (a load that happened shows)."""
+    return {k: (v.float() + 1 + torch.rand(v.shape)).to(dtype if v.is_floating_point() else v.dtype)
+            for k, v in model.state_dict().items()}
+
+
+def _snapshot(model: nn.Module) -> dict[str, tuple[int, torch.Tensor | None]]:
+    """Each parameter and buffer: its object's id and a copy of its bytes (None on meta)."""
+    out = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        raw = None if v.is_meta else v.detach().clone().contiguous().view(-1).view(torch.uint8)
+        out[k] = (id(v), raw)
+    return out
+
+
+def _assert_as_before(model: nn.Module, before: dict[str, tuple[int, torch.Tensor | None]]) -> None:
+    objects = {k: id(v) for k, v in model.state_dict(keep_vars=True).items()}
+    assert objects == {k: ident for k, (ident, _raw) in before.items()}, "another object (first: a view of the file)"
+    after = _snapshot(model)
+    for k, (_ident, raw) in before.items():
+        got = after[k][1]
+        assert (got is None) == (raw is None) and (raw is None or torch.equal(got, raw)), f"{k}: changed"
+
+
+def _truncate_after(monkeypatch: pytest.MonkeyPatch, path: Path, reads: int, size: int) -> dict[str, int]:
+    """Another writer's truncation, timed by a hook: once the commit's reads start, the file is cut to ``size``
+    bytes just before its read number ``reads + 1`` (0: before the first); later reads of it come up short."""
+    real = os.preadv
+    lock = threading.Lock()
+    state = {"armed": 0, "reads": 0, "cut": 0}
+
+    def preadv(fd: int, buffers: Any, offset: int, *flags: Any) -> int:
+        with lock:
+            if state["armed"] and os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                if state["reads"] == reads and not state["cut"]:
+                    os.truncate(path, size)
+                    state["cut"] = 1
+                state["reads"] += 1
+        return real(fd, buffers, offset, *flags)
+
+    def armed(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            state["armed"] = 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(tensorcopy, "fill_from_file", armed(tensorcopy.fill_from_file))
+    monkeypatch.setattr(tensorcopy, "cast_from_file", armed(tensorcopy.cast_from_file))
+    return state
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pth"])
+@pytest.mark.parametrize("kind", ["as_stored", "cast", "bf16_file", "bn_on_meta"])
+@pytest.mark.parametrize("reads", [0, 3, 12])
+def test_truncated_mid_load_leaves_the_model_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str,
+                                                       kind: str, reads: int) -> None:
+    """Cut after 0, 3 or 12 chunk reads (4 KiB chunks): FormatError, no "partly loaded", every tensor as before —
+    the direct reads (file dtype), the casts (fp32 file, fp64 model; bf16 file, fp32 model), BatchNorm's load
+    through torch (in place, or assigned where its module is on meta: the objects put back)."""
+    monkeypatch.setattr(tensorcopy, "READ_BYTES", 4096)
+    monkeypatch.setattr(tensorcopy, "CHUNK_BYTES", 4096)
+    model = Net()
+    if kind == "cast":
+        model = model.double()
+    if kind == "bn_on_meta":
+        model.bn.to("meta")
+    path = _save(tmp_path, fmt, _other_values(Net(), torch.bfloat16 if kind == "bf16_file" else torch.float32))
+    before = _snapshot(model)
+    state = _truncate_after(monkeypatch, path, reads, os.path.getsize(path) // 2)
+    with pytest.raises(FormatError) as info:
+        ckptfix.load_into(model, path)
+    assert state["cut"], "the hook never ran"
+    message = str(info.value)
+    assert "truncated while it was read; nothing was loaded" in message and "partly" not in message
+    _assert_as_before(model, before)
+
+
+def test_the_log_of_replaced_bytes_puts_back_any_layout(tmp_path: Path) -> None:
+    """rollback.Undo: contiguous bytes, a strided tensor and a replaced attribute all back as they were."""
+    module = nn.Linear(8, 6)
+    strided = torch.randn(6, 8).t()
+    raw = torch.arange(100, dtype=torch.uint8)
+    old = (module.weight, strided.clone(), raw.clone())
+    undo = rollback.Undo()
+    undo.save(raw.numpy()[10:60])
+    undo.save_tensor(strided)
+    undo.keep(module, "weight")
+    raw.zero_()
+    strided.fill_(7)
+    module.weight = nn.Parameter(torch.zeros(6, 8))
+    undo.restore()
+    undo.close()
+    assert module.weight is old[0] and torch.equal(strided, old[1])
+    assert torch.equal(raw[10:60], old[2][10:60]) and not raw[:10].any() and not raw[60:].any()
+
+
+_TRUNCATOR = "import os, sys; sys.stdin.readline(); os.truncate(sys.argv[1], int(sys.argv[2])); print('cut', flush=True)"
+
+
+def test_a_real_concurrent_truncation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process truncates a 64 MiB file once the reads have begun (told so, not timed): the load either
+    read every byte first (then the model holds the file's values) or raised FormatError with the model as it was;
+    over three tries the truncation lands mid-load at least once."""
+    width = 2048
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(4)])
+    path = _save(tmp_path, "safetensors", _other_values(model, torch.float32))
+    want = st.load_file(path)
+    size = os.path.getsize(path)
+    failed = 0
+    for _attempt in range(3):
+        model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(4)])
+        st.save_file(want, path)
+        before = _snapshot(model)
+        child = subprocess.Popen([sys.executable, "-c", _TRUNCATOR, str(path), str(size // 4)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        fill = tensorcopy.fill_from_file
+
+        def go(*args: Any, _child: Any = child, _fill: Any = fill, **kwargs: Any) -> Any:
+            _child.stdin.write("go\n")
+            _child.stdin.flush()
+            return _fill(*args, **kwargs)
+
+        monkeypatch.setattr(tensorcopy, "fill_from_file", go)
+        try:
+            ckptfix.load_into(model, path)
+        except FormatError as e:
+            assert "truncated while it was read; nothing was loaded" in str(e)
+            _assert_as_before(model, before)
+            failed += 1
+        else:
+            for k, v in model.state_dict().items():
+                assert torch.equal(v, want[k]), k
+        finally:
+            monkeypatch.setattr(tensorcopy, "fill_from_file", fill)
+            assert child.communicate(timeout=60)[0] == "cut\n"
+        if failed:
+            break
+    assert failed, "the truncation never landed while the file was read"
+
+
+def test_meta_built_truncated_before_the_load_loads_nothing(tmp_path: Path) -> None:
+    """The failure comes earlier for a meta-built model: the plan finds the file too short, nothing is assigned."""
+    path = _save(tmp_path, "safetensors", _other_values(Net(), torch.float32))
+    os.truncate(path, os.path.getsize(path) - 100)
+    with torch.device("meta"):
+        model = Net()
+    with pytest.raises(FormatError, match="outside the data"):
+        ckptfix.load_into(model, path)
+    assert all(t.is_meta for t in model.state_dict().values())
+
+
+_META_THEN_TRUNCATE = """
+import os, sys, torch
+from torch import nn
+import ckptfix
+with torch.device("meta"):
+    model = nn.Linear(1024, 1024)
+ckptfix.load_into(model, sys.argv[1])
+assert not model.weight.is_meta
+os.truncate(sys.argv[1], 0)
+print("truncated", flush=True)
+print(float(model.weight.sum()))
+"""
+
+
+def test_meta_built_model_truncated_later_is_sigbus(tmp_path: Path) -> None:
+    """A meta-built model's tensors are views of the mapped file (as torch.load(mmap=True) gives): truncating the
+    file afterwards kills the process that touches them with SIGBUS (docs/library.md says so beside ``assign``)."""
+    path = _save(tmp_path, "safetensors", {"weight": torch.randn(1024, 1024), "bias": torch.randn(1024)})
+    run = subprocess.run([sys.executable, "-c", _META_THEN_TRUNCATE, str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.stdout == "truncated\n" and run.returncode == -signal.SIGBUS, (run.returncode, run.stderr[-2000:])

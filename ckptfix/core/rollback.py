@@ -7,16 +7,33 @@ after any failed read needs the old bytes of everything it overwrote. :class:`Un
 temporary file (``TMPDIR``): each chunk's old bytes are written there just before the read overwrites them, by
 the thread that reads it (the chunk is in its cache), so anonymous memory grows by nothing and the kernel may
 write the log out under memory pressure; a load that succeeds closes the file, never read back.
+
+The log costs a second copy of what is read. On Linux a load can keep its files from shrinking instead, for free:
+:class:`Leases` takes a read lease on each (``F_SETLEASE``), and while it is held another process's open for writing
+or truncate of the file waits, up to ``/proc/sys/fs/lease-break-time``. Where a lease can't be had (the file open for
+writing elsewhere, another user's file, a filesystem without leases, a URL) the load keeps the log.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import tempfile
 import threading
 from typing import Any
 
 from ..errors import LoadError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no leases, the log
+    fcntl = None  # type: ignore[assignment]
+
+#: ``fcntl``'s lease command (Linux only; elsewhere None: the log)
+SETLEASE: int | None = getattr(fcntl, "F_SETLEASE", None)
+#: why a lease is refused: open for writing elsewhere, not the owner, no leases on this filesystem or disabled
+_NO_LEASE = {errno.EAGAIN, errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOLCK, errno.ENOSYS}
 
 
 class Undo:
@@ -109,3 +126,57 @@ def _all(call: Any, fd: int | None, raw: Any, offset: int) -> None:
         if got <= 0:
             raise OSError(0, "the undo log ends early")
         done += got
+
+
+class Leases:
+    """Read leases on the local files a load reads (path -> the size the load checked), held from construction to
+    :meth:`release`. ``held``: every file leased and still its checked size, so none can shrink until the release
+    (or until lease-break-time after a writer asks: :func:`break_time`); False: nothing held, keep the :class:`Undo`
+    log (``files`` None: a source that is not a local file)."""
+
+    def __init__(self, files: dict[str, int] | None) -> None:
+        self._fds: list[int] = []
+        try:
+            self.held = files is not None and all(self._lease(path, size) for path, size in files.items())
+        except BaseException:
+            self.release()
+            raise
+        if not self.held:
+            self.release()
+
+    def _lease(self, path: str, size: int) -> bool:
+        if SETLEASE is None:
+            return False
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        self._fds.append(fd)
+        try:
+            # a break is announced by a signal, SIGIO unless told otherwise, and SIGIO's default ends the process:
+            # SIGURG's default is to ignore it (the writer waits all the same)
+            fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+            fcntl.fcntl(fd, SETLEASE, fcntl.F_RDLCK)
+        except OSError as e:
+            if e.errno in _NO_LEASE:
+                return False
+            raise
+        return os.fstat(fd).st_size == size  # shrunk (or grown) since the plan checked it: the log's path
+
+    def intact(self) -> bool:
+        """Every lease still unbroken (False once a writer waits on one)."""
+        return all(fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK for fd in self._fds)
+
+    def release(self) -> None:
+        """Let the writers in: closing a descriptor drops its lease."""
+        while self._fds:
+            os.close(self._fds.pop())
+
+
+def break_time() -> int | None:
+    """How long the kernel lets a leased file's writer wait, in seconds (``/proc/sys/fs/lease-break-time``)."""
+    try:
+        with open("/proc/sys/fs/lease-break-time") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None

@@ -308,12 +308,13 @@ def _bytes_finite(raw: Any, dtype: Any) -> bool:
             and (smin is None or int(signed.min()) > smin))
 
 
-def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True) -> list[bool]:
+def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, undo: Any = None) -> list[bool]:
     """Fill each contiguous CPU tensor ``dst`` of ``fills`` — ``(dst, fd, offset, name)`` — with the bytes of the
     file ``fd`` from ``offset`` (``dst.nbytes`` of them; ``name`` names the file in errors), read in chunks by up
     to :data:`MAX_READERS` threads; with ``check``, each chunk is checked for NaN/Inf just after it is read. Returns,
     per fill, whether its values are all finite (True unchecked or for integer tensors). A file that ends first
-    is a FormatError naming it and the range."""
+    is a FormatError naming it and the range; with ``undo`` (a ``rollback.Undo``), each chunk's old bytes are
+    saved there just before its read, so the caller can put back what the reads replaced."""
     import torch
 
     jobs = []  # (fill index, byte view of the chunk, file offset)
@@ -326,7 +327,7 @@ def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True) -
     finite = [True] * len(fills)
     own = {fd: _sequential(fd) for fd in {f[1] for f in fills}}
     try:
-        reader = _Reader([(d, own[fd], o, name) for d, fd, o, name in fills], jobs, finite, check)
+        reader = _Reader([(d, own[fd], o, name) for d, fd, o, name in fills], jobs, finite, check, undo)
         run_jobs(len(jobs), reader.job, min(MAX_READERS, torch.get_num_threads()))
     finally:
         for fd, mine in own.items():
@@ -335,6 +336,38 @@ def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True) -
     for n, (dst, _fd, _offset, _name) in enumerate(fills):  # a float kind the bit table doesn't know: torch's test
         if check and checks_values(dst) and _rule(dst.dtype) is None:
             finite[n] = all_finite(dst)
+    return finite
+
+
+def cast_from_file(dst: Any, fd: int, offset: int, dtype: Any, name: str, check: bool = True,
+                   undo: Any = None) -> bool:
+    """Fill the contiguous CPU tensor ``dst`` with the values stored as ``dtype`` in the file ``fd`` from ``offset``,
+    cast as torch casts: chunk by chunk, each read (``preadv``, not a mapping: a truncated file is a FormatError, not
+    SIGBUS) into a staging buffer, then copied into ``dst`` with the check (:func:`copy_checked`), its old values
+    saved in ``undo`` first. Returns whether every value is finite (True unchecked)."""
+    import torch
+
+    count = dst.numel()
+    if count == 0:
+        return True
+    width = torch.empty((), dtype=dtype).element_size()
+    step = max(1, CHUNK_BYTES // max(width, dst.element_size()))
+    staged = torch.empty(min(step, count), dtype=dtype)
+    raw = staged.view(torch.uint8).numpy()
+    out = dst.view(-1)
+    mine = _sequential(fd)
+    try:
+        reader, finite = _Reader([], [], [], False), True
+        for i in range(0, count, step):
+            k = min(step, count - i)
+            reader._read(mine, raw[: k * width], offset + i * width, name)
+            part = out[i : i + k]
+            if undo is not None:
+                undo.save(part.view(torch.uint8).numpy())
+            finite = copy_checked(part, staged[:k], check) and finite
+    finally:
+        if mine != fd:
+            os.close(mine)
     return finite
 
 
@@ -355,8 +388,8 @@ class _Reader:
     """The shared state of :func:`fill_from_file`'s threads (:func:`run_jobs`): the readahead asked for per file."""
 
     def __init__(self, fills: list[tuple[Any, int, int, str]], jobs: list[Any], finite: list[bool],
-                 check: bool) -> None:
-        self.fills, self.jobs, self.finite = fills, jobs, finite
+                 check: bool, undo: Any = None) -> None:
+        self.fills, self.jobs, self.finite, self.undo = fills, jobs, finite, undo
         self.checks = [check and checks_values(f[0]) and _rule(f[0].dtype) is not None for f in fills]
         self.lock = threading.Lock()
         self.ahead: dict[int, tuple[int, int]] = {}  # fd -> the range last asked for
@@ -367,6 +400,8 @@ class _Reader:
 
         n, buf, offset = self.jobs[j]
         dst, fd, _start, name = self.fills[n]
+        if self.undo is not None:
+            self.undo.save(buf)  # the bytes this read replaces, while they are in this core's cache
         self._read(fd, buf, offset, name)
         if self.checks[n] and self.finite[n] and not _bytes_finite(buf, dst.dtype):
             self.finite[n] = False
@@ -388,7 +423,7 @@ class _Reader:
             got = os.preadv(fd, [buf[done:]], offset + done)
             if got <= 0:
                 raise FormatError(f"{name}: ends at byte {offset + done}, but bytes {offset}..{offset + total} are "
-                                  "needed (a truncated file?); the model may be partly loaded")
+                                  "needed: the file was truncated while it was read")
             done += got
 
     def _advise(self, fd: int, offset: int) -> None:

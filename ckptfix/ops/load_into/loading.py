@@ -5,12 +5,15 @@
    that can fail is checked: keys, shapes, a file too short for its tensors, devices, meta tensors nothing
    fills. With ``strict_values`` the values are checked too, on the mapped file. A failure raises LoadError
    and the model is as it was.
-2. **Commit.** Each model tensor is filled once from the mapped file: copied in place (built tensors, the
+2. **Commit.** Each model tensor is filled once from the file: read or copied in place (built tensors, the
    NaN/Inf check fused into the copy: :mod:`ckptfix.core.tensorcopy`), assigned (meta tensors: a zero-copy
    view of the file where the target is the CPU and the dtype as stored, else materialised on the target
    device; tied parameters stay one tensor), or — for a DTensor — its local shard read from exactly its
    byte ranges (:mod:`ckptfix.ops.load_into.shards`). Modules whose ``_load_from_state_dict`` or load hooks are their
-   own (BatchNorm's version handling, user hooks) are loaded through torch's ``load_state_dict``.
+   own (BatchNorm's version handling, user hooks) are loaded through torch's ``load_state_dict``. The files read are
+   leased for the commit (:mod:`ckptfix.core.rollback`: no other process can shrink them meanwhile); where a lease
+   can't be had, what the fills replace is saved just before and put back if anything fails: a file truncated by
+   another process while it is read leaves the model as it was either way.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core import locations, tensorcopy
+from ...core import locations, rollback, tensorcopy
 from ...core.devices import DevicePlan, storage_id
 from ...core.positional import PositionalReader
 from ...core.units import few
-from ...errors import LoadError
+from ...errors import FormatError, LoadError
 from ...formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
 from ...formats.base import source_record
 from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
@@ -54,6 +57,7 @@ class Plan:
     assign: list[tuple[Slot, Any, str]] = field(default_factory=list)  # (slot, source view, target device)
     sharded: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source on meta)
     by_torch: OrderedDict[str, Any] = field(default_factory=OrderedDict)  # key -> source view
+    by_torch_places: list[tuple[Any, str]] = field(default_factory=list)  # (module, attribute) torch's load fills
     materialise: list[tuple[Any, str]] = field(default_factory=list)  # (module, device): to_empty before the fill
     torch_assigns: bool = False  # the by-torch keys are assigned (their module is on meta, or assign=True)
     sources: list[Any] = field(default_factory=list)  # every source tensor (on meta: its ref says where its bytes are)
@@ -199,6 +203,7 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
                 view = view.to(dtype=slot.tensor.dtype, device=target(src))
                 plan.torch_assigns = True
             plan.by_torch.update((k, view) for k in slot.keys)
+            plan.by_torch_places += slot.places
         elif slot.tensor.is_meta or assign:
             plan.assign.append((slot, sources.view(src), target(src)))
         else:
@@ -276,57 +281,107 @@ def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) 
             raise damaged(record, crc)
 
 
-def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool) -> list[str]:
-    """Fill built tensors: read straight from the file into each where its bytes are as stored (contiguous,
-    the same dtype and shape, on the CPU), else copied from the mapped view (a cast, strides, a device); the keys
-    whose values are NaN/Inf (when ``check``)."""
+def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, undo: rollback.Undo | None) -> list[str]:
+    """Fill built tensors, each one's old values saved in ``undo`` first (if any): read straight from the file into each
+    CPU tensor whose bytes are as stored (contiguous, the same shape; the dtype as stored, else cast chunk by chunk from
+    reads), else copied from the mapped view (strides, a device). The keys whose values are NaN/Inf (``check``)."""
     fills, keys, bad = [], [], []
     for slot, src, place in copies:
         dst = slot.tensor.detach()
-        if place is None or not (dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == src.dtype
-                                 and dst.shape == src.shape):
+        if place is None or not (dst.device.type == "cpu" and dst.is_contiguous() and dst.shape == src.shape):
+            if undo is not None:
+                undo.save_tensor(dst)
             bad += [] if tensorcopy.copy_checked(dst, src, check) else slot.keys
+        elif dst.dtype != src.dtype:
+            fd = sources.reader.fd(place[0])
+            bad += [] if tensorcopy.cast_from_file(dst, fd, place[1], src.dtype, place[0], check, undo) else slot.keys
         else:
             fills.append((dst, sources.reader.fd(place[0]), place[1], place[0]))
             keys.append(slot.keys)
-    finite = tensorcopy.fill_from_file(fills, check)
+    finite = tensorcopy.fill_from_file(fills, check, undo)
     return bad + [k for ok, names in zip(finite, keys) if not ok for k in names]
 
 
+def _by_torch(model: Any, plan: Plan, state_dict: Any, check: bool, undo: rollback.Undo | None) -> list[str]:
+    """The modules that load their own way, through torch's ``load_state_dict``, what it replaces saved in
+    ``undo`` (if any) first (the tensors it copies into, the attributes it assigns); the keys whose values are NaN/Inf."""
+    for module, name in plan.by_torch_places:
+        if undo is not None:
+            undo.keep(module, name)
+            held = getattr(module, name)
+            if held is not None and not shards.on_meta(held):
+                undo.save_tensor(held)
+    sub: Any = OrderedDict(plan.by_torch)
+    sub._metadata = getattr(state_dict, "_metadata", None) or {}
+    model.load_state_dict(sub, strict=False, assign=plan.torch_assigns)
+    model_sd = model.state_dict()
+    return [k for k in plan.by_torch if check and not tensorcopy.all_finite(model_sd[k])]
+
+
+def _local_files(plan: Plan, sources: Sources) -> dict[str, int] | None:
+    """Every file the commit reads, with the size the plan checked; None when one is remote (nothing to lease)."""
+    paths = {seg[0] for t in plan.sources if t.is_meta for seg in sources.segments(t) or []}
+    if any(sources.reader.is_remote(p) for p in paths):
+        return None
+    return {p: sources.reader.size(p) for p in sorted(paths)}
+
+
 def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool) -> list[str]:
-    """Fill the model; the keys whose values are NaN/Inf (checked as they are copied, when ``check``)."""
+    """Fill the model; the keys whose values are NaN/Inf (checked as they are copied, when ``check``). The files read
+    are leased first (:class:`rollback.Leases`): no other process can shrink them until the commit ends. Where a lease
+    can't be had, what the fills replace is saved first (:class:`rollback.Undo`) and put back if a read fails."""
     import torch
 
-    bad: list[str] = []
-    new = []
-    views = [src for slot, src, device in plan.assign if device == "cpu" and src.dtype == slot.tensor.dtype]
-    views_finite = iter(tensorcopy.all_finite_many(views) if check else [True] * len(views))  # (all chunks at once)
-    for slot, src, device in plan.assign:  # built first: a failure here (out of memory) leaves the model as it was
-        want = slot.tensor.dtype
-        if device == "cpu" and src.dtype == want:
-            value, finite = src, next(views_finite)
-        else:
-            value = torch.empty(src.shape, dtype=want, device=device)
-            finite = tensorcopy.copy_checked(value, src, check)
-        bad += [] if finite else slot.keys
-        new.append((slot, value))
-    shards.materialise(plan.materialise)  # DTensors whose shards are on meta, allocated (or, failing, none)
-    if plan.by_torch:
-        sub: Any = OrderedDict(plan.by_torch)
-        sub._metadata = getattr(state_dict, "_metadata", None) or {}
-        model.load_state_dict(sub, strict=False, assign=plan.torch_assigns)
-        model_sd = model.state_dict()
-        bad += [k for k in plan.by_torch if check and not tensorcopy.all_finite(model_sd[k])]
-    shards.reshard(model)
-    bad += _copy(plan.copy, sources, check)
-    for slot, src in plan.sharded:
-        bad += [] if shards.fill_local(slot.tensor, src, sources, check) else slot.keys
+    leases = rollback.Leases(_local_files(plan, sources))
+    try:
+        bad: list[str] = []
+        new = []
+        views = [src for slot, src, device in plan.assign if device == "cpu" and src.dtype == slot.tensor.dtype]
+        views_finite = iter(tensorcopy.all_finite_many(views) if check else [True] * len(views))  # (chunks at once)
+        for slot, src, device in plan.assign:  # built first: a failure here (out of memory) leaves the model as it was
+            want = slot.tensor.dtype
+            if device == "cpu" and src.dtype == want:
+                value, finite = src, next(views_finite)
+            else:
+                value = torch.empty(src.shape, dtype=want, device=device)
+                finite = tensorcopy.copy_checked(value, src, check)
+            bad += [] if finite else slot.keys
+            new.append((slot, value))
+        shards.materialise(plan.materialise)  # DTensors whose shards are on meta, allocated (or, failing, none)
+        bad += _fill(model, plan, state_dict, sources, check, None if leases.held else rollback.Undo())
+    finally:
+        leases.release()
     for slot, value in new:
         if slot.is_param:
             value = torch.nn.Parameter(value, requires_grad=slot.tensor.requires_grad)
         for module, name in slot.places:
             setattr(module, name, value)
     return bad
+
+
+def _fill(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool,
+          undo: rollback.Undo | None) -> list[str]:
+    """Write into the model's own tensors; on any failure, with ``undo``, put back what was replaced. Without it
+    (leased files) a read fails only if a writer waited out lease-break-time: the model is partly loaded."""
+    try:
+        bad = _by_torch(model, plan, state_dict, check, undo) if plan.by_torch else []
+        shards.reshard(model)
+        bad += _copy(plan.copy, sources, check, undo)
+        for slot, src in plan.sharded:
+            bad += [] if shards.fill_local(slot.tensor, src, sources, check) else slot.keys
+        return bad
+    except BaseException as e:
+        if undo is not None:
+            undo.restore()
+        if type(e) is not FormatError or "nothing was loaded" in str(e):
+            raise
+        if undo is None:
+            raise FormatError(f"{e}; the model is partly loaded (the load held the file longer than the "
+                              f"{rollback.break_time()} s another process's write waits: lease-break-time)") from e
+        raise FormatError(f"{e}; nothing was loaded") from e
+    finally:
+        if undo is not None:
+            undo.close()
 
 
 def _nbytes(t: Any) -> int:

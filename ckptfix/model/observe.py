@@ -221,7 +221,9 @@ def read_differs(obs: Observation, read: Any, with_values: bool) -> list[str]:
 
 def _error(e: BaseException) -> str:
     """``'RuntimeError: Error(s) in loading … Missing key(s) …'``: the type and the message on one line."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    text = " ".join(str(e).split())
+    why = text.partition("WeightsUnpickler error:")[2]  # torch's long advice first, the reason after it
+    return f"{type(e).__name__}: " + (f"Weights only load failed: {why.strip()}" if why else text)
 
 
 def _limit_memory(extra: int | None) -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.units import shown
+from ..formats.sharded import load_index
 from ..parse.format_registry import get as format_of
 from .spec import ModelSource, unwrap_model
 
@@ -84,9 +85,14 @@ def serving_call(fmt: str, loader: str, serving_device: str | None) -> str:
     if spec.index_name:
         one = serving_call(spec.shard_format or fmt, loader, serving_device)
         return f"each shard: {one.split(' + ')[0]}; the union + load_state_dict(strict=True)"
-    load = ("safetensors.torch.load_file(PATH)" if spec.name == "safetensors" else
+    load = ("safetensors.torch.load_file(PATH)" if _load_file(spec) else
             f"torch.load(PATH, weights_only=True{', mmap=True' if spec.zip else ''})")
     return load + " + load_state_dict(strict=True)"
+
+
+def _load_file(spec: Any) -> bool:
+    """Whether the registry says safetensors' ``load_file`` serves the format (else ``torch.load``)."""
+    return (spec.exact_loader or "").startswith("safetensors.")
 
 
 def shards(path: str, fmt: str) -> list[str]:
@@ -94,8 +100,6 @@ def shards(path: str, fmt: str) -> list[str]:
     spec = format_of(fmt)
     if not spec.index_name:
         return [path]
-    from ..formats.sharded import load_index
-
     index = path if os.path.isfile(path) else os.path.join(path, spec.index_name)
     return [os.path.join(os.path.dirname(index), s) for s in dict.fromkeys(load_index(index).values())]
 
@@ -242,7 +246,7 @@ def _load(files: list[str], fmt: str) -> Any:
     out: dict[str, Any] = {}
     for file in files:
         spec = format_of(format_of(fmt).shard_format or fmt)
-        if spec.name == "safetensors":
+        if _load_file(spec):
             from safetensors.torch import load_file
 
             obj = load_file(file)
@@ -270,7 +274,7 @@ def _from_pretrained(model: Any, files: list[str], fmt: str) -> tuple[Any, list[
     inner = unwrap_model(model)
     with tempfile.TemporaryDirectory(prefix="ckptfix-pretrained-") as tmp:
         if len(files) == 1 and not format_of(fmt).index_name:
-            name = "model.safetensors" if fmt == "safetensors" else "pytorch_model.bin"
+            name = "model.safetensors" if _load_file(format_of(fmt)) else "pytorch_model.bin"
             os.symlink(os.path.abspath(files[0]), os.path.join(tmp, name))
         else:
             here = os.path.dirname(os.path.abspath(files[0]))

@@ -138,8 +138,8 @@ def observe(path: str, fmt: str, model: Any, options: Any, devices: dict[str, in
                "memory_limit": None if gpu else 2 * size + HEADROOM}
     with tempfile.TemporaryDirectory(prefix="ckptfix-observe-") as tmp:
         req, out = os.path.join(tmp, "request.pkl"), os.path.join(tmp, "observed.json")
-        with open(req, "wb") as f:
-            pickle.dump(request, f)
+        with open(req, "wb") as request_file:
+            pickle.dump(request, request_file)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
         if serving == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU box: the loader sees no GPU
@@ -251,7 +251,7 @@ def _load(files: list[str], fmt: str) -> Any:
 
             obj = load_file(file)
         else:
-            obj = torch.load(file, weights_only=True, **({"mmap": True} if spec.zip else {}))
+            obj = torch.load(file, weights_only=True, mmap=bool(spec.zip))
         if len(files) == 1:
             return obj
         out.update(obj)
@@ -278,8 +278,8 @@ def _from_pretrained(model: Any, files: list[str], fmt: str) -> tuple[Any, list[
             os.symlink(os.path.abspath(files[0]), os.path.join(tmp, name))
         else:
             here = os.path.dirname(os.path.abspath(files[0]))
-            for name in [format_of(fmt).index_name, *map(os.path.basename, files)]:
-                os.symlink(os.path.join(here, name), os.path.join(tmp, name))
+            for member in [str(format_of(fmt).index_name), *map(os.path.basename, files)]:
+                os.symlink(os.path.join(here, member), os.path.join(tmp, member))
         inner.config.save_pretrained(tmp)
         if getattr(inner, "generation_config", None) is not None:
             inner.generation_config.save_pretrained(tmp)

@@ -19,11 +19,11 @@ from ..core.devices import storage_id
 from ..core.progress import Progress
 from ..core import locations
 from ..core.units import shown
-from ..errors import GoldenError, LoadError, ModelSpecError
+from ..errors import GoldenError, LoadError, ModelSpecError, UnsafeCheckpointError
 from ..ops import api
 from ..parse.format_registry import get as format_of
 from ..reports import Checkpoint
-from ..safety import integrity
+from ..safety import integrity, scanner
 from ..statedict import repair
 from . import fixes, observe, serving
 from . import forward as fwd
@@ -223,6 +223,11 @@ def observed_load(gate: Gate, report: VerifyReport) -> Findings:
     if gate.options.serving_loader == "transformers" and importlib.util.find_spec("transformers") is None:
         raise ModelSpecError("--serving-loader transformers (serving_loader='transformers'): transformers is not "
                              "installed here; pip install transformers, or observe the plain load (--serving-loader torch)")
+    if not gate.options.trust:  # the static scan first: a file whose pickles name code never reaches the loader
+        try:
+            scanner.ensure_safe(gate.path, gate.ckpt.format)
+        except UnsafeCheckpointError as e:
+            return Findings(failures=[f"exact: not handed to the serving loader: {e}"])
     obs = observe.observe(gate.path, gate.ckpt.format, gate.source.model, gate.options, dict(gate.ckpt.devices),
                           gate.ckpt.state_dict_key)
     found = Findings(notes=list(obs.notes), fields={"observed": obs.to_dict()})

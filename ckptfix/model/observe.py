@@ -40,9 +40,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.devices import available_devices
 from ..core.units import shown
 from ..formats.sharded import load_index
 from ..parse.format_registry import get as format_of
+from . import serving
 from .spec import ModelSource, unwrap_model
 
 #: the address space the child may take beyond what it holds after building the model and twice the file's size
@@ -124,16 +126,20 @@ def sendable_model(model: Any) -> tuple[Any, str | None]:
 
 def observe(path: str, fmt: str, model: Any, options: Any, devices: dict[str, int], select_key: str | None) -> Observation:
     """Run the serving call on ``path`` in a child process and read what it did (see the module docstring)."""
-    loader, serving = options.serving_loader, options.serving_device
-    obs = Observation(serving_call(fmt, loader, serving))
+    loader, device = options.serving_loader, options.serving_device
+    obs = Observation(serving_call(fmt, loader, device))
     sent, why = sendable_model(model)
     if sent is None:
         obs.notes.append(f"the model object can't be sent to the serving loader's process ({shown(why)}): its strict "
                          "load is not observed; pass a model spec or a module-level factory")
     files = shards(path, fmt)
     size = sum(os.path.getsize(f) for f in files)
-    gpu = serving != "cpu" and any(not str(tag).lower().startswith(("cpu", "meta")) for tag in devices)
+    gpu = device != "cpu" and any(not str(tag).lower().startswith(("cpu", "meta")) for tag in devices)
+    stand_in = stand_in_location(devices, device)
+    if stand_in:
+        obs.call += f" (here map_location={stand_in}: the serving device {device} is not on this machine)"
     request = {"files": files, "format": fmt, "loader": loader, "model": sent, "model_args": options.model_args,
+               "map_location": stand_in,
                "dtype": options.dtype, "select_key": select_key, "sys_path": sys.path,
                "memory_limit": None if gpu else 2 * size + HEADROOM}
     with tempfile.TemporaryDirectory(prefix="ckptfix-observe-") as tmp:
@@ -141,7 +147,7 @@ def observe(path: str, fmt: str, model: Any, options: Any, devices: dict[str, in
         with open(req, "wb") as request_file:
             pickle.dump(request, request_file)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-        if serving == "cpu":
+        if device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU box: the loader sees no GPU
         start = time.perf_counter()
         done = _run(child_command(req, out), env, timeout_for(size))
@@ -154,6 +160,15 @@ def observe(path: str, fmt: str, model: Any, options: Any, devices: dict[str, in
     obs.ok, obs.stage, obs.error = result["ok"], result["stage"], result["error"]
     obs.digests, obs.others, obs.versions = result["digests"], result["others"], result["versions"]
     return obs
+
+
+def stand_in_location(devices: dict[str, int], serving_device: str | None) -> dict[str, str] | None:
+    """Where ``--serving-device`` names a GPU this machine lacks: its storages mapped onto the CPU here (the
+    serving box has it; every other saved device still fails as it would there); None otherwise."""
+    want = None if serving_device is None else serving.device_of(serving_device)
+    if want in (None, "cpu", "meta") or want in available_devices():
+        return None
+    return {tag: "cpu" for tag in devices if serving.device_of(tag) == want} or None
 
 
 def child_command(request: str, out: str) -> list[str]:
@@ -239,7 +254,7 @@ def _limit_memory(extra: int | None) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (now + extra, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
-def _load(files: list[str], fmt: str) -> Any:
+def _load(files: list[str], fmt: str, map_location: dict[str, str] | None) -> Any:
     """The serving loader's call on each file; the union of the shards' state dicts (a single file: its object)."""
     import torch
 
@@ -251,7 +266,7 @@ def _load(files: list[str], fmt: str) -> Any:
 
             obj = load_file(file)
         else:
-            obj = torch.load(file, weights_only=True, mmap=bool(spec.zip))
+            obj = torch.load(file, weights_only=True, mmap=bool(spec.zip), map_location=map_location)
         if len(files) == 1:
             return obj
         out.update(obj)
@@ -314,7 +329,7 @@ def _observe_child(request: dict[str, Any]) -> dict[str, Any]:
             if problems:
                 raise RuntimeError("from_pretrained reported " + "; ".join(problems))
         else:
-            obj = _load(files, fmt)
+            obj = _load(files, fmt, request["map_location"])
             result["digests"], result["others"] = digests(_selected(obj, request["select_key"]))
             result["stage"] = "strict"
             if model is not None:

@@ -148,7 +148,8 @@ def shown(keys: list[str]) -> str:
     return few(keys, SHOWN_KEYS)
 
 
-def _device(tag: str) -> str | None:
+def device_of(tag: str) -> str | None:
+    """The device a location tag (or ``--serving-device``) names, as torch restores it; None for none."""
     try:
         dev = normalise_device(tag)
     except DeviceError:
@@ -160,13 +161,13 @@ def device_failures(devices: Mapping[str, int], serving_device: str | None, load
     """Why the serving loader can't put the tensors where they were saved: a device the serving machine lacks
     (``serving_device``; without one, this machine), or one other than the serving device."""
     out = []
-    serving = None if serving_device is None else _device(serving_device)
+    serving = None if serving_device is None else device_of(serving_device)
     if serving_device is not None and serving in (None, "meta"):
         raise DeviceError(f"serving device {serving_device!r} (--serving-device) is not a device the serving code "
                           "loads on: use cpu, cuda or cuda:N")
     here = available_devices()
     for tag, n in devices.items():
-        dev = _device(tag)
+        dev = device_of(tag)
         if dev in ("cpu", "meta") or dev == serving or (serving is None and dev in here):
             continue
         if serving is None:

@@ -208,8 +208,10 @@ def test_exact_checks_the_devices_a_plain_load_needs(fixture: str, serving: str 
     assert "  devices: " + ", ".join(f"{k} ×{v}" for k, v in saved.items()) in text
     if ok:
         return
-    assert report["failures"] and all(f.startswith("exact: torch.load(weights_only=True) puts ") and "(as saved)" in f
-                                      for f in report["failures"])
+    placed = [f for f in report["failures"] if not f.startswith("exact: the serving loader failed as saved: ")]
+    assert placed and all(f.startswith("exact: torch.load(weights_only=True) puts ") and "(as saved)" in f for f in placed)
+    if not HAS_CUDA:  # the loader, observed here (the serving GPU's storages mapped onto the CPU), fails too
+        assert len(report["failures"]) - len(placed) == 1
     assert report["convert_command"].endswith("--to single --map-location cpu")
     assert cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:]).exit_code == 0
     fixed = Path(shlex.split(report["convert_command"])[3])
@@ -237,7 +239,10 @@ def test_failure_lines_name_their_keys(cli_runner: Any, fixtures_dir: Path, tmp_
     report = _json(cli_runner, [str(tmp_path / "bad.pth"), "--model", MLP_SPEC, "--exact"], 3)
     assert report["failures"] == [
         "1 missing: 4.bias; 1 non-finite: 0.weight (a different architecture or configuration than the checkpoint's?)",
-        "exact: load_state_dict(strict=True) would fail as saved: 1 missing: 4.bias"]
+        "exact: load_state_dict(strict=True) would fail as saved: 1 missing: 4.bias",
+        "exact: the serving loader failed as saved: torch.load(PATH, weights_only=True, mmap=True) + "
+        "load_state_dict(strict=True): the strict load: RuntimeError: Error(s) in loading state_dict for Sequential: "
+        'Missing key(s) in state_dict: "4.bias".']
     text = cli_runner.invoke(cli, ["verify", str(tmp_path / "bad.pth"), "--model", MLP_SPEC, "--exact"]).output
     assert all(f"  FAIL: {f}\n" in text for f in report["failures"])
 

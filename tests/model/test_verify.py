@@ -231,9 +231,13 @@ def test_dp_checkpoint_with_exact_fails_and_names_the_repair(cli_runner, fixture
     report = _json(cli_runner, [str(src), "--model", MLP_SPEC, "--exact"], 3)
     assert report["fix"] == "strip module." and report["exact"] is True
     assert report["convert_command"] == f"ckptfix convert {src} {tmp_path / 'mlp_dp.fixed.pth'} --to single"
-    assert report["failures"] == ["exact: load_state_dict(strict=True) would fail as saved: 6 missing: 0.weight, "
-                                  "0.bias, 2.weight and 3 more; 6 unexpected: module.0.weight, module.0.bias, "
-                                  "module.2.weight and 3 more (the repair: strip module.)"]
+    assert report["failures"][0] == ("exact: load_state_dict(strict=True) would fail as saved: 6 missing: 0.weight, "
+                                     "0.bias, 2.weight and 3 more; 6 unexpected: module.0.weight, module.0.bias, "
+                                     "module.2.weight and 3 more (the repair: strip module.)")
+    (observed,) = report["failures"][1:]  # and the loader itself, observed, says so
+    assert observed.startswith("exact: the serving loader failed as saved: torch.load(PATH, weights_only=True, "
+                               "mmap=True) + load_state_dict(strict=True): the strict load: RuntimeError: ")
+    assert 'Unexpected key(s) in state_dict: "module.0.weight"' in observed
     # The named command really produces a file that passes --exact.
     res = cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:])
     assert res.exit_code == 0, res.output

@@ -8,6 +8,7 @@ is one function here and one entry in :data:`CHECKS`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,14 +16,16 @@ from typing import Any
 
 from .. import text
 from ..core.devices import storage_id
+from ..core import locations
 from ..core.progress import Phases, Progress
-from ..errors import GoldenError, LoadError
+from ..core.units import shown
+from ..errors import GoldenError, LoadError, ModelSpecError, UnsafeCheckpointError
 from ..ops import api, reading
 from ..parse.format_registry import get as format_of
 from ..reports import Checkpoint
-from ..safety import integrity
+from ..safety import integrity, scanner
 from ..statedict import metadata, repair
-from . import fixes, serving
+from . import fixes, observe, serving
 from . import forward as fwd
 from . import golden as gold
 from . import spec as models
@@ -61,7 +64,7 @@ class Gate:
             return serving.Aliases()
         loaded = serving.plainly_loaded(self.ckpt)
         return serving.check_aliases(self.ckpt.state_dict, loaded, self.chosen.fn, self.target,
-                                     serving.retie_hook(self.structure))
+                                     serving.retie_hook(self.structure), self.options.serving_loader)
 
     @cached_property
     def off_device(self) -> list[str]:
@@ -125,7 +128,7 @@ def fix_command(gate: Gate, report: VerifyReport) -> Findings:
     """The ``ckptfix convert`` line that writes a file the serving loader takes, where the file needs one."""
     exact, ckpt, aliases = gate.options.exact, gate.ckpt, gate.aliases
     cast = fixes.cast_to(gate.fit, gate.target) if exact else None
-    as_saved_fails = exact and (ckpt.state_dict_key is not None or not format_of(ckpt.format).exact_loader)
+    as_saved_fails = exact and (ckpt.state_dict_key is not None or not serving.has_loader(ckpt.format))
     if not (gate.chosen.description or cast or aliases.stored or gate.off_device or as_saved_fails):
         return Findings()
     ext = format_of(ckpt.format).fixed_ext  # a safetensors release stays one
@@ -217,7 +220,7 @@ def as_saved(gate: Gate, report: VerifyReport) -> Findings:
         return Findings()
     ckpt, aliases, out = gate.ckpt, gate.aliases, []
     how = f" (the repair: {report.fix})" if report.fix else ""
-    if not format_of(ckpt.format).exact_loader:
+    if not serving.has_loader(ckpt.format):
         what = "directory" if os.path.isdir(ckpt.path) else "file"
         out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
     if ckpt.state_dict_key is not None:
@@ -237,6 +240,34 @@ def as_saved(gate: Gate, report: VerifyReport) -> Findings:
         out.append(f"exact: {len(plain.dtype_mismatch)} dtypes differ from the model's ({', '.join(kinds)}): "
                    + serving.shown(_keys(plain.dtype_mismatch)))
     return Findings(failures=out)
+
+
+def observed_load(gate: Gate, report: VerifyReport) -> Findings:
+    """With ``exact``: the serving loader's own verdict on the file as saved, run in a child process
+    (:mod:`ckptfix.model.observe`), and every tensor it returned against ckptfix's read, bit for bit."""
+    if not gate.options.exact or not serving.has_loader(gate.ckpt.format) or locations.is_remote(gate.path):
+        return Findings()
+    if gate.options.serving_loader == "transformers" and importlib.util.find_spec("transformers") is None:
+        raise ModelSpecError("--serving-loader transformers (serving_loader='transformers'): transformers is not "
+                             "installed here; pip install transformers, or observe the plain load (--serving-loader torch)")
+    if not gate.options.trust:  # the static scan first: a file whose pickles name code never reaches the loader
+        try:
+            scanner.ensure_safe(gate.path, gate.ckpt.format)
+        except UnsafeCheckpointError as e:
+            return Findings(failures=[f"exact: not handed to the serving loader: {e}"])
+    obs = observe.observe(gate.path, gate.ckpt.format, gate.source.model, gate.options, dict(gate.ckpt.devices),
+                          gate.ckpt.state_dict_key)
+    found = Findings(notes=list(obs.notes), fields={"observed": obs.to_dict()})
+    if obs.error is not None:
+        where = {"process": "", "build": "building the model: ", "load": "the load: ",
+                 "strict": "the strict load: "}[obs.stage or "process"]
+        found.failures.append(f"exact: the serving loader failed as saved: {obs.call}: {where}{shown(obs.error, 400)}"
+                              + serving.loader_hint(obs, gate.aliases))
+    differ = observe.read_differs(obs, serving.plainly_loaded(gate.ckpt), gate.with_values) if obs.digests else []
+    if differ:
+        found.failures.append(f"exact: ckptfix's read and {obs.call.split(' + ')[0]} part: {'; '.join(differ)} "
+                              "(a ckptfix reader bug: please report it)")
+    return found
 
 
 def devices(gate: Gate, report: VerifyReport) -> Findings:
@@ -364,5 +395,5 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
 
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
-CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs,
+CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs, observed_load,
           forward_outputs)

@@ -44,6 +44,8 @@ class VerifyReport:
     golden: dict[str, Any] | None = None
     devices: dict[str, int] = field(default_factory=dict)
     serving_device: str | None = None
+    #: with ``exact``: what the serving loader did with the file as saved (``observe.Observation.to_dict``)
+    observed: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

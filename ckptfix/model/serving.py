@@ -59,23 +59,45 @@ class Aliases:
 
 
 def check_aliases(read: Mapping[str, Any], loaded: Mapping[str, Any], to_model: Callable[[str], str],
-                  target: repair.Target, hook: str | None) -> Aliases:
+                  target: repair.Target, hook: str | None, serving_loader: str = "torch") -> Aliases:
     """Which tied keys ``loaded`` (what the serving loader returns) lacks, of those ``read`` (ckptfix's read)
-    may hold, with their keys renamed to the model's by ``to_model`` (the repair)."""
+    may hold, with their keys renamed to the model's by ``to_model`` (the repair). Only ``from_pretrained``
+    (``serving_loader='transformers'``) calls the model's ``hook``: a plain strict load reports the key missing."""
     have = {to_model(k) for k in loaded}
     in_file = {to_model(k) for k in read}
     out = Aliases(hook=hook)
+    reties = hook is not None and serving_loader == "transformers"
     for group in target.tied:
         twin = next((k for k in group if k in have), None)
         for key in group:
             if twin is None or key in have:
                 continue
-            (out.retied if hook is not None else out.absent)[key] = twin
+            (out.retied if reties else out.absent)[key] = twin
             if key in in_file:
                 out.hidden.append(key)
-                if hook is None:
+                if not reties:
                     out.stored.append(key)
     return out
+
+
+def has_loader(fmt: str) -> bool:
+    """Whether a serving loader reads ``fmt`` as saved: a file's ``exact_loader``, or a sharded checkpoint's
+    shards one by one (as transformers' ``load_sharded_checkpoint`` does)."""
+    spec = format_of(fmt)
+    return bool(spec.exact_loader or spec.index_name)
+
+
+def loader_hint(obs: Any, aliases: Aliases) -> str:
+    """What the server would need where the observed load failed: the loader that re-ties a tied key, the global
+    the weights-only unpickler refused allowed."""
+    error = obs.error or ""
+    if aliases.absent and aliases.hook is not None and obs.stage == "strict":
+        return (f" ({aliases.hook} ties {', '.join(aliases.absent)} again only in from_pretrained: if the server calls "
+                "it, verify with --serving-loader transformers; else write every tied name, e.g. convert --untie)")
+    if "Weights only load failed" in error or "weights_only" in error:
+        return (" (the weights-only unpickler refuses it: the server would need torch.serialization.add_safe_globals "
+                "for what it names, or a file without it: ckptfix convert writes one)")
+    return ""
 
 
 def as_served(report: Any, aliases: Aliases) -> Findings:
@@ -106,6 +128,11 @@ def alias_reason(key: str, a: Aliases, fmt: str) -> str:
     if key in a.stored:
         return (f"{key} is tied to {twin}; the file stores it once, as ckptfix's alias, which "
                 f"{format_of(fmt).exact_loader} does not return (convert --untie stores it under its own key)")
+    if a.hook is not None:
+        return (f"{key} is tied to {twin} and the file holds only {twin} (as save_pretrained writes it); {a.hook} "
+                "ties it again, but a plain strict load_state_dict does not call it: serve with from_pretrained "
+                "(verify it with --serving-loader transformers), or save every tied name (the model's state dict as "
+                "it is; convert --untie for a file ckptfix wrote)")
     return (f"{key} is tied to {twin} and the file holds only {twin} (the alias dropped, as safetensors' save_model "
             "does) and the model does not tie it again after loading (no tie_weights()): serve it with "
             "safetensors.torch.load_model(model, PATH), which skips tied names, or save the model's state dict as it is")
@@ -121,7 +148,8 @@ def shown(keys: list[str]) -> str:
     return few(keys, SHOWN_KEYS)
 
 
-def _device(tag: str) -> str | None:
+def device_of(tag: str) -> str | None:
+    """The device a location tag (or ``--serving-device``) names, as torch restores it; None for none."""
     try:
         dev = normalise_device(tag)
     except DeviceError:
@@ -133,13 +161,13 @@ def device_failures(devices: Mapping[str, int], serving_device: str | None, load
     """Why the serving loader can't put the tensors where they were saved: a device the serving machine lacks
     (``serving_device``; without one, this machine), or one other than the serving device."""
     out = []
-    serving = None if serving_device is None else _device(serving_device)
+    serving = None if serving_device is None else device_of(serving_device)
     if serving_device is not None and serving in (None, "meta"):
         raise DeviceError(f"serving device {serving_device!r} (--serving-device) is not a device the serving code "
                           "loads on: use cpu, cuda or cuda:N")
     here = available_devices()
     for tag, n in devices.items():
-        dev = _device(tag)
+        dev = device_of(tag)
         if dev in ("cpu", "meta") or dev == serving or (serving is None and dev in here):
             continue
         if serving is None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from ..errors import CkptfixError, DeviceError, GoldenError
+from ..errors import CkptfixError, DeviceError, GoldenError, ModelSpecError
 from ..ops.convert_options import DTYPES, JSON, ConvertOptions, Flag, flag_of, option
 
 #: Seed of the input used for forward checks (the fixtures' own: fixtures/train.py INPUT_SEED).
@@ -86,6 +86,9 @@ class VerifyOptions:
         "values, crc, load, forward) elsewhere.")))
     structure_only: bool = option(False, own_flag(("--structure-only",), is_flag=True, help=(
         "Keys, shapes and dtypes only: reads on meta, no tensor data (no NaN/Inf check, no forward).")))
+    serving_loader: str = option("torch", own_flag(("--serving-loader",), choices=("torch", "transformers"), help=(
+        "With --exact: the loader the server calls: torch (torch.load/load_file + load_state_dict(strict=True); "
+        "default) or transformers (type(model).from_pretrained, which ties the model's tied weights itself).")))
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -95,9 +98,9 @@ class VerifyOptions:
 
 
 #: the fields' flags in ``ckptfix verify --help`` (after ``--model``); a flag not named here follows them
-HELP_ORDER = ("model_args", "exact", "serving_device", "reference", "input_shape", "input_dtype", "input_range",
-              "inputs", "golden", "record_golden", "dtype", "atol", "rtol", "forward", "structure_only", "map_location",
-              "select", "trust", "checksum", "progress")
+HELP_ORDER = ("model_args", "exact", "serving_device", "serving_loader", "reference", "input_shape", "input_dtype",
+              "input_range", "inputs", "golden", "record_golden", "dtype", "atol", "rtol", "forward", "structure_only",
+              "map_location", "select", "trust", "checksum", "progress")
 
 
 def flagged() -> Iterator[Field]:
@@ -126,6 +129,10 @@ RULES = (
          "serving_device={serving_device!r} (--serving-device) is what --exact's plain load is checked against: "
          "pass exact=True (--exact) too",
          "--serving-device goes with --exact (the plain load it checks)"),
+    Rule(lambda o: o["serving_loader"] != "torch" and not o["exact"], ModelSpecError,
+         "serving_loader={serving_loader!r} (--serving-loader) names the loader --exact observes: pass exact=True "
+         "(--exact) too",
+         "--serving-loader goes with --exact (the load it observes)"),
 )
 
 

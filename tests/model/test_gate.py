@@ -92,9 +92,12 @@ def test_exact_takes_a_safetensors_release_as_load_file_does(src: str, to: str, 
     assert report["ok"] is ok is _serving_loader_takes(release, train.mlp())
     assert report["format"] == "safetensors" and report["forward"]["max_abs_diff"] == 0.0
     if not ok:
-        assert report["failures"] == ["exact: load_state_dict(strict=True) would fail as saved: 6 missing: 0.weight, "
-                                      "0.bias, 2.weight and 3 more; 6 unexpected: module.0.weight, module.0.bias, "
-                                      "module.2.weight and 3 more (the repair: strip module.)"]
+        assert report["failures"][0] == ("exact: load_state_dict(strict=True) would fail as saved: 6 missing: 0.weight, "
+                                         "0.bias, 2.weight and 3 more; 6 unexpected: module.0.weight, module.0.bias, "
+                                         "module.2.weight and 3 more (the repair: strip module.)")
+        (observed,) = report["failures"][1:]  # and the loader itself, observed, says so
+        assert observed.startswith("exact: the serving loader failed as saved: safetensors.torch.load_file(PATH) + "
+                                   "load_state_dict(strict=True): the strict load: RuntimeError: Error(s) in loading")
         fixed = tmp_path / "release.fixed.safetensors"  # a safetensors release stays safetensors
         assert report["convert_command"] == f"ckptfix convert {release} {fixed} --to single"
         assert cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:]).exit_code == 0

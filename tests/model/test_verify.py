@@ -231,9 +231,13 @@ def test_dp_checkpoint_with_exact_fails_and_names_the_repair(cli_runner, fixture
     report = _json(cli_runner, [str(src), "--model", MLP_SPEC, "--exact"], 3)
     assert report["fix"] == "strip module." and report["exact"] is True
     assert report["convert_command"] == f"ckptfix convert {src} {tmp_path / 'mlp_dp.fixed.pth'} --to single"
-    assert report["failures"] == ["exact: load_state_dict(strict=True) would fail as saved: 6 missing: 0.weight, "
-                                  "0.bias, 2.weight and 3 more; 6 unexpected: module.0.weight, module.0.bias, "
-                                  "module.2.weight and 3 more (the repair: strip module.)"]
+    assert report["failures"][0] == ("exact: load_state_dict(strict=True) would fail as saved: 6 missing: 0.weight, "
+                                     "0.bias, 2.weight and 3 more; 6 unexpected: module.0.weight, module.0.bias, "
+                                     "module.2.weight and 3 more (the repair: strip module.)")
+    (observed,) = report["failures"][1:]  # and the loader itself, observed, says so
+    assert observed.startswith("exact: the serving loader failed as saved: torch.load(PATH, weights_only=True, "
+                               "mmap=True) + load_state_dict(strict=True): the strict load: RuntimeError: ")
+    assert 'Unexpected key(s) in state_dict: "module.0.weight"' in observed
     # The named command really produces a file that passes --exact.
     res = cli_runner.invoke(cli, shlex.split(report["convert_command"])[1:])
     assert res.exit_code == 0, res.output
@@ -244,8 +248,6 @@ def test_dp_checkpoint_with_exact_fails_and_names_the_repair(cli_runner, fixture
 @pytest.mark.parametrize("layout, failure, option, ext", [
     ("train_ckpt", "exact: torch.load returns a dict with the state dict under 'model_state_dict', "
                    "not the state dict", " --select model_state_dict", ".pth"),
-    ("sharded", "exact: neither torch.load nor safetensors.torch.load_file reads a sharded-safetensors directory", "",
-     ".safetensors"),
     ("dcp", "exact: neither torch.load nor safetensors.torch.load_file reads a dcp directory", "", ".pth"),
 ])
 def test_exact_needs_one_file_the_serving_loader_reads(cli_runner, fixtures_dir: Path, tmp_path: Path, layout: str,
@@ -257,12 +259,25 @@ def test_exact_needs_one_file_the_serving_loader_reads(cli_runner, fixtures_dir:
         path = tmp_path / "release"
         ckptfix.convert(original, path, **({"max_shard_size": "1KB"} if layout == "sharded" else {"format": "dcp"}))
     report = ckptfix.verify(path, MLP_SPEC, exact=True)
-    assert report.failures == [failure] and report.fix is None
+    assert report.failures[0] == failure and report.fix is None
+    # the observed loader agrees: it fails the strict load (a dict around the state dict), or there is none (DCP)
+    extra = report.failures[1:]
+    assert len(extra) == (0 if layout == "dcp" else 1)
+    assert all(f.startswith("exact: the serving loader failed as saved: ") and "strict load" in f for f in extra)
     fixed = tmp_path / f"{path.stem}.fixed{ext}"
     assert report.convert_command == f"ckptfix convert {path} {fixed} --to single{option}"
     assert cli_runner.invoke(cli, shlex.split(report.convert_command)[1:]).exit_code == 0
     again = ckptfix.verify(fixed, MLP_SPEC, exact=True, reference=original)
     assert again.ok and again.forward["max_abs_diff"] == 0.0
+
+
+def test_a_sharded_release_passes_exact_shard_by_shard(fixtures_dir: Path, tmp_path: Path) -> None:
+    """Loaded as transformers' load_sharded_checkpoint does: each shard by its plain loader, the union strictly."""
+    ckptfix.convert(fixtures_dir / "mlp_single.pth", tmp_path / "release", max_shard_size="1KB")
+    report = ckptfix.verify(tmp_path / "release", MLP_SPEC, exact=True)
+    assert report.ok and report.failures == [] and report.observed["ok"]
+    assert report.observed["call"] == ("each shard: safetensors.torch.load_file(PATH); the union + "
+                                       "load_state_dict(strict=True)")
 
 
 class Lit(nn.Module):

@@ -153,7 +153,7 @@ def test_a_reader_that_parts_from_the_loader_is_a_finding(fixtures_dir: Path, mo
 
 def test_the_json_records_the_observation(cli_runner: Any, fixtures_dir: Path) -> None:
     res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_single.pth"), "--model", MLP_SPEC, "--exact", "--json"])
-    observed = json.loads(res.output)["observed"]
+    observed = json.loads(res.stdout)["observed"]
     assert res.exit_code == 0 and observed["ok"] and observed["torch"] == torch.__version__
     assert observed["call"] == "torch.load(PATH, weights_only=True, mmap=True) + load_state_dict(strict=True)"
     assert observed["seconds"] > 0 and set(observed) >= {"transformers", "safetensors", "stage", "error"}
@@ -170,6 +170,6 @@ def test_the_transformers_loader_without_transformers_is_one_error_line(cli_runn
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
     res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_single.pth"), "--model", MLP_SPEC, "--exact",
-                                  "--serving-loader", "transformers"])
+                                  "--serving-loader", "transformers", "--quiet"])
     assert res.exit_code == 1 and "transformers is not installed" in res.output
     assert len(res.output.strip().splitlines()) == 1

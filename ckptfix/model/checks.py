@@ -71,6 +71,7 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> Gate:
     source = models.ModelSource(model, options.model_args, options.dtype)
     ckpt = api.read(path, map_location=options.map_location if with_values else "meta", trust=options.trust,
                     select=options.select)
+    ckpt.require_state_dict()
     structure, is_fresh = source.structure(meta=not with_values)
     target = repair.describe_target(structure, float_dtype=source.dtype)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=path)
@@ -311,6 +312,7 @@ def _record_golden(found: Findings, passed: bool, report: VerifyReport, where: s
 
 def _load_reference(reference: Any, source: models.ModelSource, map_location: Any, trust: bool) -> Any:
     ref = api.read(reference, map_location=map_location, trust=trust)
+    ref.require_state_dict()
     net = source.fresh()
     target = repair.describe_target(net)
     _, fit = repair.fit_to_model(ref.state_dict, target, source=ref.path)

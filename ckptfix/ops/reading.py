@@ -6,7 +6,7 @@ Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from .. import formats
@@ -16,23 +16,24 @@ from ..core import locations
 from ..core.devices import DevicePlan
 from ..errors import NeedsLocalCopy
 from ..parse.format_registry import get
-from ..reports import Checkpoint, tensor_stats
+from ..reports import Checkpoint, describe_value, tensor_stats
 from . import remote_read
 
 T = TypeVar("T")
 
 
 def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refuse: bool,
-                    fmt: str | None = None, allow: Iterable[str] = ()) -> Checkpoint:
+                    fmt: str | None = None, allow: Iterable[str] = (), whole: bool = False) -> Checkpoint:
     """``path`` read with ``map_location`` (``'meta'``: structure only); ``fmt`` when already sniffed;
-    ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`).
+    ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`);
+    ``whole``: a file holding no state dict (a bare tensor, a list) is read as it is (:func:`summarise`).
 
     A URL is read by the same format readers from the byte ranges they ask for, its values fetched once each
     (:mod:`ckptfix.ops.remote_read`); what only ``torch.load`` of the whole file reads raises NeedsLocalCopy."""
     if not locations.is_remote(path):
         fmt = fmt or formats.sniff(path)
         plan = DevicePlan(map_location, source=path)
-        return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow)
+        return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow, whole)
     if trust:  # (the trusted path is torch.load's, of the whole file)
         raise NeedsLocalCopy(path, "reading it with trust (--trust)",
                              "torch.load reads the whole file; without trust it is read in place")
@@ -41,7 +42,7 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
         if "read" not in get(fmt).from_url:
             raise NeedsLocalCopy(path, f"reading this {fmt} file", "torch reads the whole file")
         plan = DevicePlan(map_location, source=path)
-        ckpt = summarise(path, fmt, remote_read.read(path, fmt, plan, trust, select), select, refuse, allow)
+        ckpt = summarise(path, fmt, remote_read.read(path, fmt, plan, trust, select), select, refuse, allow, whole)
         ckpt.bytes_fetched = s.bytes_fetched
     return ckpt
 
@@ -58,11 +59,21 @@ def structure_first(path: str, select: str, serves: Callable[[Checkpoint], T | N
 
 
 def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
-              allow: Iterable[str] = ()) -> Checkpoint:
-    """The Checkpoint for what a reader returned: the state dict found, wrappers detected, stats."""
+              allow: Iterable[str] = (), whole: bool = False) -> Checkpoint:
+    """The Checkpoint for what a reader returned: the state dict found, wrappers detected, stats. ``whole``
+    (read, inspect, describe): a file holding no state dict gives an empty one, its value in ``raw``, and
+    ``no_state_dict`` the line ``load`` and ``convert`` refuse it with; else that line is raised."""
     raw.obj, config_notes = placeholders.take_configs(raw.obj)
-    sel, inert_notes = placeholders.select(raw.obj, lambda obj: locate.find_state_dict(obj, select, source=path),
-                                           allow, path)
+    missing: locate.NoStateDict | None = None
+    try:
+        sel, inert_notes = placeholders.select(raw.obj, lambda obj: locate.find_state_dict(obj, select, source=path),
+                                               allow, path)
+    except locate.NoStateDict as e:
+        if not whole:
+            raise
+        holds = "no entry holds tensors" if isinstance(raw.obj, Mapping) else f"the file holds {describe_value(raw.obj)}"
+        missing, inert_notes = e, [f"no state dict: {holds}"]
+        sel = locate.Selection({}, None, dict(raw.obj) if isinstance(raw.obj, Mapping) else {})
     sd = sel.state_dict
     keys = list(sd.keys())
     default_tag = get(fmt).default_device
@@ -82,4 +93,5 @@ def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
         notes=notes,
         raw=raw.obj,
         refs=raw.refs,
+        no_state_dict=None if missing is None else str(missing),
     )

@@ -19,6 +19,11 @@ from ..core.tensorinfo import is_tensor
 EMA_KEYS = ("state_dict_ema", "model_ema", "ema", "ema_state_dict", "model_ema_state_dict", "ema_model")
 
 
+class NoStateDict(SelectError):
+    """The file holds no state dict at all (a bare tensor, a list, a dict of plain values): ``read`` and ``inspect``
+    show what it holds instead, ``load`` and ``convert`` refuse with this line."""
+
+
 @dataclass
 class Selection:
     """The chosen state dict, where it sat (``None``: the file is the state dict) and the rest."""
@@ -75,12 +80,13 @@ def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") 
     module_sd = _module_state_dict(obj)
     if module_sd is not None:
         return Selection(module_sd, "<nn.Module>")
-    if is_state_dict(obj):
+    if is_state_dict(obj) or isinstance(obj, Mapping) and not obj:  # (an empty dict: a model without parameters)
         if select not in ("auto", None):
             raise SelectError(f"{source}: is a bare state dict; there is no {select!r} entry to select (drop --select)")
         return Selection(obj, None)
     if not isinstance(obj, Mapping):
-        raise SelectError(f"{source}: holds a {type(obj).__name__}, not a state dict or a dict holding one")
+        kind = "Tensor" if is_tensor(obj) else type(obj).__name__  # (a TensorInfo read without torch too)
+        raise NoStateDict(f"{source}: holds a {kind}, not a state dict or a dict holding one")
     candidates = [k for k, v in obj.items() if isinstance(k, str) and (is_state_dict(v) or _module_state_dict(v) is not None)]
     ema = [k for k in candidates if _is_ema(k)]
     plain = [k for k in candidates if k not in ema]
@@ -109,9 +115,7 @@ def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") 
         )
     else:
         keys = ", ".join(repr(k) for k in list(obj)[:12])
-        if not keys:
-            raise SelectError(f"{source}: is empty: an empty dict, no tensors at all (a save before the model was built?)")
-        raise SelectError(f"{source}: no state dict found; its top-level entries are {keys}")
+        raise NoStateDict(f"{source}: no state dict found; its top-level entries are {keys}")
     value = obj[key]
     sd = _module_state_dict(value)
     return Selection(sd if sd is not None else value, key, _extra(obj, key), ema)

@@ -47,7 +47,7 @@ def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default
         stats.num_tensors += 1
         if isinstance(t, TensorInfo):
             sid, dtype, device = id(t.storage), t.dtype, t.device
-            view = (sid, t.storage_offset, t.shape, t.stride, dtype)
+            view: tuple = (sid, t.storage_offset, t.shape, t.stride, dtype)
         else:
             sid, dtype, device = storage_id(t), str(t.dtype).replace("torch.", ""), str(t.device)
             view = (sid, t.storage_offset(), tuple(shape_of(t)), None if t.is_nested else tuple(t.stride()), dtype)

@@ -74,6 +74,7 @@ REBUILD_TENSOR_V2 = "torch._utils._rebuild_tensor_v2"
 REBUILD_TENSOR_V3 = "torch._utils._rebuild_tensor_v3"
 REBUILD_PARAMETER = "torch._utils._rebuild_parameter"
 REBUILD_PARAMETER_WITH_STATE = "torch._utils._rebuild_parameter_with_state"
+REBUILD_NESTED_TENSOR = "torch._utils._rebuild_nested_tensor"
 HISTORY_BUFFER = "mmengine.logging.history_buffer.HistoryBuffer"
 NDARRAY = "numpy.ndarray"
 NUMPY_DTYPE = "numpy.dtype"
@@ -119,7 +120,7 @@ RULES: dict[str, Rule] = {
     REBUILD_TENSOR_V2: _VIEW,
     REBUILD_TENSOR_V3: Rule(TORCH, call="view v3", build="tensor"),
     "torch._utils._rebuild_qtensor": Rule(TORCH, call="qtensor"),  # inside its storage, per-channel params fit
-    "torch._utils._rebuild_nested_tensor": Rule(TORCH, call="nested tensor"),  # each component inside the buffer
+    REBUILD_NESTED_TENSOR: Rule(TORCH, call="nested tensor"),  # each component inside the buffer
     REBUILD_PARAMETER: Rule(TORCH, call="rebuild parameter"),  # no hooks, plain state
     REBUILD_PARAMETER_WITH_STATE: Rule(TORCH, call="rebuild parameter"),
     "torch._utils._rebuild_sparse_tensor": Rule(TORCH, call="sparse tensor"),  # indices inside its size

@@ -14,7 +14,7 @@ from ..formats.base import RawRead
 from ..statedict import locate, placeholders, wrappers
 from ..core import locations
 from ..core.devices import DevicePlan
-from ..errors import NeedsLocalCopy
+from ..errors import NeedsLocalCopy, SelectError
 from ..parse.format_registry import get
 from ..reports import Checkpoint, describe_value, tensor_stats
 from . import remote_read
@@ -64,16 +64,17 @@ def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
     (read, inspect, describe): a file holding no state dict gives an empty one, its value in ``raw``, and
     ``no_state_dict`` the line ``load`` and ``convert`` refuse it with; else that line is raised."""
     raw.obj, config_notes = placeholders.take_configs(raw.obj)
-    missing: locate.NoStateDict | None = None
+    missing: str | None = None
     try:
         sel, inert_notes = placeholders.select(raw.obj, lambda obj: locate.find_state_dict(obj, select, source=path),
                                                allow, path)
-    except locate.NoStateDict as e:
-        if not whole:
+    except SelectError:
+        missing = locate.missing_state_dict(raw.obj, path) if whole and select in ("auto", None) else None
+        if missing is None:
             raise
         holds = "no entry holds tensors" if isinstance(raw.obj, Mapping) else f"the file holds {describe_value(raw.obj)}"
-        missing, inert_notes = e, [f"no state dict: {holds}"]
-        sel = locate.Selection({}, None, dict(raw.obj) if isinstance(raw.obj, Mapping) else {})
+        sel, inert_notes = locate.Selection({}, None, dict(raw.obj) if isinstance(raw.obj, Mapping) else {}), \
+            [f"no state dict: {holds}"]
     sd = sel.state_dict
     keys = list(sd.keys())
     default_tag = get(fmt).default_device
@@ -93,5 +94,5 @@ def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
         notes=notes,
         raw=raw.obj,
         refs=raw.refs,
-        no_state_dict=None if missing is None else str(missing),
+        no_state_dict=missing,
     )

@@ -217,7 +217,9 @@ def _sparse_tensor(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
     if kwargs or len(args) != 2:
         raise Refused("_rebuild_sparse_tensor with unexpected arguments")
     u.charge(sizes_of(args[1:]), "_rebuild_sparse_tensor")
-    result = f(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "Sparse CSR tensor support is in beta state", on every verb's stderr
+        result = f(*args)
     pending = torch._utils._sparse_tensors_to_validate
     if result.device.type == "meta":
         if any(t is result for t in pending):

@@ -19,11 +19,6 @@ from ..core.tensorinfo import is_tensor
 EMA_KEYS = ("state_dict_ema", "model_ema", "ema", "ema_state_dict", "model_ema_state_dict", "ema_model")
 
 
-class NoStateDict(SelectError):
-    """The file holds no state dict at all (a bare tensor, a list, a dict of plain values): ``read`` and ``inspect``
-    show what it holds instead, ``load`` and ``convert`` refuse with this line."""
-
-
 @dataclass
 class Selection:
     """The chosen state dict, where it sat (``None``: the file is the state dict) and the rest."""
@@ -85,8 +80,7 @@ def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") 
             raise SelectError(f"{source}: is a bare state dict; there is no {select!r} entry to select (drop --select)")
         return Selection(obj, None)
     if not isinstance(obj, Mapping):
-        kind = "Tensor" if is_tensor(obj) else type(obj).__name__  # (a TensorInfo read without torch too)
-        raise NoStateDict(f"{source}: holds a {kind}, not a state dict or a dict holding one")
+        raise SelectError(str(missing_state_dict(obj, source)))
     candidates = [k for k, v in obj.items() if isinstance(k, str) and (is_state_dict(v) or _module_state_dict(v) is not None)]
     ema = [k for k in candidates if _is_ema(k)]
     plain = [k for k in candidates if k not in ema]
@@ -114,11 +108,24 @@ def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") 
             f"{source}: holds only EMA weights ({', '.join(ema)}); take them explicitly with --select {ema[0]}"
         )
     else:
-        keys = ", ".join(repr(k) for k in list(obj)[:12])
-        raise NoStateDict(f"{source}: no state dict found; its top-level entries are {keys}")
+        raise SelectError(str(missing_state_dict(obj, source)))
     value = obj[key]
     sd = _module_state_dict(value)
     return Selection(sd if sd is not None else value, key, _extra(obj, key), ema)
+
+
+def missing_state_dict(obj: Any, source: str = "checkpoint") -> str | None:
+    """Where ``obj`` holds no state dict at all (a bare tensor, a list, a dict of plain values), the line
+    :func:`find_state_dict` refuses it with (``read`` and ``inspect`` show such a file whole); else None."""
+    if isinstance(obj, ZeroWeights) or _module_state_dict(obj) is not None:
+        return None
+    if not isinstance(obj, Mapping):
+        kind = "Tensor" if is_tensor(obj) else type(obj).__name__  # (a TensorInfo read without torch too)
+        return f"{source}: holds a {kind}, not a state dict or a dict holding one"
+    if not obj or is_state_dict(obj) or any(isinstance(k, str) and (is_state_dict(v) or _module_state_dict(v) is not None)
+                                            for k, v in obj.items()):
+        return None
+    return f"{source}: no state dict found; its top-level entries are {', '.join(repr(k) for k in list(obj)[:12])}"
 
 
 def detect_framework(obj: Any) -> str | None:

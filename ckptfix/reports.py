@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .core.devices import storage_id
+from .errors import SelectError
 from .statedict.locate import common_prefix, detect_framework
 from .core.units import shown
-from .core.tensorinfo import TensorInfo, is_tensor, layout_name, shape_and_dtype, sparse_parts
+from .core.tensorinfo import TensorInfo, is_tensor, layout_name, shape_and_dtype, shape_of, sparse_parts
 from .parse.inert import InertGlobal, InertObject
 from .statedict.wrappers import strip_wrappers
 
@@ -54,7 +55,7 @@ def tensor_stats(state_dict: Mapping[str, Any], tags: Mapping[int, str], default
             view, nbytes = (id(t),), sum(p.numel() * p.element_size() for p in parts)
         else:
             sid, dtype, device = storage_id(t), str(t.dtype).replace("torch.", ""), str(t.device)
-            view = (sid, t.storage_offset(), tuple(t.shape), tuple(t.stride()), dtype)
+            view = (sid, t.storage_offset(), tuple(shape_of(t)), None if t.is_nested else tuple(t.stride()), dtype)
         dtypes[dtype] += 1
         devices[tags.get(sid, default_tag or device)] += 1
         if view not in seen:
@@ -116,6 +117,14 @@ class Checkpoint:
     #: what the ``_metadata`` rule dropped (:mod:`ckptfix.statedict.metadata`), a line each, also in ``notes``;
     #: ``verify``'s findings
     metadata_dropped: list[str] = field(default_factory=list)
+    #: a file holding no state dict (a bare tensor, a list, a dict of plain values; ``raw`` holds it, ``state_dict``
+    #: is empty): the line ``load``, ``convert``, ``verify`` and ``diff`` refuse it with (:meth:`require_state_dict`)
+    no_state_dict: str | None = None
+
+    def require_state_dict(self) -> None:
+        """Raise SelectError where the file holds no state dict (what ``read`` and ``inspect`` show whole)."""
+        if self.no_state_dict is not None:
+            raise SelectError(self.no_state_dict)
 
     @functools.cached_property
     def stats(self) -> TensorStats:
@@ -176,6 +185,7 @@ class Checkpoint:
             "num_keys": len(keys),
             "notes": self.notes,
             **({"bytes_fetched": self.bytes_fetched} if self.bytes_fetched is not None else {}),
+            **({"no_state_dict": self.no_state_dict} if self.no_state_dict is not None else {}),
         }
 
 

@@ -38,6 +38,8 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
     lines: list[str] = []
     whole = "the whole checkpoint" if os.path.isdir(info["path"]) else "the whole file"
     where = f"at {shown(repr(info['state_dict_key']))}" if info["state_dict_key"] else whole
+    if info.get("no_state_dict") is not None or not info["num_keys"]:
+        where = "none (see the note)" if info.get("no_state_dict") is not None else f"{where} (empty: no tensors)"
     rows = [
         ("path", info["path"]),
         ("format", info["format"]),
@@ -69,7 +71,7 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
     for i, (key, row) in enumerate(listing):
         if cut and i == head:
             lines.append("  …")
-        shape = "x".join(map(str, row["shape"])) if row["shape"] is not None else "-"
+        shape = "x".join("*" if n is None else str(n) for n in row["shape"]) if row["shape"] is not None else "-"
         layout = f" {row['layout']}" if "layout" in row else ""  # a sparse tensor's
         lines.append(f"  {key:<{width}}  [{shape}]  {shown(row['dtype'])}{layout}")
     for note in info["notes"]:

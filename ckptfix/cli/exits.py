@@ -28,7 +28,8 @@ ERROR_CHARS = 20_000
 #: torch's deprecation notes about its own internals that reading a file can set off (a legacy TypedStorage touched
 #: while a checkpoint is read): not the user's concern, so a command prints its output or one Error line only.
 #: ckptfix's own warnings (load_into's NaN/Inf note) still show.
-TORCH_NOISE = ("TypedStorage is deprecated",)
+TORCH_NOISE = ("TypedStorage is deprecated",  # and reading a quantized tensor, which a quantize_dynamic model saves:
+               r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor creation")
 _JSON = "ckptfix.json"  # ctx.meta key: --json was on the command line
 
 

@@ -13,7 +13,12 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..errors import DeviceError
+from ..errors import DeviceError, FormatError
+
+
+class NeedsValues(FormatError):
+    """A tensor torch can't build on ``meta`` (quantized, nested, a legacy ``set_``): a structure read
+    of it is read on the CPU instead, mapped (torch.load's ``mmap``), which its caller does on catching this."""
 
 _DEVICE_RE = re.compile(r"^(cpu|meta|cuda|mps|xpu|hpu|npu|xla|privateuseone)(?::(\d+))?$")
 
@@ -111,6 +116,10 @@ class DevicePlan:
     @property
     def is_meta(self) -> bool:
         return self.fixed == "meta"
+
+    def values_instead(self) -> DevicePlan:
+        """For a structure read (``meta``) of tensors that need their values (:class:`NeedsValues`): the CPU."""
+        return DevicePlan("cpu", source=self.source) if self.is_meta else self
 
     def target(self, tag: str) -> str:
         """Where a storage saved on ``tag`` goes; raises DeviceError for a device not here."""

@@ -119,8 +119,17 @@ def sparse_parts(t: Any) -> tuple[Any, ...]:
     return t.ccol_indices(), t.row_indices(), t.values()
 
 
-def shape_and_dtype(v: Any) -> tuple[list[int], str]:
-    """``([2, 3], 'float32')`` for a TensorInfo or a tensor."""
+def shape_and_dtype(v: Any) -> tuple[list[int | None], str]:
+    """``([2, 3], 'float32')`` for a TensorInfo or a tensor (:func:`shape_of`)."""
     if isinstance(v, TensorInfo):
         return list(v.shape), v.dtype
-    return list(v.shape), str(v.dtype).replace("torch.", "")
+    return shape_of(v), str(v.dtype).replace("torch.", "")
+
+
+def shape_of(t: Any) -> list[int | None]:
+    """A tensor's shape; a nested tensor's (``torch.nested``) has no ``shape``: its components' count, then each
+    dimension they share, None where they differ (``[2, None, 3]``)."""
+    if not t.is_nested:
+        return list(t.shape)
+    sizes = t._nested_tensor_size().tolist()
+    return [len(sizes)] + [column[0] if len(set(column)) == 1 else None for column in zip(*sizes)]

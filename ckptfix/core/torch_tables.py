@@ -66,6 +66,10 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "float4_e2m1fn_x2": 1,  # two 4-bit values per element
 }
 
+#: elements per byte of the sub-byte quantized dtypes (one element per byte of ``itemsize``): torch bounds a view
+#: of them by ``ceil(elements / per_byte)`` bytes of its storage
+PACKED_PER_BYTE: dict[str, int] = {"quint4x2": 2, "quint2x4": 4}
+
 #: dtypes that may require grad (floating point or complex)
 DIFFERENTIABLE = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn",
                             "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"})

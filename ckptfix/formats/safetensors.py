@@ -112,8 +112,9 @@ def _write_tensors(state_dict: Any, path: str, refs: dict | None) -> list[str]:
                 f"{key!r} is a {type(t).__name__}, not a tensor: safetensors holds tensors only; "
                 "write .pth instead (--format pth)"
             )
-        if t.layout != torch.strided or t.is_quantized:
-            raise ConversionError(f"{key!r}: {t.layout} tensors can't be stored in safetensors; write .pth instead")
+        if t.layout != torch.strided or t.is_quantized or t.is_nested:
+            kind = "quantized" if t.is_quantized else "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+            raise ConversionError(f"{key!r}: a {kind} tensor can't be stored in safetensors; write .pth instead")
         name = dtype_name(t.dtype)
         if name not in _ST_NAMES:
             raise ConversionError(f"{key!r}: dtype {name} has no safetensors equivalent; write .pth instead")

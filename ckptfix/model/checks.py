@@ -83,6 +83,7 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> Gate:
     with phase("read"):
         ckpt = reading.read_checkpoint(os.fspath(path), options.map_location if with_values else "meta", options.trust,
                                        options.select, refuse=True, judged=True)
+        ckpt.require_state_dict()
     with phase("build"):
         structure, is_fresh = source.structure(meta=not (with_values and options.forward))
     target = repair.describe_target(structure, float_dtype=source.dtype)
@@ -382,6 +383,7 @@ def _record_golden(found: Findings, passed: bool, report: VerifyReport, where: s
 
 def _load_reference(reference: Any, source: models.ModelSource, map_location: Any, trust: bool) -> Any:
     ref = api.read(reference, map_location=map_location, trust=trust)
+    ref.require_state_dict()
     net = source.fresh()
     target = repair.describe_target(net)
     _, fit = repair.fit_to_model(ref.state_dict, target, source=ref.path)

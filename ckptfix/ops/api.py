@@ -46,12 +46,12 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
     came over the network. A file only ``torch.load`` reads whole (legacy, DeepSpeed) or ``trust=True`` raises
     RemoteError.
     """
-    return read_checkpoint(os.fspath(path), map_location, trust, select, refuse=True, allow=allow)
+    return read_checkpoint(os.fspath(path), map_location, trust, select, refuse=True, allow=allow, whole=True)
 
 
 def inspect(path: Any, trust: bool = False, select: str = "auto", allow: tuple[str, ...] | list[str] = ()) -> Checkpoint:
     """Summary of a checkpoint without reading tensor data (tensors come back on ``meta``)."""
-    return read_checkpoint(os.fspath(path), "meta", trust, select, refuse=False, allow=allow)
+    return read_checkpoint(os.fspath(path), "meta", trust, select, refuse=False, allow=allow, whole=True)
 
 
 def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str] = ()) -> Checkpoint:
@@ -75,7 +75,7 @@ def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str]
                 if remote:
                     raise NeedsLocalCopy(path, f"describing this {fmt} checkpoint", f"torch describes it: {e}") from None
             else:
-                ckpt = summarise(path, fmt, raw, select, refuse=False, allow=allow)
+                ckpt = summarise(path, fmt, raw, select, refuse=False, allow=allow, whole=True)
                 if remote:
                     ckpt.bytes_fetched = s.bytes_fetched
                 return ckpt
@@ -106,6 +106,7 @@ def load(
     >>> model.load_state_dict(ckptfix.load("ddp_compiled.pth"))   # doctest: +SKIP
     """
     ckpt = read(path, map_location=map_location, trust=trust, select=select, allow=allow)
+    ckpt.require_state_dict()
     if ckpt.metadata_dropped:
         warnings.warn(f"{ckpt.path}: " + "; ".join(map(metadata.note, ckpt.metadata_dropped)), UserWarning, stacklevel=2)
     sd, _notes = conversion.normalise_keys(ckpt, to, strip_prefix, add_prefix, rename)

@@ -67,7 +67,9 @@ def diff(
 
     def state_dict(path: Any) -> Any:
         if raw:
-            return read(path, map_location=map_location, trust=trust, select=select).state_dict
+            ckpt = read(path, map_location=map_location, trust=trust, select=select)
+            ckpt.require_state_dict()
+            return ckpt.state_dict
         return load(path, map_location=map_location, select=select, trust=trust)
 
     sa, sb = state_dict(a), state_dict(b)

@@ -6,7 +6,7 @@ Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from .. import formats
@@ -15,18 +15,20 @@ from ..statedict import locate, metadata, placeholders, wrappers
 from ..core import locations
 from ..core.devices import DevicePlan
 from ..core.limits import collector_paused
-from ..errors import NeedsLocalCopy
+from ..errors import NeedsLocalCopy, SelectError
 from ..parse.format_registry import get
-from ..reports import Checkpoint, tensor_stats
+from ..reports import Checkpoint, describe_value, tensor_stats
 from . import remote_read
 
 T = TypeVar("T")
 
 
 def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refuse: bool,
-                    fmt: str | None = None, allow: Iterable[str] = (), *, judged: bool = False) -> Checkpoint:
+                    fmt: str | None = None, allow: Iterable[str] = (), whole: bool = False, *,
+                    judged: bool = False) -> Checkpoint:
     """``path`` read with ``map_location`` (``'meta'``: structure only); ``fmt`` when already sniffed;
     ``allow``: globals taken as inert data inside the state dict too (:mod:`ckptfix.statedict.placeholders`);
+    ``whole``: a file holding no state dict (a bare tensor, a list) is read as it is (:func:`summarise`);
     ``judged`` (verify): a ``_metadata`` no model loads is dropped and recorded for the gate, not refused.
 
     A URL is read by the same format readers from the byte ranges they ask for, its values fetched once each
@@ -35,7 +37,8 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
         with collector_paused():  # (tens of thousands of small objects, none in a cycle)
             path, fmt = (path, fmt) if fmt else formats.resolve(path)
             plan = DevicePlan(map_location, source=path)
-            return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow, judged=judged)
+            return summarise(path, fmt, formats.read(path, fmt, plan, trust, select), select, refuse, allow, whole,
+                             judged=judged)
     if trust:  # (the trusted path is torch.load's, of the whole file)
         raise NeedsLocalCopy(path, "reading it with trust (--trust)",
                              "torch.load reads the whole file; without trust it is read in place")
@@ -44,7 +47,7 @@ def read_checkpoint(path: str, map_location: Any, trust: bool, select: str, refu
         if "read" not in get(fmt).from_url:
             raise NeedsLocalCopy(path, f"reading this {fmt} file", "torch reads the whole file")
         plan = DevicePlan(map_location, source=path)
-        ckpt = summarise(path, fmt, remote_read.read(path, fmt, plan, trust, select), select, refuse, allow,
+        ckpt = summarise(path, fmt, remote_read.read(path, fmt, plan, trust, select), select, refuse, allow, whole,
                          judged=judged)
         ckpt.bytes_fetched = s.bytes_fetched
     return ckpt
@@ -62,12 +65,23 @@ def structure_first(path: str, select: str, serves: Callable[[Checkpoint], T | N
 
 
 def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
-              allow: Iterable[str] = (), *, judged: bool = False) -> Checkpoint:
+              allow: Iterable[str] = (), whole: bool = False, *, judged: bool = False) -> Checkpoint:
     """The Checkpoint for what a reader returned: the state dict found (its ``_metadata`` as torch's loaders take
-    it: :mod:`ckptfix.statedict.metadata`), wrappers detected, stats."""
+    it: :mod:`ckptfix.statedict.metadata`), wrappers detected, stats. ``whole`` (read, inspect, describe): a file
+    holding no state dict gives an empty one, its value in ``raw``, and ``no_state_dict`` the line ``load`` and
+    ``convert`` refuse it with; else that line is raised."""
     raw.obj, config_notes = placeholders.take_configs(raw.obj)
-    sel, inert_notes = placeholders.select(raw.obj, lambda obj: locate.find_state_dict(obj, select, source=path),
-                                           allow, path)
+    missing: str | None = None
+    try:
+        sel, inert_notes = placeholders.select(raw.obj, lambda obj: locate.find_state_dict(obj, select, source=path),
+                                               allow, path)
+    except SelectError:
+        missing = locate.missing_state_dict(raw.obj, path) if whole and select in ("auto", None) else None
+        if missing is None:
+            raise
+        holds = "no entry holds tensors" if isinstance(raw.obj, Mapping) else f"the file holds {describe_value(raw.obj)}"
+        sel, inert_notes = locate.Selection({}, None, dict(raw.obj) if isinstance(raw.obj, Mapping) else {}), \
+            [f"no state dict: {holds}"]
     sd = sel.state_dict
     dropped = metadata.apply(sd, path, refuse=refuse and not judged)
     keys = list(sd.keys())
@@ -90,4 +104,5 @@ def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
         raw=raw.obj,
         refs=raw.refs,
         metadata_dropped=dropped,
+        no_state_dict=missing,
     )

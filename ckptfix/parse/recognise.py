@@ -25,6 +25,8 @@ from .zipdir import RangeFile, zip_directory
 
 #: the first bytes of every zip (a local file header): torch.load reads any file starting with them as a zip
 ZIP_MAGIC = b"PK\x03\x04"
+#: what JSON (and safetensors' serde_json) skips before a value
+JSON_WHITESPACE = b" \t\n\r"
 #: torch.serialization.MAGIC_NUMBER: the first pickle of every legacy (non-zip) torch file.
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
@@ -86,10 +88,12 @@ def torch_zip(h: Head) -> bool:
 
 
 def safetensors(h: Head) -> bool:
-    """An 8-byte header length, then ``{``; FormatError where that length runs past the end of the file."""
-    if h.head[8:9] != b"{":
+    """An 8-byte header length, then ``{`` after any JSON whitespace (safetensors' serde_json skips it: a header
+    may start with spaces or newlines); FormatError where that length runs past the end of the file."""
+    body = h.head[8:].lstrip(JSON_WHITESPACE)
+    n = struct.unpack("<Q", h.head[:8])[0] if len(h.head) >= 8 else 0
+    if body[:1] != b"{" and (body or len(h.head) <= 8 or n <= len(h.head) - 8):  # (or whitespace past the head)
         return False
-    n = struct.unpack("<Q", h.head[:8])[0]
     if n == 0 or n + 8 > h.size:
         raise FormatError(
             f"{h.path}: looks like safetensors but its header length ({n} bytes) runs past the "

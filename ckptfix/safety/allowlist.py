@@ -74,6 +74,7 @@ REBUILD_TENSOR_V2 = "torch._utils._rebuild_tensor_v2"
 REBUILD_TENSOR_V3 = "torch._utils._rebuild_tensor_v3"
 REBUILD_PARAMETER = "torch._utils._rebuild_parameter"
 REBUILD_PARAMETER_WITH_STATE = "torch._utils._rebuild_parameter_with_state"
+REBUILD_NESTED_TENSOR = "torch._utils._rebuild_nested_tensor"
 HISTORY_BUFFER = "mmengine.logging.history_buffer.HistoryBuffer"
 NDARRAY = "numpy.ndarray"
 NUMPY_DTYPE = "numpy.dtype"
@@ -82,6 +83,8 @@ NUMPY_DTYPE_CLASSES = "numpy.dtypes."
 _NUMPY = "numpy."
 
 INERT_DATA = "inert data"
+#: torch's dense CPU tensor classes, which a legacy pickle calls empty and gives a view by BUILD
+_LEGACY_TENSOR = Rule(TORCH, call="empty tensor", build="tensor")
 _VIEW = Rule(TORCH, call="view", build="tensor")
 _PLAIN = Rule(call="plain")
 _FACTORY = Rule(stand_in="factory token")  # a defaultdict's default_factory: a token, never called
@@ -116,16 +119,20 @@ RULES: dict[str, Rule] = {
     REBUILD_TENSOR: Rule(TORCH, call="view v1", build="tensor"),  # views inside their storage
     REBUILD_TENSOR_V2: _VIEW,
     REBUILD_TENSOR_V3: Rule(TORCH, call="view v3", build="tensor"),
-    "torch._utils._rebuild_qtensor": Rule(TORCH, call="qtensor"),
+    "torch._utils._rebuild_qtensor": Rule(TORCH, call="qtensor"),  # inside its storage, per-channel params fit
+    REBUILD_NESTED_TENSOR: Rule(TORCH, call="nested tensor"),  # each component inside the buffer
     REBUILD_PARAMETER: Rule(TORCH, call="rebuild parameter"),  # no hooks, plain state
     REBUILD_PARAMETER_WITH_STATE: Rule(TORCH, call="rebuild parameter"),
     "torch._utils._rebuild_sparse_tensor": Rule(TORCH, call="sparse tensor"),  # indices inside its size
     "torch._utils._rebuild_meta_tensor_no_storage": Rule(TORCH, call="plain"),  # no memory: meta
     "torch._utils._rebuild_device_tensor_from_cpu_tensor": Rule(TORCH, call="device tensor"),
     "torch._tensor._rebuild_from_type_v2": Rule(TORCH, call="from type"),  # plain tensors only
-    # torch's defaults ckptfix refuses: tensors without bounds checks (nested offsets), storage-less
-    # wrapper subclasses, tensors from numpy arrays
-    "torch._utils._rebuild_nested_tensor": Rule(TORCH, refused=True),
+    # legacy pickles: torch.FloatTensor() (REDUCE, no arguments: an empty tensor), then BUILD's set_ inside the storage
+    "torch.Tensor": _LEGACY_TENSOR, "torch.DoubleTensor": _LEGACY_TENSOR, "torch.FloatTensor": _LEGACY_TENSOR,
+    "torch.HalfTensor": _LEGACY_TENSOR, "torch.BFloat16Tensor": _LEGACY_TENSOR, "torch.LongTensor": _LEGACY_TENSOR,
+    "torch.IntTensor": _LEGACY_TENSOR, "torch.ShortTensor": _LEGACY_TENSOR, "torch.CharTensor": _LEGACY_TENSOR,
+    "torch.ByteTensor": _LEGACY_TENSOR, "torch.BoolTensor": _LEGACY_TENSOR,
+    # torch's defaults ckptfix refuses: storage-less wrapper subclasses, tensors from numpy arrays
     "torch._utils._rebuild_wrapper_subclass": Rule(TORCH, refused=True),
     "torch._utils._rebuild_device_tensor_from_numpy": Rule(TORCH, refused=True),
     # ckptfix's additions
@@ -175,7 +182,8 @@ RULES: dict[str, Rule] = {
 #: the rule of every allowed numpy DType class (:data:`NUMPY_DTYPE_CLASSES`): values, or called empty
 NUMPY_DTYPE_CLASS = Rule(call="numpy dtype class")
 
-#: torch's tensor and storage classes: values only (calling one hands out uninitialised memory)
+#: torch's tensor and storage classes: values only (calling one hands out uninitialised memory), but for
+#: a legacy tensor class called empty (their rule in :data:`RULES`)
 VALUE_ONLY = re.compile(r"^torch\.(cuda\.)?(sparse\.)?\w*Tensor$|^torch\.(cuda\.)?\w*Storage$|"
                         r"^torch\.storage\.(Typed|Untyped)Storage$")
 

@@ -14,7 +14,7 @@ from typing import Any
 from ..core import limits as _limits
 from ..core.units import shown
 from ..parse import pickle_walk, zipcheck
-from .allowlist import ALLOWED, INERT, UNSAFE, classify
+from .allowlist import ALLOWED, INERT, REBUILD_NESTED_TENSOR, UNSAFE, classify
 from .static_checks import refused_build, refused_call, storage_itemsize
 from ..errors import FormatError, LimitError
 from ..parse.legacy_tar import BoundedReader
@@ -238,6 +238,9 @@ def scan_legacy(c: Collector, buf: Any, size: int) -> None:
     if walks[0].value != LEGACY_MAGIC or walks[1].value != _LEGACY_PROTOCOL_VERSION:
         c.damage(walks[1].where, f"is not a torch legacy file (magic {walks[0].value!r}, protocol {walks[1].value!r})")
         return
+    if any(call.func.full == REBUILD_NESTED_TENSOR for call in walks[3].calls):
+        c.find("uninitialised", walks[3].where, "a nested tensor in a legacy (non-zip) file: torch builds it from its "
+               "sizes before it reads their bytes (uninitialised memory; torch.load fails on it too)")
     try:
         end = _storages_end(c, walks[3].persistent_ids, walks[4].value, buf, pos, size)
     except _Truncated as e:

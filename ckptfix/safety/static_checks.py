@@ -12,11 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import limits as _limits
+from ..core.torch_tables import STORAGE_DTYPES
 from ..core.units import shown
 from ..parse.unpickler import is_dunder
 from . import numpy_policy
 from .allowlist import HISTORY_BUFFER, INERT_DATA, PICKLE_CODECS, VALUE_ONLY, Rule, rule
 from .standins import FACTORY_TYPES, STATISTICS_METHODS, short_args
+from .tensor_guards import view_bytes
 
 _STORAGE_ITEMSIZE = {"Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
                      "Char": 1, "Byte": 1, "Bool": 1, "ComplexDouble": 16, "ComplexFloat": 8, "QInt8": 1,
@@ -30,10 +32,10 @@ Check = Callable[[str, Any, str, Rule | None], str | None]
 
 def refused_call(name: str, args: Any, op: str = "REDUCE") -> str | None:
     """Why calling the safe/allowed global ``name`` with ``args`` would be refused by the loader, or None."""
-    if VALUE_ONLY.match(name):
+    r = rule(name)
+    if VALUE_ONLY.match(name) and r is None:
         return (f"{op} calls {name}, which would create uninitialised memory (ckptfix allows it only as a "
                 "value, as torch.save writes it)")
-    r = rule(name)
     kind = (r.call or r.stand_in) if r is not None else None
     check = _CALLS.get(kind) if kind is not None else None
     return check(name, args, op, r) if check is not None else _refused_new(name, op, r)
@@ -87,6 +89,13 @@ def _view(name: str, args: Any, op: str, r: Rule | None) -> str | None:
     return _refused_new(name, op, r)
 
 
+def _empty_tensor(name: str, args: Any, op: str, r: Rule | None) -> str | None:
+    if op == "REDUCE" and args == ():
+        return None
+    return (f"{op} calls {name}{short_args(args)}, which would create uninitialised memory (ckptfix calls a "
+            f"tensor class only as a legacy pickle does: {name}() then BUILD)")
+
+
 def _inert_data(name: str, args: Any, op: str, r: Rule | None) -> str | None:
     if op in ("NEWOBJ", "NEWOBJ_EX") and args == () and r is not None and r.new is not None:
         return None
@@ -106,7 +115,8 @@ def _numpy(name: str, args: Any, op: str, r: Rule | None) -> str | None:
 _CALLS: dict[str, Check] = {
     "empty bytes": _empty_bytes, "factory token": _factory_token, "getattr": _getattr,
     "defaultdict": _defaultdict, "bytearray": _bytearray, "codecs encode": _codecs_encode,
-    "view": _view, "view v1": _view, "view v3": _view, "qtensor": _view, INERT_DATA: _inert_data,
+    "view": _view, "view v1": _view, "view v3": _view, "qtensor": _view, "empty tensor": _empty_tensor,
+    INERT_DATA: _inert_data,
     **{kind: _numpy for kind in numpy_policy.STATIC_CALLS},
 }
 
@@ -117,20 +127,22 @@ def storage_itemsize(name: str) -> int | None:
 
 
 def _static_view(args: tuple[Any, ...]) -> str | None:
-    """The view bounds check on constants: storage size from its persistent id."""
+    """The view bounds check on constants: storage size from its persistent id (a sub-byte quantized
+    storage's size is in bytes, as :func:`ckptfix.safety.tensor_guards.view_bytes` counts)."""
     pid = getattr(args[0], "pid", None)
     offset, size, stride = args[1], args[2], args[3]
     if not (isinstance(pid, tuple) and len(pid) >= 5 and isinstance(size, tuple) and isinstance(stride, tuple)
             and all(type(i) is int for i in (offset, *size, *stride, pid[4]))):
         return None  # not constants: the loader checks when it runs
-    itemsize = storage_itemsize(getattr(pid[1], "name", ""))
+    storage_name = getattr(pid[1], "name", "")
+    itemsize = storage_itemsize(storage_name)
     if offset < 0 or any(n < 0 for n in (*size, *stride)) or len(size) != len(stride):
         return "a tensor view has a negative offset, size or stride"
     if itemsize is None or 0 in size:
         return None
-    reach = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
-    if reach > pid[4]:
-        return f"a tensor view reaches element {reach} of a storage of {pid[4]} elements (out of bounds)"
+    reach = view_bytes(offset, size, stride, itemsize, STORAGE_DTYPES.get(storage_name, ""))
+    if reach > pid[4] * itemsize:
+        return f"a tensor view reaches byte {reach} of a storage of {pid[4] * itemsize} bytes (out of bounds)"
     return None
 
 

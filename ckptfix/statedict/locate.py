@@ -75,12 +75,12 @@ def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") 
     module_sd = _module_state_dict(obj)
     if module_sd is not None:
         return Selection(module_sd, "<nn.Module>")
-    if is_state_dict(obj):
+    if is_state_dict(obj) or isinstance(obj, Mapping) and not obj:  # (an empty dict: a model without parameters)
         if select not in ("auto", None):
             raise SelectError(f"{source}: is a bare state dict; there is no {select!r} entry to select (drop --select)")
         return Selection(obj, None)
     if not isinstance(obj, Mapping):
-        raise SelectError(f"{source}: holds a {type(obj).__name__}, not a state dict or a dict holding one")
+        raise SelectError(str(missing_state_dict(obj, source)))
     candidates = [k for k, v in obj.items() if isinstance(k, str) and (is_state_dict(v) or _module_state_dict(v) is not None)]
     ema = [k for k in candidates if _is_ema(k)]
     plain = [k for k in candidates if k not in ema]
@@ -108,13 +108,24 @@ def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") 
             f"{source}: holds only EMA weights ({', '.join(ema)}); take them explicitly with --select {ema[0]}"
         )
     else:
-        keys = ", ".join(repr(k) for k in list(obj)[:12])
-        if not keys:
-            raise SelectError(f"{source}: is empty: an empty dict, no tensors at all (a save before the model was built?)")
-        raise SelectError(f"{source}: no state dict found; its top-level entries are {keys}")
+        raise SelectError(str(missing_state_dict(obj, source)))
     value = obj[key]
     sd = _module_state_dict(value)
     return Selection(sd if sd is not None else value, key, _extra(obj, key), ema)
+
+
+def missing_state_dict(obj: Any, source: str = "checkpoint") -> str | None:
+    """Where ``obj`` holds no state dict at all (a bare tensor, a list, a dict of plain values), the line
+    :func:`find_state_dict` refuses it with (``read`` and ``inspect`` show such a file whole); else None."""
+    if isinstance(obj, ZeroWeights) or _module_state_dict(obj) is not None:
+        return None
+    if not isinstance(obj, Mapping):
+        kind = "Tensor" if is_tensor(obj) else type(obj).__name__  # (a TensorInfo read without torch too)
+        return f"{source}: holds a {kind}, not a state dict or a dict holding one"
+    if not obj or is_state_dict(obj) or any(isinstance(k, str) and (is_state_dict(v) or _module_state_dict(v) is not None)
+                                            for k, v in obj.items()):
+        return None
+    return f"{source}: no state dict found; its top-level entries are {', '.join(repr(k) for k in list(obj)[:12])}"
 
 
 def detect_framework(obj: Any) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.bytecopy import Recorded
+from ...core.devices import NeedsValues
 from ...core.torch_free import NeedsTorch
 from ...parse.format_registry import get
 from ...safety.scanner import ensure_safe
@@ -27,14 +28,20 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
 
 def read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     """A torch zip or legacy file as it is: on meta, a zip's structure record by record (tensors on meta,
-    ``refs`` saying where each storage's bytes are), else through ``torch.load``."""
+    ``refs`` saying where each storage's bytes are), else through ``torch.load``; a structure read of
+    tensors torch can't build on meta (quantized, nested: :class:`NeedsValues`) reads them on the CPU, mapped."""
     if get(fmt).zip and plan.is_meta and not trust:
         ensure_safe(path, fmt, unpickled_by_caller="data.pkl", placeholders=True)  # read_structure checks data.pkl itself
         try:
             return records.read_structure(path)
         except NeedsTorch:
             pass
-    return torch_io.read(path, fmt, plan, trust)
+        except NeedsValues:
+            plan = plan.values_instead()
+    try:
+        return torch_io.read(path, fmt, plan, trust)
+    except NeedsValues:
+        return torch_io.read(path, fmt, plan.values_instead(), trust)
 
 
 def recorded_members(path: str, fmt: str, select: str | None, part_members: Any) -> list[Recorded]:

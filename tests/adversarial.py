@@ -488,10 +488,16 @@ _recording: list[tuple[str, str]] | None = None
 _hooked = False
 
 
+#: the child process ``verify --exact`` runs the serving loader in (ckptfix.model.observe): not the file's code
+OWN_CHILD = "'-m', 'ckptfix.model.observe'"
+
+
 def _audit_hook(event: str, args: tuple) -> None:
     if _recording is None or event not in WATCHED:
         return
     if event == "exec" and "canary" not in repr(getattr(args[0], "co_consts", ())):
+        return
+    if OWN_CHILD in repr(args):  # verify --exact's serving loader, a process of ckptfix's own (weights_only=True)
         return
     _recording.append((event, repr(args)[:200]))
 

@@ -91,6 +91,7 @@ def diff(
             if t.is_meta:  # torch rebuilds it (_rebuild_meta_tensor_no_storage) holding no values to compare
                 raise DeviceError(f"diff compares tensor values; {os.fspath(path)}: {shown(repr(key))} was saved on "
                                   "meta and holds none")
+        x, y = _values_of(x), _values_of(y)
         if x.shape != y.shape:
             report.shape_mismatch.append({"key": key, "a": list(x.shape), "b": list(y.shape)})
             continue
@@ -109,9 +110,11 @@ def diff(
     return report
 
 def tensor_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> tuple[float, bool]:
-    """``(max |a - b|, all close)`` for same-shaped tensors; NaN equals NaN, exact when atol=rtol=0."""
+    """``(max |a - b|, all close)`` for same-shaped tensors; NaN equals NaN, exact when atol=rtol=0. Sparse, nested
+    and quantized tensors are compared by the values they stand for (dense, padded with zeros, dequantized)."""
     import torch
 
+    a, b = _values_of(a), _values_of(b)
     if a.dtype == b.dtype and torch.equal(a, b):
         return 0.0, True
     if not any(t.is_floating_point() or t.is_complex() for t in (a, b)):  # integers, bools: exact in int64
@@ -126,3 +129,16 @@ def tensor_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> tuple[f
     d = torch.where(same, torch.zeros_like(x), (x - y).abs()).nan_to_num(nan=math.inf)
     close = bool(torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True).all())
     return (float(d.max()) if d.numel() else 0.0), close
+
+
+def _values_of(t: Any) -> Any:
+    """A strided tensor of the values ``t`` stands for: a sparse one made dense, a nested one padded with zeros, a
+    quantized one dequantized (``torch.equal`` and the arithmetic below take strided tensors only)."""
+    import torch
+
+    if t.is_nested:
+        return torch.nested.to_padded_tensor(t, 0.0)
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return t.dequantize() if t.is_quantized else t
+

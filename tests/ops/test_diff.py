@@ -98,3 +98,26 @@ def test_subprocess_exit_codes(fixtures_dir: Path, tmp_path: Path) -> None:
     res = subprocess.run([exe, "diff", str(fixtures_dir / "mlp_single.pth"), str(tmp_path / "none.pth")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and res.stderr.strip().endswith("none.pth: no such file")
+
+
+def _non_strided(kind: str, scale: float = 1.0) -> torch.Tensor:
+    x = torch.arange(16, dtype=torch.float32).reshape(4, 4) * scale
+    if kind == "quantized":
+        return torch.quantize_per_tensor(x, 0.5, 0, torch.qint8)
+    if kind == "nested":
+        return torch.nested.nested_tensor([x[:2], x[:3]])
+    return {"coo": x.to_sparse(), "csr": x.to_sparse_csr(), "csc": x.to_sparse_csc(),
+            "bsr": x.to_sparse_bsr((2, 2)), "bsc": x.to_sparse_bsc((2, 2))}[kind]
+
+
+@pytest.mark.parametrize("kind", ["coo", "csr", "csc", "bsr", "bsc", "quantized", "nested"])
+def test_sparse_nested_and_quantized_tensors_are_compared_by_value(cli_runner, tmp_path: Path, kind: str) -> None:
+    """torch.equal takes strided tensors only (it raised here, 'a bug in ckptfix'): such tensors are compared by the
+    values they stand for; a changed value differs, exit 3."""
+    for name, scale in (("a", 1.0), ("b", 1.0), ("c", 2.0)):
+        torch.save({"w": _non_strided(kind, scale), "bias": torch.ones(2)}, tmp_path / f"{name}.pth")
+    same = cli_runner.invoke(cli, ["diff", str(tmp_path / "a.pth"), str(tmp_path / "b.pth")])
+    assert same.exit_code == 0 and same.output.startswith("identical: "), same.output
+    other = cli_runner.invoke(cli, ["diff", str(tmp_path / "a.pth"), str(tmp_path / "c.pth"), "--json"])
+    assert other.exit_code == 3, other.output
+    assert [row["key"] for row in json.loads(other.stdout)["value_mismatch"]] == ["w"]

@@ -74,8 +74,7 @@ def diff(
 
     sa, sb = state_dict(a), state_dict(b)
     report = DiffReport(os.fspath(a), os.fspath(b), raw, atol, rtol)
-    report.only_a = [k for k in sa if k not in sb]
-    report.only_b = [k for k in sb if k not in sa]
+    report.only_a, report.only_b = [k for k in sa if k not in sb], [k for k in sb if k not in sa]
     common = [k for k in sa if k in sb]
     equal = 0
     for key in common:

@@ -48,6 +48,8 @@ _CODE_KINDS = {"unsafe-global", "unsafe-construct", "torchscript-code", "malform
 #: what scan reads that is no checkpoint format (every other verb refuses it): a zip holding no data.pkl, a
 #: compressed file, and a safetensors file that is a pickle too
 ZIP, COMPRESSED, POLYGLOT = "zip", "compressed", "safetensors and pickle"
+#: the scans of what is no checkpoint format: a plain pickle too (every other SCANNERS key is a registry scanner name)
+NOT_FORMATS = frozenset({PICKLE, ZIP, COMPRESSED, POLYGLOT})
 _DECOMPRESSORS: dict[str, Callable[[], Any]] = {"gzip": lambda: zlib.decompressobj(wbits=47), "xz": lzma.LZMADecompressor,
                                                  "bz2": bz2.BZ2Decompressor}
 

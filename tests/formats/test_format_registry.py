@@ -68,7 +68,8 @@ def test_each_family_has_the_verbs_its_formats_promise() -> None:
 def test_each_scanner_name_resolves_and_each_scan_is_used() -> None:
     named = {spec.scanner for spec in registry.FORMATS.values()}
     assert named <= set(scanner.SCANNERS), f"no scan for {named - set(scanner.SCANNERS)}"
-    assert set(scanner.SCANNERS) == named | {PICKLE}, "a scan no format names"  # (a plain pickle: not a format)
+    assert set(scanner.SCANNERS) == named | scanner.NOT_FORMATS, "a scan no format names"  # (nor a non-format)
+    assert PICKLE in scanner.NOT_FORMATS and not named & scanner.NOT_FORMATS
     assert all(callable(scan) for scan in scanner.SCANNERS.values())
 
 

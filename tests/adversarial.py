@@ -25,6 +25,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -244,10 +245,9 @@ def legacy_tar_polyglot(pickle_member: bytes) -> bytes:
 
 # -- the corpus --------------------------------------------------------------------------------------
 
-def build_corpus(directory: Path) -> list[Case]:
-    """Write every case into ``directory`` (created) and return them."""
-    directory.mkdir(parents=True, exist_ok=True)
-    cases: list[Case] = []
+def canaries(directory: Path) -> tuple[Callable[[str], Path], Callable[[str], str], Callable[[str], str]]:
+    """For a payload named ``name``: its canary file in ``directory`` (it exists only if the payload ran), and the
+    shell command and the Python statement that create it."""
 
     def canary(name: str) -> Path:
         return directory / f"canary-{name}"
@@ -257,6 +257,15 @@ def build_corpus(directory: Path) -> list[Case]:
 
     def py(name: str) -> str:
         return f"open({str(canary(name))!r}, 'w').close()"
+
+    return canary, shell, py
+
+
+def build_corpus(directory: Path) -> list[Case]:
+    """Write every case into ``directory`` (created) and return them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cases: list[Case] = []
+    canary, shell, py = canaries(directory)
 
     def add(name: str, kind: str, payload: bytes, unsafe: list[str], kinds: list[str] | None = None,
             live: bool = True, container: bytes | None = None, **how: Any) -> None:

@@ -18,7 +18,6 @@ import lzma
 import marshal
 import os
 import pickle
-import shlex
 import shutil
 import struct
 import subprocess
@@ -30,7 +29,8 @@ from typing import Any
 
 import torch
 
-from tests.adversarial import as_weight, benign_zip_members, call, glob, legacy_pickles, proto, u, with_data_pkl
+from tests.adversarial import (as_weight, benign_zip_members, call, canaries, glob, legacy_pickles, proto, u,
+                               with_data_pkl)
 
 #: a module the dunder-class case's payload imports from the corpus directory (sys.path holds it in the control)
 BOOM_MODULE = "ckptfix_bypass_boom"
@@ -157,15 +157,7 @@ def build_bypasses(directory: Path) -> list[Bypass]:
     """Write every case into ``directory`` (created) and return them."""
     directory.mkdir(parents=True, exist_ok=True)
     cases: list[Bypass] = []
-
-    def canary(name: str) -> Path:
-        return directory / f"canary-{name}"
-
-    def shell(name: str) -> str:
-        return f"touch {shlex.quote(str(canary(name)))}"
-
-    def py(name: str) -> str:
-        return f"open({str(canary(name))!r}, 'w').close()"
+    canary, shell, py = canaries(directory)
 
     def add(name: str, container: bytes, payload: bytes | None, unsafe: list[str], kinds: list[str] | None = None,
             refusal: str | None = None, live: bool = True, ext: str = ".pt", control: str = "pickle") -> None:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .checksums import crc32
 from ..errors import FormatError, MissingFileError
 
 #: bytes per preadv call (a bound on one syscall's latency, not on memory: reads land in the caller's buffer)
@@ -42,7 +42,7 @@ def crc32_range(fd: int, offset: int, size: int, crc: int = 0) -> int:
         view = memoryview(mm)
         try:
             for pos in range(offset - start, offset - start + size, _STEP):
-                crc = zlib.crc32(view[pos : min(pos + _STEP, offset - start + size)], crc)
+                crc = crc32(view[pos : min(pos + _STEP, offset - start + size)], crc)
             return crc
         finally:
             view.release()
@@ -101,7 +101,7 @@ class PositionalReader:
             n = min(PART, size - pos)
             view = memoryview(scratch)[:n]
             source.read_into(offset + pos, view)
-            crc = zlib.crc32(view, crc)
+            crc = crc32(view, crc)
         return crc
 
     def close(self) -> None:

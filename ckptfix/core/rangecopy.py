@@ -13,13 +13,13 @@ written member's, for its local header): no second read.
 from __future__ import annotations
 
 import os
-import zlib
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checksums import crc32
 from .positional import WORKERS, ByteSource
 
 #: bytes per fetched window (its parts are fetched concurrently by ByteSource.read_into)
@@ -146,7 +146,7 @@ def _run_source(source: ByteSource, spans: list[Span], progress: Any) -> None:
                     if lo >= hi:
                         continue
                     piece = buf[lo - a : hi - a]
-                    crcs[id(s)] = zlib.crc32(piece, crcs[id(s)])
+                    crcs[id(s)] = crc32(piece, crcs[id(s)])
                     for fd, dst_offset, _whole in s.dests:
                         _write_all(fd, piece, dst_offset + lo - s.offset, progress)
                     if hi == s.end:

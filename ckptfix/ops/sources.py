@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..core.checksums import crc32
 from ..core.devices import storage_id
 from ..core.positional import PositionalReader
 from ..errors import FormatError
@@ -153,7 +153,7 @@ class Sources:
         if fetched is not None:
             import torch
 
-            return zlib.crc32(byte_view(torch.empty(0, dtype=torch.uint8).set_(fetched)))
+            return crc32(byte_view(torch.empty(0, dtype=torch.uint8).set_(fetched)))
         return self.reader.crc32(path, offset, size)
 
     def place(self, t: Any) -> tuple[str, int] | None:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.checksums import crc32
 from ..core import limits as _limits, locations
 from .zipdir import LOCAL_SIZE, Directory, Entry, RangeFile, ZipFormatError, data_start, fold, read_directory
 
@@ -111,7 +112,7 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
             crc = 0
             try:
                 for chunk in iter_member(m, buf):
-                    crc = zlib.crc32(chunk, crc)
+                    crc = crc32(chunk, crc)
             except ValueError as e:
                 layout.errors.append(f"member {m.name}: {e}")
                 continue

@@ -11,11 +11,11 @@ torch's own writer does.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from ...core.checksums import crc32
 from ...core import bytecopy
 
 ALIGN = 64
@@ -60,14 +60,14 @@ class ZipWriter:
         self.pos += len(header)
 
     def add_bytes(self, name: str, data: bytes) -> None:
-        self._start(name, len(data), zlib.crc32(data))
+        self._start(name, len(data), crc32(data))
         self.f.write(data)
         self.pos += len(data)
 
     def add_tensor_data(self, name: str, data: memoryview) -> None:
         """A member of tensor bytes computed in memory (a dtype cast), written with the progress line
         counting it as it does copied tensors."""
-        self._start(name, len(data), zlib.crc32(data))
+        self._start(name, len(data), crc32(data))
         self.f.flush()
         bytecopy.write_all(self.f.fileno(), data, self.pos)
         self.pos += len(data)

@@ -99,16 +99,13 @@ def _pick(key: str, fits: list[tuple[Scheme, str, dict[str, str], list[str]]], i
     good = [j for j in judged if not j[4]] or judged[:1]
     scheme, module, present, params, shape_problems = good[0]
     problems.extend(QuantProblem(module, key, f"{scheme.name}: {m}", "shape") for m in shape_problems)
-    others = [j[0] for j in good[1:]]
-    if any(o.dequant != scheme.dequant for o in others):
-        defaults = [j for j in good if j[0].default]
-        if defaults:
-            scheme, module, present, params, _ = defaults[0]
-        else:
-            names = ", ".join(j[0].name for j in good)
-            problems.append(QuantProblem(module, key, f"scheme ambiguous: {names} fit and no quantization config "
-                                                      "says which", "ambiguous"))
-    also = tuple(o.name for o in others if o.dequant == scheme.dequant and o.name != scheme.name)
+    differ = [j[0].name for j in good[1:] if j[0].dequant != scheme.dequant]
+    if differ:  # look-alikes with other values, no config to decide: the default (if any) is named, never silently
+        scheme, module, present, params, _ = next((j for j in good if j[0].default), good[0])
+        names = ", ".join(j[0].name for j in good)
+        problems.append(QuantProblem(module, key, f"scheme ambiguous: {names} fit and no quantization config says "
+                                                  f"which (taken as {scheme.name})", "ambiguous"))
+    also = tuple(j[0].name for j in good if j[0].dequant == scheme.dequant and j[0].name != scheme.name)
     return QuantGroup(scheme.name, module, key, present, params, also)
 
 
@@ -119,6 +116,7 @@ def find_groups(infos: Infos, config: Mapping[str, Any] | None) -> QuantLayout:
     groups: list[QuantGroup] = []
     problems: list[QuantProblem] = []
     claimed: set[str] = set()
+    unmatched = []
     for key, (dtype, _shape) in infos.items():
         candidates = _candidates(key, dtype, infos)
         fits = [c for c in candidates if not c[3]]
@@ -126,17 +124,22 @@ def find_groups(infos: Infos, config: Mapping[str, Any] | None) -> QuantLayout:
             group = _pick(key, fits, infos, qc, problems)
             groups.append(group)
             claimed.update(group.keys)
+        else:
+            unmatched.append((key, dtype, candidates))
+    scaled = _scaled_modules(infos)  # (a float8 tensor beside a scale no row knows is "unknown", below)
+    for key, dtype, candidates in unmatched:  # (after every group has claimed its companions)
+        partial = [c for c in candidates if any(k not in claimed and not k.endswith(".input_scale")
+                                                for k in c[2].values())]
+        if key in claimed:
             continue
-        partial = [c for c in candidates if c[2] and any(not k.endswith(".input_scale") for k in c[2].values())]
         if partial:
             scheme, module, present, missing = max(partial, key=lambda c: len(c[2]))
             problems.append(QuantProblem(module, key, f"{scheme.name} weight without its {', '.join(missing)}",
                                          "missing"))
             claimed.update({key, *present.values()})
-        elif dtype in SCALED_ONLY:
-            module = key.rsplit(".", 1)[0] if "." in key else key
-            problems.append(QuantProblem(module, key, f"{dtype} weight without any scale: its values are not the "
-                                                      "weights'", "missing"))
+        elif dtype in SCALED_ONLY and not key.endswith(COMPANION_SUFFIXES) and _parent(key) not in scaled:
+            problems.append(QuantProblem(_parent(key), key, f"{dtype} weight without any scale: its values are not "
+                                                            "the weights'", "missing"))
             claimed.add(key)
     problems.extend(_orphans(infos, claimed))
     claimed.update(p.key for p in problems)
@@ -161,9 +164,13 @@ def _parent(key: str) -> str:
 
 def _unknown(infos: Infos, claimed: set[str]) -> list[str]:
     """Unclaimed float8/packed-integer tensors in a module that holds a ``*scale*`` key (not a KV-cache scale)."""
-    scaled = {_parent(k) for k in infos if _is_scale(k) and not k.endswith(STANDALONE_SCALES)}
+    scaled = _scaled_modules(infos)
     return [k for k, (dtype, _s) in infos.items()
             if k not in claimed and dtype in QUANT_STORAGE and _parent(k) in scaled and not _is_scale(k)]
+
+
+def _scaled_modules(infos: Infos) -> set[str]:
+    return {_parent(k) for k in infos if _is_scale(k) and not k.endswith(STANDALONE_SCALES)}
 
 
 def _is_scale(key: str) -> bool:

@@ -8,12 +8,11 @@ transformers' conversion gives them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from math import ceil
 from typing import TYPE_CHECKING, Any
 
-from .quant_groups import QuantGroup
+from .quant_groups import QuantGroup, bnb_state
 from .quant_schemes import BY_NAME
 
 if TYPE_CHECKING:
@@ -255,13 +254,6 @@ def awq(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     return w.t().contiguous()
 
 
-def _bnb_state(group: QuantGroup, tensors: Tensors) -> dict[str, Any]:
-    """The quant state bitsandbytes packs as JSON bytes in ``quant_state.bitsandbytes__nf4|fp4``."""
-    raw = bytes(_t(group, tensors, "quant_state").reshape(-1).tolist())
-    state = json.loads(raw.decode("utf-8"))
-    return state if isinstance(state, dict) else {}
-
-
 def _bnb_codes(group: QuantGroup, tensors: Tensors, n: int) -> torch.Tensor:
     """The 4-bit codes, the high nibble first (bitsandbytes' kDequantize4bit), ``n`` of them."""
     import torch
@@ -300,7 +292,7 @@ def _half_gaps(qmap: torch.Tensor) -> torch.Tensor:
 
 def bnb4(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     """bitsandbytes nf4/fp4 (functional.dequantize_4bit): ``quant_map[code] * absmax[i // blocksize]``."""
-    state = _bnb_state(group, tensors)
+    state = bnb_state(group, tensors)
     shape = tuple(state["shape"])
     n = 1
     for d in shape:
@@ -312,7 +304,7 @@ def bnb4(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
 
 
 def bnb4_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
-    state = _bnb_state(group, tensors)
+    state = bnb_state(group, tensors)
     shape = tuple(state["shape"])
     n = 1
     for d in shape:

@@ -158,7 +158,9 @@ def nvfp4_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[di
     problems: list[str] = []
     weight = _two_d(shapes, problems)
     if weight is not None:
-        _expect(problems, "scale", shapes["scale"], (weight[0], ceil(weight[1] * 2 / 16)), "an FP8 scale per 16 values")
+        _expect(problems, "scale", shapes["scale"], (weight[0], weight[1] * 2 // 16), "an FP8 scale per 16 values")
+        if weight[1] * 2 % 16:
+            problems.append(f"packed weight holds {weight[1] * 2} values a row, not a multiple of 16 (bytes cut?)")
     if _numel(shapes["global_scale"]) != 1:
         problems.append(f"global_scale shape {list(shapes['global_scale'])} is not one value")
     return {"group": 16}, problems
@@ -192,8 +194,12 @@ def ct_int_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[d
     if weight is None:
         return params, problems
     scale = tuple(shapes["scale"])
-    if len(scale) != 2 or scale[0] != weight[0] or not 1 <= scale[1] <= weight[1] * per_word:
-        problems.append(f"scale shape {list(scale)} is not [{weight[0]}, groups] (groups ≤ {weight[1] * per_word})")
+    size = params["group_size"]
+    most = ceil(weight[1] * per_word / size) if size else weight[1] * per_word
+    least = ceil(((weight[1] - 1) * per_word + 1) / size) if size else 1
+    if len(scale) != 2 or scale[0] != weight[0] or not least <= scale[1] <= most:
+        problems.append(f"scale shape {list(scale)} is not [{weight[0]}, groups] ({least} ≤ groups ≤ {most} for "
+                        f"{weight[1]} packed words a row)")
     elif "zero_point" in shapes:
         _expect(problems, "zero_point", shapes["zero_point"], (ceil(weight[0] / per_word), scale[1]),
                 f"{bits}-bit zero points packed along the output dimension")
@@ -338,3 +344,7 @@ COMPANION_SUFFIXES: tuple[str, ...] = tuple(sorted({c.suffix for s in SCHEMES fo
                                                    reverse=True))
 #: activation and KV-cache scales, which stand alone beside a plain weight (no weight group needs them)
 STANDALONE_SCALES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_cache_scale", ".output_scale")
+#: weight names only a quantized weight has (``.weight`` alone says nothing): one without its scales is broken
+QUANT_ONLY_SUFFIXES: tuple[str, ...] = tuple(sorted({s.weight_suffix for s in SCHEMES} - {".weight"}))
+#: activation scales: a weight's companions, but no scale of its values
+ACTIVATION_SCALES = (".input_scale", ".input_global_scale")

@@ -394,3 +394,10 @@ def build(case: str) -> Built:
 def infos(sd: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Each key's dtype name and shape, as find_groups takes them."""
     return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in sd.items()}
+
+
+def quant_method(config: dict[str, Any] | None) -> str | None:
+    """The quant_method a config file names (modelopt's hf_quant_config.json: ``modelopt``)."""
+    if config is None:
+        return None
+    return "modelopt" if "quantization" in config else config["quantization_config"]["quant_method"]

@@ -59,6 +59,11 @@ class QuantGroup:
     def rtn(self) -> bool:
         return BY_NAME[self.scheme].rtn
 
+    @property
+    def dequantized_key(self) -> str:
+        """The key the dequantized weight goes under (``…q_proj.weight``; gpt-oss: ``…experts.gate_up_proj``)."""
+        return self.module + BY_NAME[self.scheme].dequantized_suffix
+
 
 @dataclass(frozen=True)
 class QuantLayout:

@@ -159,12 +159,13 @@ def find_groups(infos: Infos, config: Mapping[str, Any] | None) -> QuantLayout:
             partial = candidates
         if partial:
             scheme, module, present, missing = max(partial, key=lambda c: len(c[2]))
-            problems.append(QuantProblem(module, key, f"{scheme.name} weight without its {', '.join(missing)}",
+            lacks = ", ".join(k[len(module):] for k in missing)
+            problems.append(QuantProblem(module, key, f"{scheme.name} weight {key[len(module):]} without its {lacks}",
                                          "missing"))
             claimed.update({key, *present.values()})
         elif dtype in SCALED_ONLY and not key.endswith(COMPANION_SUFFIXES) and _parent(key) not in scaled:
-            problems.append(QuantProblem(_parent(key), key, f"{dtype} weight without any scale: its values are not "
-                                                            "the weights'", "missing"))
+            problems.append(QuantProblem(_parent(key), key, f"{dtype} weight with no scale beside it: its raw "
+                                                            "values are not the weights", "missing"))
             claimed.add(key)
     problems.extend(_orphans(infos, claimed))
     claimed.update(p.key for p in problems)
@@ -178,7 +179,7 @@ def _orphans(infos: Infos, claimed: set[str]) -> list[QuantProblem]:
         if key in claimed or not key.endswith(COMPANION_SUFFIXES):
             continue
         suffix = next(s for s in COMPANION_SUFFIXES if key.endswith(s))
-        out.append(QuantProblem(key[:-len(suffix)], key, f"orphan scale: {key} has no quantized weight beside it",
+        out.append(QuantProblem(key[:-len(suffix)], key, f"orphan scale: {suffix} with no quantized weight beside it",
                                 "orphan"))
     return out
 

@@ -72,11 +72,13 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
     lines.append(f"keys ({info['num_keys']}" + (f"; the first and last {head}, --all lists every key" if cut else "")
                  + "):")
     width = max((len(key) for key, _ in listing), default=0)
+    roles = quantized_roles(info.get("quantization"))
     for i, (key, row) in enumerate(listing):
         if cut and i == head:
             lines.append("  …")
         shape = "x".join("*" if n is None else str(n) for n in row["shape"]) if row["shape"] is not None else "-"
         layout = f" {row['layout']}" if "layout" in row else ""  # a sparse tensor's
+        layout += f"  ({roles[row['key']]})" if row["key"] in roles else ""
         lines.append(f"  {key:<{width}}  [{shape}]  {shown(row['dtype'])}{layout}")
     for note in info["notes"]:
         lines.append(f"note: {note}")
@@ -88,6 +90,15 @@ def quantization_row(q: dict[str, Any]) -> str:
     method = f" ({q['quant_method']} by its config)" if q["quant_method"] else ""
     problems = f"; {len(q['problems'])} problem{'s' * (len(q['problems']) != 1)}" if q["problems"] else ""
     return f"{counts(q['schemes']) if q['schemes'] else 'no intact group'}{method}{problems}"
+
+
+def quantized_roles(q: dict[str, Any] | None) -> dict[str, str]:
+    """Each key of a quantized group → ``fp8-block weight`` / ``fp8-block scale``: what the key listing tags it."""
+    roles: dict[str, str] = {}
+    for group in (q or {}).get("groups", []):
+        roles[group["weight"]] = f"{group['scheme']} weight"
+        roles.update({key: f"{group['scheme']} {role}" for role, key in group["companions"].items()})
+    return roles
 
 
 def quantization_lines(q: dict[str, Any], most: int = 10) -> list[str]:

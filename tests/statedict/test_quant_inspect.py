@@ -58,6 +58,8 @@ def test_inspect_names_the_scheme(cli_runner: Any, written: dict[str, tuple[Path
     assert q["quant_method"] == method
     assert f"quantization:   {scheme} ×1 ({method} by its config)\n" in text
     assert "problem:" not in text
+    weight_row = next(line for line in text.splitlines() if line.startswith(f"  {group['weight']} "))
+    assert weight_row.endswith(f"  ({scheme} weight)")  # the key listing tags each group's tensors
 
 
 @pytest.mark.parametrize("case", ["fp8-block", "mxfp4", "ct-nvfp4", "gptq", "bnb-nf4"])

@@ -18,7 +18,8 @@ from typing import Any
 from ..core import locations
 from ..core.units import dtype_name, few, shown
 from ..errors import FormatError, KeyCollisionError, pass_flag
-from ..statedict import quant_schemes
+from ..statedict import quant_dequant, quant_groups
+from ..statedict.quant_schemes import BY_NAME
 from ..statedict.transforms import CAST_DTYPES
 
 CONFIG = "config.json"
@@ -36,13 +37,11 @@ class Configs:
     hf_quant: dict[str, Any] | None = None
 
     def for_schemes(self) -> dict[str, Any] | None:
-        """config.json, with hf_quant_config.json's content under its own name: what selects among look-alikes."""
-        if self.config is None and self.hf_quant is None:
-            return None
-        merged = dict(self.config or {})
-        if self.hf_quant is not None:
-            merged[HF_QUANT_CONFIG] = self.hf_quant
-        return merged
+        """What selects among look-alike schemes: config.json where it holds a ``quantization_config``, else
+        hf_quant_config.json (modelopt's export), else config.json (None: neither)."""
+        if self.config is not None and "quantization_config" in self.config:
+            return self.config
+        return self.hf_quant if self.hf_quant is not None else self.config
 
     def default_dtype(self) -> str:
         """The dtype a dequantization writes unless told: the config's ``torch_dtype`` (``dtype`` in transformers 5)
@@ -80,7 +79,7 @@ def find(state_dict: Mapping[str, Any], configs: Configs) -> Any:
     """The state dict's :class:`~ckptfix.statedict.quant_schemes.QuantLayout` (tensors or TensorInfo, on meta too)."""
     infos = {k: (v.dtype if isinstance(v.dtype, str) else dtype_name(v.dtype), tuple(v.shape))
              for k, v in state_dict.items() if hasattr(v, "dtype") and hasattr(v, "shape")}
-    return quant_schemes.find_groups(infos, configs.for_schemes())
+    return quant_groups.find_groups(infos, configs.for_schemes())
 
 
 def grouped_keys(layout: Any) -> frozenset[str]:
@@ -102,18 +101,21 @@ def kept_note(layout: Any) -> str | None:
     return f"kept {n} quantized group{'s' if n != 1 else ''} ({schemes(layout.groups)}) as stored" if n else None
 
 
-def refuse_unknown(layout: Any, state_dict: Mapping[str, Any], source: str, what: str) -> None:
-    """A float8 or packed-integer tensor beside scales of no scheme ckptfix knows: ``what`` (a cast) would change it
-    without its scales. Refused in one line naming the key and the option that treats such tensors as plain."""
-    if not layout.unknown:
+def refuse_cast(layout: Any, state_dict: Mapping[str, Any], source: str, what: str) -> None:
+    """A float8 or packed-integer tensor beside scales of no scheme ckptfix knows, or a broken group's tensor (a weight
+    without its scales, an orphan scale): ``what`` (a cast) would change it without the rest. Refused in one line
+    naming the key and the option that treats such tensors as plain."""
+    odd = list(layout.unknown) + [p.key for p in layout.problems]
+    if not odd:
         return
-    key = layout.unknown[0]
+    key = odd[0]
     value = state_dict[key]
     dtype = value.dtype if isinstance(value.dtype, str) else dtype_name(value.dtype)
-    more = f" (and {len(layout.unknown) - 1} more: {few(layout.unknown[1:])})" if len(layout.unknown) > 1 else ""
-    raise FormatError(f"{source}: {shown(key)} is {dtype} beside scale tensors of no quantization scheme ckptfix knows"
-                      f"{more}; {what} would change it without its scales. To treat such tensors as plain, "
-                      + pass_flag("cast_unknown_quantized"))
+    why = ("beside scale tensors of no quantization scheme ckptfix knows" if layout.unknown else
+           f"of a broken quantized group ({layout.problems[0].message})")
+    more = f" (and {len(odd) - 1} more: {few(odd[1:])})" if len(odd) > 1 else ""
+    raise FormatError(f"{source}: {shown(key)} is {dtype} {why}{more}; {what} would change it without its scales. To "
+                      "cast such tensors as plain ones, " + pass_flag("cast_unknown_quantized"))
 
 
 def refuse_problems(layout: Any, source: str, what: str) -> None:
@@ -127,7 +129,11 @@ def refuse_problems(layout: Any, source: str, what: str) -> None:
 
 
 def plain_key(group: Any) -> str:
-    """The key a dequantized group is written under: its module's ``weight``."""
+    """The key a dequantized group is written under: its module's ``weight`` (``fc.weight`` for ``fc.qweight``), or
+    where the weight is an attribute of its parent (gpt-oss ``experts.gate_up_proj_blocks``) that attribute
+    (``experts.gate_up_proj``), as the publisher's dequantized model names it."""
+    if not BY_NAME[group.scheme].weight_suffix.startswith("."):
+        return group.module
     return f"{group.module}.weight" if group.module else "weight"
 
 
@@ -156,14 +162,14 @@ def dequantize_groups(state_dict: Mapping[str, Any], groups: list[Any], dtype: A
             out[key] = value
             continue
         tensors = {k: state_dict[k] for k in (group.weight, *group.companions.values())}
-        problems = quant_schemes.check_values(group, tensors)
+        problems = quant_groups.check_values(group, tensors)
         if problems:
             raise FormatError(f"{source}: can't dequantize module {shown(group.module)}: {problems[0].message}")
         new = plain_key(group)
         if new in out or (new != key and new in state_dict and new not in dropped and new not in by_weight):
             raise KeyCollisionError(f"{source}: the dequantized {shown(group.module)} would be {shown(new)}, a key the "
                                     "checkpoint already holds")
-        out[new] = quant_schemes.dequantize(group, tensors, dtype=(dtypes or {}).get(key, dtype))
+        out[new] = quant_dequant.dequantize(group, tensors, dtype=(dtypes or {}).get(key, dtype))
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:
         out._metadata = meta  # type: ignore[attr-defined]
@@ -190,25 +196,22 @@ class Applied:
 def apply(state_dict: Any, source: str, configs: Configs, dtype: str | None, dequantize: bool, cast_unknown: bool,
           what: str) -> Applied:
     """A cast (``dtype``, spelled ``what`` in a refusal) and/or a dequantization on ``state_dict``: with ``dequantize``
-    each group becomes its plain weight (in ``dtype``, else the config's default), else every group's keys (and a
-    broken group's) are kept as stored. Tensors beside scales of no known scheme refuse a cast unless
-    ``cast_unknown``. Nothing to do (no cast, no dequantization): the state dict as given."""
+    each group becomes its plain weight (in ``dtype``, else the config's default), else every group's keys are kept
+    as stored. Tensors beside scales of no known scheme, and a broken group's, refuse a cast unless ``cast_unknown``
+    (then they are cast as plain tensors); a broken group refuses a dequantization. Neither asked: ``state_dict``."""
     if dtype is None and not dequantize:
         return Applied(state_dict)
     layout = find(state_dict, configs)
     notes: list[str] = []
-    if layout.unknown:
-        if dtype is not None and not cast_unknown:
-            refuse_unknown(layout, state_dict, source, what)
-        notes.append(f"{len(layout.unknown)} tensor(s) beside scales of no known quantization scheme "
-                     + ("cast as plain tensors" if dtype is not None else "kept as stored") + f": {few(layout.unknown)}")
+    odd = list(layout.unknown) + ([p.key for p in layout.problems] if not dequantize else [])
+    if odd and dtype is not None and not cast_unknown:
+        refuse_cast(layout, state_dict, source, what)
+    if odd:
+        notes.append(f"{len(odd)} tensor(s) of no known quantization scheme or of a broken group "
+                     + ("cast as plain tensors" if dtype is not None else "kept as stored") + f": {few(odd)}")
     if not dequantize:
         kept = kept_note(layout)
-        broken = frozenset(p.key for p in layout.problems)
-        if broken:
-            notes.append(f"kept {len(broken)} tensor(s) of broken quantized groups as stored (not cast): "
-                         + "; ".join(f"{shown(p.module)}: {p.message}" for p in layout.problems[:5]))
-        return Applied(state_dict, grouped_keys(layout) | broken, ([kept] if kept else []) + notes)
+        return Applied(state_dict, grouped_keys(layout), ([kept] if kept else []) + notes)
     refuse_problems(layout, source, "dequantize")
     target = torch_dtype(dtype or configs.default_dtype())
     out = dequantize_groups(state_dict, layout.groups, target, source)

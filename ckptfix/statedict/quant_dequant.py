@@ -8,12 +8,11 @@ transformers' conversion gives them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from math import ceil
 from typing import TYPE_CHECKING, Any
 
-from .quant_groups import QuantGroup
+from .quant_groups import QuantGroup, bnb_state
 from .quant_schemes import BY_NAME
 
 if TYPE_CHECKING:
@@ -176,18 +175,29 @@ def _group_expand(t: torch.Tensor, size: int, n: int, dim: int) -> torch.Tensor:
     return t.repeat_interleave(size, dim).narrow(dim, 0, n)
 
 
+def _group_size(columns: int, groups: int) -> int:
+    """The group size that splits ``columns`` into ``groups`` (the last one short): a power of two where one does
+    (32, 64, 128: what quantizers use), else ``columns / groups`` rounded up."""
+    fits = [2**k for k in range(1, 16) if -(-columns // 2**k) == groups]
+    return fits[0] if fits else ceil(columns / groups)
+
+
 def _ct_int_parts(group: QuantGroup, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """compressed-tensors pack-quantized: the unsigned-offset values, zero points and scales, each [out, in]."""
+    """compressed-tensors pack-quantized: the values and zero points (their offset 2**(bits-1) removed) and the
+    scales, each [out, in]; a group per ``group_size`` input columns, or per ``weight_g_idx`` (activation order)."""
     import torch
 
     bits = int(group.params.get("bits", 4))
     out, inp = (int(v) for v in _t(group, tensors, "shape").reshape(-1).tolist())
     q = _unpack_int(_t(group, tensors, "weight"), bits, 1)[:, :inp].float() - (1 << (bits - 1))
     scale = _t(group, tensors, "scale").float()
-    size = int(group.params.get("group_size") or ceil(inp / scale.shape[1]))
     zp = torch.zeros_like(scale)
     if "zero_point" in group.companions:
         zp = _unpack_int(_t(group, tensors, "zero_point"), bits, 0)[:out].float() - (1 << (bits - 1))
+    if "g_idx" in group.companions:
+        g_idx = _t(group, tensors, "g_idx").long()
+        return q, zp[:, g_idx], scale[:, g_idx]
+    size = int(group.params.get("group_size") or _group_size(inp, scale.shape[1]))
     return q, _group_expand(zp, size, inp, 1), _group_expand(scale, size, inp, 1)
 
 
@@ -244,13 +254,6 @@ def awq(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     return w.t().contiguous()
 
 
-def _bnb_state(group: QuantGroup, tensors: Tensors) -> dict[str, Any]:
-    """The quant state bitsandbytes packs as JSON bytes in ``quant_state.bitsandbytes__nf4|fp4``."""
-    raw = bytes(_t(group, tensors, "quant_state").reshape(-1).tolist())
-    state = json.loads(raw.decode("utf-8"))
-    return state if isinstance(state, dict) else {}
-
-
 def _bnb_codes(group: QuantGroup, tensors: Tensors, n: int) -> torch.Tensor:
     """The 4-bit codes, the high nibble first (bitsandbytes' kDequantize4bit), ``n`` of them."""
     import torch
@@ -289,7 +292,7 @@ def _half_gaps(qmap: torch.Tensor) -> torch.Tensor:
 
 def bnb4(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     """bitsandbytes nf4/fp4 (functional.dequantize_4bit): ``quant_map[code] * absmax[i // blocksize]``."""
-    state = _bnb_state(group, tensors)
+    state = bnb_state(group, tensors)
     shape = tuple(state["shape"])
     n = 1
     for d in shape:
@@ -301,7 +304,7 @@ def bnb4(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
 
 
 def bnb4_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
-    state = _bnb_state(group, tensors)
+    state = bnb_state(group, tensors)
     shape = tuple(state["shape"])
     n = 1
     for d in shape:
@@ -329,7 +332,7 @@ def bnb_int8_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
 Kernel = Callable[[QuantGroup, Tensors], "torch.Tensor"]
 #: one dequantization per ``Scheme.dequant`` name
 KERNELS: dict[str, Kernel] = {"fp8_scaled": fp8_scaled, "nvfp4_ct": nvfp4, "nvfp4_modelopt": nvfp4, "mxfp4": mxfp4,
-                              "int_packed_ct": int_packed_ct, "gptq": gptq, "awq": awq, "bnb4": bnb4,
+                              "int_packed_ct": int_packed_ct, "gptq": gptq, "gptq_v2": gptq, "awq": awq, "bnb4": bnb4,
                               "bnb_int8": bnb_int8}
 #: the round-to-nearest bound of each kernel whose schemes round to nearest
 BOUNDS: dict[str, Kernel] = {"fp8_scaled": fp8_bound, "nvfp4_ct": nvfp4_bound, "nvfp4_modelopt": nvfp4_bound,

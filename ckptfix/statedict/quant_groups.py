@@ -11,12 +11,14 @@ reads the companions' values (scales finite and positive, no NaN E8M0 byte) and 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from math import prod
 from typing import TYPE_CHECKING, Any
 
-from .quant_schemes import (BY_NAME, COMPANION_SUFFIXES, QUANT_STORAGE, SCALED_ONLY, SCHEMES, STANDALONE_SCALES,
-                            Scheme, Shape, quant_config)
+from .quant_schemes import (ACTIVATION_SCALES, BY_NAME, COMPANION_SUFFIXES, QUANT_ONLY_SUFFIXES, QUANT_STORAGE,
+                            SCALED_ONLY, SCHEMES, STANDALONE_SCALES, Scheme, Shape, quant_config)
 
 if TYPE_CHECKING:
     import torch
@@ -99,16 +101,13 @@ def _pick(key: str, fits: list[tuple[Scheme, str, dict[str, str], list[str]]], i
     good = [j for j in judged if not j[4]] or judged[:1]
     scheme, module, present, params, shape_problems = good[0]
     problems.extend(QuantProblem(module, key, f"{scheme.name}: {m}", "shape") for m in shape_problems)
-    others = [j[0] for j in good[1:]]
-    if any(o.dequant != scheme.dequant for o in others):
-        defaults = [j for j in good if j[0].default]
-        if defaults:
-            scheme, module, present, params, _ = defaults[0]
-        else:
-            names = ", ".join(j[0].name for j in good)
-            problems.append(QuantProblem(module, key, f"scheme ambiguous: {names} fit and no quantization config "
-                                                      "says which", "ambiguous"))
-    also = tuple(o.name for o in others if o.dequant == scheme.dequant and o.name != scheme.name)
+    differ = [j[0].name for j in good[1:] if j[0].dequant != scheme.dequant]
+    if differ:  # look-alikes with other values, no config to decide: the default (if any) is named, never silently
+        scheme, module, present, params, _ = next((j for j in good if j[0].default), good[0])
+        names = ", ".join(j[0].name for j in good)
+        problems.append(QuantProblem(module, key, f"scheme ambiguous: {names} fit and no quantization config says "
+                                                  f"which (taken as {scheme.name})", "ambiguous"))
+    also = tuple(j[0].name for j in good if j[0].dequant == scheme.dequant and j[0].name != scheme.name)
     return QuantGroup(scheme.name, module, key, present, params, also)
 
 
@@ -119,6 +118,7 @@ def find_groups(infos: Infos, config: Mapping[str, Any] | None) -> QuantLayout:
     groups: list[QuantGroup] = []
     problems: list[QuantProblem] = []
     claimed: set[str] = set()
+    unmatched = []
     for key, (dtype, _shape) in infos.items():
         candidates = _candidates(key, dtype, infos)
         fits = [c for c in candidates if not c[3]]
@@ -126,17 +126,24 @@ def find_groups(infos: Infos, config: Mapping[str, Any] | None) -> QuantLayout:
             group = _pick(key, fits, infos, qc, problems)
             groups.append(group)
             claimed.update(group.keys)
+        else:
+            unmatched.append((key, dtype, candidates))
+    scaled = _scaled_modules(infos)  # (a float8 tensor beside a scale no row knows is "unknown", below)
+    for key, dtype, candidates in unmatched:  # (after every group has claimed its companions)
+        partial = [c for c in candidates if any(k not in claimed and not k.endswith(ACTIVATION_SCALES)
+                                                for k in c[2].values())]
+        if key in claimed:
             continue
-        partial = [c for c in candidates if c[2] and any(not k.endswith(".input_scale") for k in c[2].values())]
+        if not partial and key.endswith(QUANT_ONLY_SUFFIXES):
+            partial = candidates
         if partial:
             scheme, module, present, missing = max(partial, key=lambda c: len(c[2]))
             problems.append(QuantProblem(module, key, f"{scheme.name} weight without its {', '.join(missing)}",
                                          "missing"))
             claimed.update({key, *present.values()})
-        elif dtype in SCALED_ONLY:
-            module = key.rsplit(".", 1)[0] if "." in key else key
-            problems.append(QuantProblem(module, key, f"{dtype} weight without any scale: its values are not the "
-                                                      "weights'", "missing"))
+        elif dtype in SCALED_ONLY and not key.endswith(COMPANION_SUFFIXES) and _parent(key) not in scaled:
+            problems.append(QuantProblem(_parent(key), key, f"{dtype} weight without any scale: its values are not "
+                                                            "the weights'", "missing"))
             claimed.add(key)
     problems.extend(_orphans(infos, claimed))
     claimed.update(p.key for p in problems)
@@ -161,9 +168,14 @@ def _parent(key: str) -> str:
 
 def _unknown(infos: Infos, claimed: set[str]) -> list[str]:
     """Unclaimed float8/packed-integer tensors in a module that holds a ``*scale*`` key (not a KV-cache scale)."""
-    scaled = {_parent(k) for k in infos if _is_scale(k) and not k.endswith(STANDALONE_SCALES)}
+    scaled = _scaled_modules(infos)
     return [k for k, (dtype, _s) in infos.items()
             if k not in claimed and dtype in QUANT_STORAGE and _parent(k) in scaled and not _is_scale(k)]
+
+
+def _scaled_modules(infos: Infos) -> set[str]:
+    """Modules holding a key named like a weight's scale (not an activation or KV-cache scale)."""
+    return {_parent(k) for k in infos if _is_scale(k) and not k.endswith(STANDALONE_SCALES + ACTIVATION_SCALES)}
 
 
 def _is_scale(key: str) -> bool:
@@ -198,6 +210,7 @@ def check_values(group: QuantGroup, tensors: Mapping[str, torch.Tensor]) -> list
             what = "negative" if _SCALE_ROLES[role] else "zero or negative"
             out.append(QuantProblem(group.module, key, f"{role}: {nonfinite} value(s) not finite, {low} {what}",
                                     "value"))
+    out += [QuantProblem(group.module, group.weight, m, "shape") for m in _packed_problems(group, tensors)]
     g_idx = group.companions.get("g_idx", "")
     if g_idx in tensors and group.companions.get("scale", "") in tensors:
         n = tensors[group.companions["scale"]].shape[0]
@@ -205,3 +218,37 @@ def check_values(group: QuantGroup, tensors: Mapping[str, torch.Tensor]) -> list
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
             out.append(QuantProblem(group.module, g_idx, f"g_idx points outside the {n} groups", "value"))
     return out
+
+
+def bnb_state(group: QuantGroup, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The quant state bitsandbytes packs as JSON bytes in ``quant_state.bitsandbytes__nf4|fp4`` (``{}``: unreadable)."""
+    raw = bytes(tensors[group.companions["quant_state"]].reshape(-1).tolist())
+    try:
+        state = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _packed_problems(group: QuantGroup, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Packed byte counts against the true shape the file records (compressed-tensors' ``weight_shape``,
+    bitsandbytes' quant state), which no key's shape tells."""
+    weight = tensors.get(group.weight)
+    if weight is None:
+        return []
+    if group.scheme == "ct-int-packed" and group.companions.get("shape") in tensors:
+        dims = [int(v) for v in tensors[group.companions["shape"]].reshape(-1).tolist()]
+        per_word = 32 // int(group.params.get("bits", 4))
+        if len(dims) != 2 or dims[0] != weight.shape[0] or -(-dims[1] // per_word) != weight.shape[-1]:
+            return [f"weight_shape {dims} does not fit the packed weight {list(weight.shape)} "
+                    f"({per_word} values an int32)"]
+    if group.scheme.startswith("bnb-") and group.companions.get("quant_state") in tensors:
+        state = bnb_state(group, tensors)
+        if not isinstance(state.get("shape"), list) or not isinstance(state.get("blocksize"), int):
+            return ["quant_state is not bitsandbytes' JSON (shape, blocksize)"]
+        n = prod(int(d) for d in state["shape"])
+        absmax = tensors[group.companions["absmax"]].numel() if group.companions.get("absmax") in tensors else None
+        if weight.numel() != -(-n // 2) or (absmax is not None and absmax != -(-n // state["blocksize"])):
+            return [f"{weight.numel()} bytes and {absmax} absmax blocks do not hold {state['shape']} "
+                    f"in blocks of {state['blocksize']}"]
+    return []

@@ -158,7 +158,9 @@ def nvfp4_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[di
     problems: list[str] = []
     weight = _two_d(shapes, problems)
     if weight is not None:
-        _expect(problems, "scale", shapes["scale"], (weight[0], ceil(weight[1] * 2 / 16)), "an FP8 scale per 16 values")
+        _expect(problems, "scale", shapes["scale"], (weight[0], weight[1] * 2 // 16), "an FP8 scale per 16 values")
+        if weight[1] * 2 % 16:
+            problems.append(f"packed weight holds {weight[1] * 2} values a row, not a multiple of 16 (bytes cut?)")
     if _numel(shapes["global_scale"]) != 1:
         problems.append(f"global_scale shape {list(shapes['global_scale'])} is not one value")
     return {"group": 16}, problems
@@ -184,19 +186,24 @@ def ct_int_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[d
     [2] (the true [out, in]), zero points packed along out [ceil(out/per_word), groups] when asymmetric."""
     bits = _int_bits(qc)
     per_word = 32 // bits
+    params = {"bits": bits, "group_size": _ct_weights(qc).get("group_size")}
     problems: list[str] = []
     weight = _two_d(shapes, problems)
     if _numel(shapes["shape"]) != 2:
         problems.append(f"weight_shape shape {list(shapes['shape'])} is not [2]")
     if weight is None:
-        return {"bits": bits}, problems
+        return params, problems
     scale = tuple(shapes["scale"])
-    if len(scale) != 2 or scale[0] != weight[0] or not 1 <= scale[1] <= weight[1] * per_word:
-        problems.append(f"scale shape {list(scale)} is not [{weight[0]}, groups] (groups ≤ {weight[1] * per_word})")
+    size = params["group_size"]
+    most = ceil(weight[1] * per_word / size) if size else weight[1] * per_word
+    least = ceil(((weight[1] - 1) * per_word + 1) / size) if size else 1
+    if len(scale) != 2 or scale[0] != weight[0] or not least <= scale[1] <= most:
+        problems.append(f"scale shape {list(scale)} is not [{weight[0]}, groups] ({least} ≤ groups ≤ {most} for "
+                        f"{weight[1]} packed words a row)")
     elif "zero_point" in shapes:
         _expect(problems, "zero_point", shapes["zero_point"], (ceil(weight[0] / per_word), scale[1]),
                 f"{bits}-bit zero points packed along the output dimension")
-    return {"bits": bits}, problems
+    return params, problems
 
 
 def _groups_rows(problems: list[str], scales: Shape, inp: int) -> int:
@@ -302,8 +309,10 @@ SCHEMES: tuple[Scheme, ...] = (
            source="TensorRT-Model-Optimizer modelopt/torch/quantization/qtensor/nvfp4_tensor.py dequantize"),
     Scheme("ct-int-packed", ".weight_packed", INT32,
            (Companion("scale", ".weight_scale", FLOATS), Companion("shape", ".weight_shape", frozenset({"int32", "int64"})),
-            Companion("zero_point", ".weight_zero_point", INT32 | frozenset({"int8"}), required=False)),
-           _method("compressed-tensors"), ct_int_shapes, "int_packed_ct", "(unpack(q) - 2**(bits-1) - zero_point) * scale",
+            Companion("zero_point", ".weight_zero_point", INT32, required=False),
+            Companion("g_idx", ".weight_g_idx", INT32, required=False)),
+           _method("compressed-tensors"), ct_int_shapes, "int_packed_ct",
+           "(q - zero_point) * scale, each unpacked less 2**(bits-1)",
            rtn=True, source="compressed-tensors compressors/quantized_compressors/pack_quantized.py unpack_from_int32"),
     Scheme("mxfp4", "_blocks", PACKED_FP4, (Companion("scale", "_scales", E8M0),), _method("mxfp4"), mxfp4_shapes,
            "mxfp4", "e2m1 * 2**(scale - 127)", rtn=True,
@@ -311,7 +320,7 @@ SCHEMES: tuple[Scheme, ...] = (
     Scheme("gptq", ".qweight", INT32, _GPTQ_COMPANIONS, _gptq(("gptq",)), gptq_shapes, "gptq",
            "scales[g_idx] * (q - (qzeros + 1))", rtn=False, default=True,
            source="AutoGPTQ auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py; gptqmodel utils/model.py convert_gptq_v1_to_v2"),
-    Scheme("gptq-v2", ".qweight", INT32, _GPTQ_COMPANIONS, _gptq(("gptq_v2",)), gptq_v2_shapes, "gptq",
+    Scheme("gptq-v2", ".qweight", INT32, _GPTQ_COMPANIONS, _gptq(("gptq_v2",)), gptq_v2_shapes, "gptq_v2",
            "scales[g_idx] * (q - qzeros)", rtn=False,
            source="gptqmodel nn_modules/qlinear/__init__.py dequantize_weight"),
     Scheme("awq", ".qweight", INT32, (Companion("scale", ".scales", FLOATS), Companion("zero_point", ".qzeros", INT32)),
@@ -335,3 +344,7 @@ COMPANION_SUFFIXES: tuple[str, ...] = tuple(sorted({c.suffix for s in SCHEMES fo
                                                    reverse=True))
 #: activation and KV-cache scales, which stand alone beside a plain weight (no weight group needs them)
 STANDALONE_SCALES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_cache_scale", ".output_scale")
+#: weight names only a quantized weight has (``.weight`` alone says nothing): one without its scales is broken
+QUANT_ONLY_SUFFIXES: tuple[str, ...] = tuple(sorted({s.weight_suffix for s in SCHEMES} - {".weight"}))
+#: activation scales: a weight's companions, but no scale of its values
+ACTIVATION_SCALES = (".input_scale", ".input_global_scale")

@@ -20,6 +20,15 @@ from torch import nn
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, LoadError
+from ckptfix.statedict.quant_groups import find_groups
+from tests import quant_layouts
+
+ROOT = Path(__file__).resolve().parents[2]
+REAL = ROOT / "fixtures" / "quant"
+#: the real releases (made by the publishing library) that are safetensors directories: directory -> its reference (the
+#: library's own dequantization of each quantized weight, float32)
+REAL_RELEASES = {name: entry["reference"] for name, entry in json.loads((REAL / "MANIFEST.json").read_text())["files"].items()
+                 if name.endswith(".safetensors") and entry["library"] != "torchao"}  # (torchao: no scheme row)
 
 BLOCK = 128
 #: module -> weight shape: one ragged at both edges (ceil grid 2x2), one whole (1x2)
@@ -77,7 +86,7 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def raw(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a tensor, to compare float8 (and NaN) bit for bit."""
-    return t.contiguous().view(torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
 
 
 def group_keys() -> list[str]:
@@ -269,3 +278,80 @@ def test_load_into_quantized_model_loads_as_stored(model_release: Path) -> None:
         assert not any("dequantized" in n for n in report.notes)
         state = model.state_dict()
         assert all(torch.equal(raw(state[k]), raw(v)) for k, v in src.items())
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, quant_layouts.Built]]:
+    """Every scheme's group as its publisher lays it out (tests/quant_layouts), each a save_pretrained directory."""
+    root = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for case in quant_layouts.CASES:
+        built = quant_layouts.build(case)
+        out[case] = (write_release(root / case, built.state_dict, built.config), built)
+    return out
+
+
+def _plain_key(module: str, case: str) -> str:
+    """gpt-oss experts' weight is its parent's attribute (``experts.gate_up_proj``), the others a module's .weight."""
+    return module if case.startswith("mxfp4") else f"{module}.weight"
+
+
+@pytest.mark.parametrize("case", list(quant_layouts.CASES))
+def test_every_scheme_kept_by_dtype_and_dequantized(case: str, layouts: dict, tmp_path: Path) -> None:
+    """Per scheme: --dtype bf16 writes the group's tensors bit-exact (the report names the scheme); --dequantize
+    --dtype fp32 writes the publisher's dequantization (within float32's rounding), no companion left."""
+    release, built = layouts[case]
+    scheme = quant_layouts.CASES[case][1]
+    report = ckptfix.convert(release, tmp_path / "cast.safetensors", dtype="bf16")
+    assert f"kept 1 quantized group ({scheme}) as stored" in report.notes, report.notes
+    cast = load_file(str(tmp_path / "cast.safetensors"))
+    (group,) = find_groups(quant_layouts.infos(built.state_dict), built.config).groups
+    quantized = set(group.keys)
+    for key in quantized:
+        assert cast[key].dtype == built.state_dict[key].dtype and torch.equal(raw(cast[key]), raw(built.state_dict[key]))
+    ckptfix.convert(release, tmp_path / "plain.safetensors", dequantize=True, dtype="fp32")
+    plain = load_file(str(tmp_path / "plain.safetensors"))
+    for module, reference in built.reference.items():
+        torch.testing.assert_close(plain[_plain_key(module, case)], reference.to(torch.float32).reshape(
+            plain[_plain_key(module, case)].shape))
+    assert not quantized & (set(plain) - {_plain_key(m, case) for m in built.reference})
+
+
+@pytest.mark.parametrize("release", sorted(REAL_RELEASES))
+def test_real_release_dequantized_as_its_library_does(release: str, tmp_path: Path, cli_runner) -> None:
+    """A release the publishing library wrote (fixtures/quant): --dequantize into a directory equals the library's own
+    dequantization (reference.safetensors) rounded to the target dtype, config.json loses quantization_config;
+    --dtype keeps every quantized tensor bit-exact."""
+    src = REAL / release  # (the file: its directory holds reference.safetensors too; config.json is read beside it)
+    reference = load_file(str(REAL / REAL_RELEASES[release]))
+    for dtype, rtol in (("fp32", 1.3e-6), ("bf16", 2 ** -8)):
+        out = tmp_path / f"plain_{dtype}"
+        res = cli_runner.invoke(cli, ["convert", str(src), str(out), "--dequantize", "--dtype", dtype,
+                                      "--max-shard-size", "5GB"])
+        assert res.exit_code == 0, res.output
+        got = load_file(str(out / "model.safetensors"))
+        assert set(reference) <= set(got) and not any("scale" in k or "packed" in k for k in got), sorted(got)
+        for key, want in reference.items():
+            assert got[key].dtype == DTYPES[dtype]
+            # a library that dequantizes in the model's bf16 (compressed-tensors' NVFP4) is matched within bf16's rounding
+            within = max(rtol, 2 ** -8 if torch.equal(want, want.bfloat16().float()) else 0)
+            torch.testing.assert_close(got[key].float(), want.float(), rtol=within, atol=0)
+        assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    report = ckptfix.convert(src, tmp_path / "cast.safetensors", dtype="bf16")
+    stored, cast = load_file(str(src)), load_file(str(tmp_path / "cast.safetensors"))
+    config = json.loads((src.parent / "config.json").read_text())
+    layout = find_groups(quant_layouts.infos(stored), config)
+    assert len(layout.groups) == len(reference) and f"kept {len(reference)} quantized groups" in " ".join(report.notes)
+    for key in stored:
+        if key in layout.plain and stored[key].is_floating_point():
+            assert cast[key].dtype == torch.bfloat16, key
+        else:
+            assert torch.equal(raw(cast[key]), raw(stored[key])), key
+
+
+def test_torchao_flattened_refuses_dtype(tmp_path: Path, cli_runner) -> None:
+    """torchao's int8 weights flattened into safetensors match no scheme row: --dtype refuses rather than cast their
+    scales without them."""
+    src = REAL / "torchao" / "int8_weight_only_safetensors" / "model.safetensors"
+    res = cli_runner.invoke(cli, ["convert", str(src), str(tmp_path / "out.safetensors"), "--dtype", "bf16"])
+    assert res.exit_code == 1 and "_weight_qdata is int8" in res.output and "--cast-unknown-quantized" in res.output

@@ -19,6 +19,7 @@ from ..core import locations
 from ..core.units import dtype_name, few, shown
 from ..errors import FormatError, KeyCollisionError, pass_flag
 from ..statedict import quant_dequant, quant_groups
+from ..statedict.quant_groups import QuantGroup, QuantLayout
 from ..statedict.quant_schemes import BY_NAME
 from ..statedict.transforms import CAST_DTYPES
 
@@ -75,19 +76,19 @@ def _json_object(path: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def find(state_dict: Mapping[str, Any], configs: Configs) -> Any:
-    """The state dict's :class:`~ckptfix.statedict.quant_schemes.QuantLayout` (tensors or TensorInfo, on meta too)."""
+def find(state_dict: Mapping[str, Any], configs: Configs) -> QuantLayout:
+    """The state dict's :class:`~ckptfix.statedict.quant_groups.QuantLayout` (tensors or TensorInfo, on meta too)."""
     infos = {k: (v.dtype if isinstance(v.dtype, str) else dtype_name(v.dtype), tuple(v.shape))
              for k, v in state_dict.items() if hasattr(v, "dtype") and hasattr(v, "shape")}
     return quant_groups.find_groups(infos, configs.for_schemes())
 
 
-def grouped_keys(layout: Any) -> frozenset[str]:
+def grouped_keys(layout: QuantLayout) -> frozenset[str]:
     """Every key a quantized group holds: its weight and its companions (scales, zero points, …)."""
     return frozenset(k for g in layout.groups for k in (g.weight, *g.companions.values()))
 
 
-def schemes(groups: list[Any]) -> str:
+def schemes(groups: list[QuantGroup]) -> str:
     """``fp8-block`` / ``fp8-block ×2, nvfp4 ×1``: the schemes of ``groups``, with counts where there are several."""
     counts = Counter(g.scheme for g in groups)
     if len(counts) == 1:
@@ -95,13 +96,13 @@ def schemes(groups: list[Any]) -> str:
     return ", ".join(f"{name} ×{n}" for name, n in counts.items())
 
 
-def kept_note(layout: Any) -> str | None:
+def kept_note(layout: QuantLayout) -> str | None:
     """``kept 3 quantized groups (fp8-block) as stored``: what a cast left alone, or None where it left no group."""
     n = len(layout.groups)
     return f"kept {n} quantized group{'s' if n != 1 else ''} ({schemes(layout.groups)}) as stored" if n else None
 
 
-def refuse_cast(layout: Any, state_dict: Mapping[str, Any], source: str, what: str) -> None:
+def refuse_cast(layout: QuantLayout, state_dict: Mapping[str, Any], source: str, what: str) -> None:
     """A float8 or packed-integer tensor beside scales of no scheme ckptfix knows, or a broken group's tensor (a weight
     without its scales, an orphan scale): ``what`` (a cast) would change it without the rest. Refused in one line
     naming the key and the option that treats such tensors as plain."""
@@ -114,21 +115,21 @@ def refuse_cast(layout: Any, state_dict: Mapping[str, Any], source: str, what: s
     why = ("beside scale tensors of no quantization scheme ckptfix knows" if layout.unknown else
            f"of a broken quantized group ({layout.problems[0].message})")
     more = f" (and {len(odd) - 1} more: {few(odd[1:])})" if len(odd) > 1 else ""
-    raise FormatError(f"{source}: {shown(key)} is {dtype} {why}{more}; {what} would change it without its scales. To "
+    raise FormatError(f"{source}: {shown(key)} is {dtype} {why}{more}; {what} would change what it stands for. To "
                       "cast such tensors as plain ones, " + pass_flag("cast_unknown_quantized"))
 
 
-def refuse_problems(layout: Any, source: str, what: str) -> None:
+def refuse_problems(layout: QuantLayout, source: str, what: str) -> None:
     """A broken group (a weight without its scales, an orphan scale, a wrong grid …) can't be ``what``: refused,
     naming the module."""
     if not layout.problems:
         return
     first = layout.problems[0]
     more = f" ({len(layout.problems) - 1} more problem(s))" if len(layout.problems) > 1 else ""
-    raise FormatError(f"{source}: can't {what} module {shown(first.module)!s}: {first.message}{more}")
+    raise FormatError(f"{source}: can't {what} module {shown(first.module)}: {first.message}{more}")
 
 
-def plain_key(group: Any) -> str:
+def plain_key(group: QuantGroup) -> str:
     """The key a dequantized group is written under: its module's ``weight`` (``fc.weight`` for ``fc.qweight``), or
     where the weight is an attribute of its parent (gpt-oss ``experts.gate_up_proj_blocks``) that attribute
     (``experts.gate_up_proj``), as the publisher's dequantized model names it."""
@@ -144,7 +145,7 @@ def torch_dtype(name: str) -> Any:
     return getattr(torch, CAST_DTYPES.get(name, name))
 
 
-def dequantize_groups(state_dict: Mapping[str, Any], groups: list[Any], dtype: Any, source: str,
+def dequantize_groups(state_dict: Mapping[str, Any], groups: list[QuantGroup], dtype: Any, source: str,
                       dtypes: Mapping[str, Any] | None = None) -> OrderedDict:
     """``state_dict`` with each of ``groups`` replaced by its dequantized weight in ``dtype`` (a torch dtype; ``dtypes``:
     another one by weight key), at its weight's place under :func:`plain_key`, its companions dropped; each group's
@@ -176,7 +177,7 @@ def dequantize_groups(state_dict: Mapping[str, Any], groups: list[Any], dtype: A
     return out
 
 
-def dequantized_note(groups: list[Any], dtype: Any, dropped: int) -> str:
+def dequantized_note(groups: list[QuantGroup], dtype: Any, dropped: int) -> str:
     """``dequantized 3 quantized groups (fp8-block) to bfloat16; 3 scale tensor(s) dropped``."""
     n = len(groups)
     return (f"dequantized {n} quantized group{'s' if n != 1 else ''} ({schemes(groups)}) to {dtype_name(dtype)}; "

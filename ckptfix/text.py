@@ -60,8 +60,12 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
         rows.append(("other entries", listed([f"{shown(k)}: {v}" for k, v in info["extra"].items()], SHOWN_ITEMS, "; ")))
     if info["non_tensor_keys"]:
         rows.append(("non-tensor keys", few(info["non_tensor_keys"], 10)))
+    if "quantization" in info:
+        rows.append(("quantization", quantization_row(info["quantization"])))
     for name, value in rows:
         lines.append(f"{name + ':':<16}{value}")
+    if "quantization" in info:
+        lines += quantization_lines(info["quantization"])
     rows = info["keys"]
     cut = not all_keys and len(rows) > 2 * head
     listing = [(shown(r["key"]), r) for r in (rows[:head] + rows[-head:] if cut else rows)]
@@ -77,6 +81,25 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
     for note in info["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def quantization_row(q: dict[str, Any]) -> str:
+    """``fp8-block ×61 (fp8 by its config); 2 problems``: the groups per scheme, the config's quant_method."""
+    method = f" ({q['quant_method']} by its config)" if q["quant_method"] else ""
+    problems = f"; {len(q['problems'])} problem{'s' * (len(q['problems']) != 1)}" if q["problems"] else ""
+    return f"{counts(q['schemes']) if q['schemes'] else 'no intact group'}{method}{problems}"
+
+
+def quantization_lines(q: dict[str, Any], most: int = 10) -> list[str]:
+    """A line per problem (orphan scales, weights without theirs, wrong grids …) and per tensor that looks
+    quantized but matches no scheme; the first ``most`` of each."""
+    lines = [f"  problem: {shown(p['module'])}: {p['message']}" for p in q["problems"][:most]]
+    if len(q["problems"]) > most:
+        lines.append(f"  … and {len(q['problems']) - most} more problems (--json lists every one)")
+    if q["unknown"]:
+        lines.append(f"  unknown: {few([shown(k) for k in q['unknown']], most)} (float8 or packed integers beside a "
+                     "scale no scheme knows)")
+    return lines
 
 
 def convert_text(report: Any) -> str:

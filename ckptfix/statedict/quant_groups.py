@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING, Any
 
+from ..core.tensorinfo import is_tensor, layout_name, shape_and_dtype
 from .quant_schemes import (ACTIVATION_SCALES, BY_NAME, COMPANION_SUFFIXES, QUANT_ONLY_SUFFIXES, QUANT_STORAGE,
                             SCALED_ONLY, SCHEMES, STANDALONE_SCALES, Scheme, Shape, quant_config)
 
@@ -58,6 +59,11 @@ class QuantGroup:
     def rtn(self) -> bool:
         return BY_NAME[self.scheme].rtn
 
+    @property
+    def dequantized_key(self) -> str:
+        """The key the dequantized weight goes under (``…q_proj.weight``; gpt-oss: ``…experts.gate_up_proj``)."""
+        return self.module + BY_NAME[self.scheme].dequantized_suffix
+
 
 @dataclass(frozen=True)
 class QuantLayout:
@@ -73,6 +79,18 @@ class QuantLayout:
         """Groups per scheme, in the table's order."""
         names = [g.scheme for g in self.groups]
         return {s.name: names.count(s.name) for s in SCHEMES if s.name in names}
+
+
+def infos_of(state_dict: Mapping[str, Any]) -> dict[str, tuple[str, Shape]]:
+    """Each strided tensor's dtype name and shape, from real tensors, meta tensors or TensorInfo alike (no torch
+    import); sparse and nested tensors are no quantized group's."""
+    out: dict[str, tuple[str, Shape]] = {}
+    for key, value in state_dict.items():
+        if is_tensor(value) and layout_name(value) is None:
+            shape, dtype = shape_and_dtype(value)
+            if None not in shape:
+                out[key] = (dtype, tuple(int(d) for d in shape if d is not None))
+    return out
 
 
 def _candidates(key: str, dtype: str, infos: Infos) -> list[tuple[Scheme, str, dict[str, str], list[str]]]:

@@ -20,7 +20,6 @@ from ..core.units import dtype_name, few, shown
 from ..errors import FormatError, KeyCollisionError, pass_flag
 from ..statedict import quant_dequant, quant_groups
 from ..statedict.quant_groups import QuantGroup, QuantLayout
-from ..statedict.quant_schemes import BY_NAME
 from ..statedict.transforms import CAST_DTYPES
 
 CONFIG = "config.json"
@@ -129,15 +128,6 @@ def refuse_problems(layout: QuantLayout, source: str, what: str) -> None:
     raise FormatError(f"{source}: can't {what} module {shown(first.module)}: {first.message}{more}")
 
 
-def plain_key(group: QuantGroup) -> str:
-    """The key a dequantized group is written under: its module's ``weight`` (``fc.weight`` for ``fc.qweight``), or
-    where the weight is an attribute of its parent (gpt-oss ``experts.gate_up_proj_blocks``) that attribute
-    (``experts.gate_up_proj``), as the publisher's dequantized model names it."""
-    if not BY_NAME[group.scheme].weight_suffix.startswith("."):
-        return group.module
-    return f"{group.module}.weight" if group.module else "weight"
-
-
 def torch_dtype(name: str) -> Any:
     """``bf16`` / ``bfloat16`` → ``torch.bfloat16``."""
     import torch
@@ -148,8 +138,8 @@ def torch_dtype(name: str) -> Any:
 def dequantize_groups(state_dict: Mapping[str, Any], groups: list[QuantGroup], dtype: Any, source: str,
                       dtypes: Mapping[str, Any] | None = None) -> OrderedDict:
     """``state_dict`` with each of ``groups`` replaced by its dequantized weight in ``dtype`` (a torch dtype; ``dtypes``:
-    another one by weight key), at its weight's place under :func:`plain_key`, its companions dropped; each group's
-    values checked first (``check_values``: scales finite and positive …), a bad one refused naming its module."""
+    another one by weight key), at its weight's place under its ``dequantized_key``, its companions dropped; each
+    group's values checked first (``check_values``: scales finite and positive …), a bad one refused naming its module."""
     by_weight = {g.weight: g for g in groups}
     dropped = {k for g in groups for k in g.companions.values()}
     out: OrderedDict = OrderedDict()
@@ -166,7 +156,7 @@ def dequantize_groups(state_dict: Mapping[str, Any], groups: list[QuantGroup], d
         problems = quant_groups.check_values(group, tensors)
         if problems:
             raise FormatError(f"{source}: can't dequantize module {shown(group.module)}: {problems[0].message}")
-        new = plain_key(group)
+        new = group.dequantized_key
         if new in out or (new != key and new in state_dict and new not in dropped and new not in by_weight):
             raise KeyCollisionError(f"{source}: the dequantized {shown(group.module)} would be {shown(new)}, a key the "
                                     "checkpoint already holds")

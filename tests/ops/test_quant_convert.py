@@ -28,7 +28,7 @@ REAL = ROOT / "fixtures" / "quant"
 #: the real releases (made by the publishing library) that are safetensors directories: directory -> its reference (the
 #: library's own dequantization of each quantized weight, float32)
 REAL_RELEASES = {name: entry["reference"] for name, entry in json.loads((REAL / "MANIFEST.json").read_text())["files"].items()
-                 if name.endswith(".safetensors") and entry["library"] != "torchao"}  # (torchao: no scheme row)
+                 if name.endswith(".safetensors")}
 
 BLOCK = 128
 #: module -> weight shape: one ragged at both edges (ceil grid 2x2), one whole (1x2)
@@ -291,11 +291,6 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, q
     return out
 
 
-def _plain_key(module: str, case: str) -> str:
-    """gpt-oss experts' weight is its parent's attribute (``experts.gate_up_proj``), the others a module's .weight."""
-    return module if case.startswith("mxfp4") else f"{module}.weight"
-
-
 @pytest.mark.parametrize("case", list(quant_layouts.CASES))
 def test_every_scheme_kept_by_dtype_and_dequantized(case: str, layouts: dict, tmp_path: Path) -> None:
     """Per scheme: --dtype bf16 writes the group's tensors bit-exact (the report names the scheme); --dequantize
@@ -311,10 +306,9 @@ def test_every_scheme_kept_by_dtype_and_dequantized(case: str, layouts: dict, tm
         assert cast[key].dtype == built.state_dict[key].dtype and torch.equal(raw(cast[key]), raw(built.state_dict[key]))
     ckptfix.convert(release, tmp_path / "plain.safetensors", dequantize=True, dtype="fp32")
     plain = load_file(str(tmp_path / "plain.safetensors"))
-    for module, reference in built.reference.items():
-        torch.testing.assert_close(plain[_plain_key(module, case)], reference.to(torch.float32).reshape(
-            plain[_plain_key(module, case)].shape))
-    assert not quantized & (set(plain) - {_plain_key(m, case) for m in built.reference})
+    assert set(plain) == set(built.state_dict) - quantized | {group.dequantized_key}
+    torch.testing.assert_close(plain[group.dequantized_key], built.reference[group.module].to(torch.float32).reshape(
+        plain[group.dequantized_key].shape))
 
 
 @pytest.mark.parametrize("release", sorted(REAL_RELEASES))
@@ -348,10 +342,3 @@ def test_real_release_dequantized_as_its_library_does(release: str, tmp_path: Pa
         else:
             assert torch.equal(raw(cast[key]), raw(stored[key])), key
 
-
-def test_torchao_flattened_refuses_dtype(tmp_path: Path, cli_runner) -> None:
-    """torchao's int8 weights flattened into safetensors match no scheme row: --dtype refuses rather than cast their
-    scales without them."""
-    src = REAL / "torchao" / "int8_weight_only_safetensors" / "model.safetensors"
-    res = cli_runner.invoke(cli, ["convert", str(src), str(tmp_path / "out.safetensors"), "--dtype", "bf16"])
-    assert res.exit_code == 1 and "_weight_qdata is int8" in res.output and "--cast-unknown-quantized" in res.output

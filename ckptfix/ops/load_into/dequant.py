@@ -24,13 +24,13 @@ def plain_groups(ckpt: Any, target: repair.Target, model_state: Mapping[str, Any
     for group in layout.groups:
         if any(fn(k) in model_state for k in group.companions.values()):
             continue  # the model holds the quantized form: loaded as stored
-        into = model_state.get(fn(quantized.plain_key(group)))
+        into = model_state.get(fn(group.dequantized_key))
         if into is None or not into.is_floating_point() or into.element_size() == 1:
             continue  # not a plain float weight: the fit reports what doesn't match
         if not dequantize:
             raise LoadError(f"{ckpt.path}: {shown(group.weight)} is quantized ({group.scheme}, with "
                             f"{', '.join(map(shown, group.companions.values()))}) but the model's "
-                            f"{shown(fn(quantized.plain_key(group)))} is a plain {dtype_name(into.dtype)} weight; "
+                            f"{shown(fn(group.dequantized_key))} is a plain {dtype_name(into.dtype)} weight; "
                             "casting the stored values would drop their scales: pass dequantize=True to load the "
                             "dequantized weight; nothing was loaded")
         wanted[group.weight] = (group, into.dtype)

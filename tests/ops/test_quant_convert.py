@@ -331,6 +331,7 @@ def test_real_release_dequantized_as_its_library_does(release: str, tmp_path: Pa
             within = max(rtol, 2 ** -8 if torch.equal(want, want.bfloat16().float()) else 0)
             torch.testing.assert_close(got[key].float(), want.float(), rtol=within, atol=0)
         assert "quantization_config" not in json.loads((out / "config.json").read_text())
+        assert not (out / "hf_quant_config.json").exists()
     report = ckptfix.convert(src, tmp_path / "cast.safetensors", dtype="bf16")
     stored, cast = load_file(str(src)), load_file(str(tmp_path / "cast.safetensors"))
     config = json.loads((src.parent / "config.json").read_text())

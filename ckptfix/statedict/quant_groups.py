@@ -93,6 +93,9 @@ def infos_of(state_dict: Mapping[str, Any]) -> dict[str, tuple[str, Shape]]:
     return out
 
 
+_WEIGHT_SUFFIXES = tuple({s.weight_suffix for s in SCHEMES})
+
+
 def _candidates(key: str, dtype: str, infos: Infos) -> list[tuple[Scheme, str, dict[str, str], list[str]]]:
     """Rows whose weight suffix and dtype fit ``key``: (row, module, companions present, required ones missing)."""
     out = []
@@ -138,7 +141,7 @@ def find_groups(infos: Infos, config: Mapping[str, Any] | None) -> QuantLayout:
     claimed: set[str] = set()
     unmatched = []
     for key, (dtype, _shape) in infos.items():
-        candidates = _candidates(key, dtype, infos)
+        candidates = _candidates(key, dtype, infos) if key.endswith(_WEIGHT_SUFFIXES) else []
         fits = [c for c in candidates if not c[3]]
         if fits:
             group = _pick(key, fits, infos, qc, problems)
@@ -165,16 +168,16 @@ def find_groups(infos: Infos, config: Mapping[str, Any] | None) -> QuantLayout:
             claimed.add(key)
     problems.extend(_orphans(infos, claimed))
     claimed.update(p.key for p in problems)
-    unknown = _unknown(infos, claimed)
+    unknown = _unknown(infos, claimed, scaled)
     return QuantLayout(groups, problems, frozenset(infos) - claimed - set(unknown), unknown)
 
 
 def _orphans(infos: Infos, claimed: set[str]) -> list[QuantProblem]:
     out = []
     for key in infos:
-        suffix = next((s for s in COMPANION_SUFFIXES if key.endswith(s)), None)
-        if key in claimed or suffix is None:
+        if key in claimed or not key.endswith(COMPANION_SUFFIXES):
             continue
+        suffix = next(s for s in COMPANION_SUFFIXES if key.endswith(s))
         out.append(QuantProblem(key[:-len(suffix)], key, f"orphan scale: {key} has no quantized weight beside it",
                                 "orphan"))
     return out
@@ -184,9 +187,8 @@ def _parent(key: str) -> str:
     return key.rsplit(".", 1)[0] if "." in key else ""
 
 
-def _unknown(infos: Infos, claimed: set[str]) -> list[str]:
+def _unknown(infos: Infos, claimed: set[str], scaled: set[str]) -> list[str]:
     """Unclaimed float8/packed-integer tensors in a module that holds a ``*scale*`` key (not a KV-cache scale)."""
-    scaled = _scaled_modules(infos)
     return [k for k, (dtype, _s) in infos.items()
             if k not in claimed and dtype in QUANT_STORAGE and _parent(k) in scaled and not _is_scale(k)]
 

@@ -215,12 +215,17 @@ def _groups_rows(problems: list[str], scales: Shape, inp: int) -> int:
 
 
 def gptq_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """GPTQ: qweight int32 [in*bits/32, out], scales [groups, out], qzeros [groups, out*bits/32], g_idx [in]."""
+    """GPTQ: qweight int32 [in*bits/32, out], scales [groups, out], qzeros [groups, out*bits/32], g_idx [in]
+    (its length gives the bits where no config does)."""
     bits = _int_bits(qc)
     problems: list[str] = []
     qweight = _two_d(shapes, problems)
     if qweight is None:
         return {"bits": bits}, problems
+    g_rows = _numel(shapes["g_idx"]) if "g_idx" in shapes else 0
+    if "bits" not in qc and g_rows and qweight[0] and 32 * qweight[0] % g_rows == 0 and \
+            32 * qweight[0] // g_rows in (2, 4, 8):
+        bits = 32 * qweight[0] // g_rows
     inp, out = qweight[0] * 32 // bits, qweight[1]
     scales = tuple(shapes["scale"])
     if len(scales) != 2 or scales[1] != out:

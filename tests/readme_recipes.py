@@ -164,6 +164,25 @@ def _deepspeed(dst: Path, request: pytest.FixtureRequest) -> None:
     train._layouts()._deepspeed_layouts().save_deepspeed(train, "mlp", dst, stage=2, precision="bf16")
 
 
+def _fp8_release(dst: Path, request: Any) -> None:
+    """A save_pretrained directory in DeepSeek's block-FP8 layout: an F8_E4M3 weight beside its F32
+    ``weight_scale_inv`` (one scale per 128x128 block, the grid ceil-sized), ``quantization_config`` in config.json."""
+    dst.mkdir()
+    weight = torch.linspace(-1, 1, 160 * 64).reshape(160, 64)
+    _save({"proj.weight": (weight * 4).to(torch.float8_e4m3fn), "proj.weight_scale_inv": torch.full((2, 1), 0.25),
+           "norm.weight": torch.ones(64)}, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16", "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+
+
+def _dequantized(tmp: Path, res: Any) -> bool:
+    """One plain bfloat16 weight for the group, no scale, and config.json without quantization_config."""
+    sd = _load(tmp / "bf16_release" / "model.safetensors")
+    config = json.loads((tmp / "bf16_release" / "config.json").read_text())
+    return set(sd) == {"proj.weight", "norm.weight"} and sd["proj.weight"].dtype == torch.bfloat16 \
+        and "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+
+
 def _text(content: str | bytes) -> Callable[[Path, Any], None]:
     def make(dst: Path, request: Any) -> None:
         dst.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -189,6 +208,7 @@ MAKERS: dict[str, Callable[[Path, Any], None]] = {
     # builtins.exec and posix.system pickled by reference (GLOBAL), as the README's example names them
     "unsafe": _tensors(lambda: {"weight": torch.zeros(1), "run": exec, "shell": os.system}),
     "hf sharded": _hf_dir,
+    "block fp8 release": _fp8_release,
     "on s3: mlp_ddp.pth": _on_s3("mlp_ddp.pth", "s3://my-bucket/runs/ddp_run.pth"),
     "s3 bucket: my-bucket": _bucket("my-bucket"),
     "deepspeed zero-2 bf16": _deepspeed,
@@ -338,6 +358,11 @@ RECIPES: dict[str, Entry] = {
     "ckptfix convert run.pth weights.bin --format safetensors --force": Entry(
         {"run.pth": "fixture:mlp_ddp.pth", "weights.bin": "existing file"}, check=_safetensors_at("weights.bin")),
     "ckptfix convert model.pth half.safetensors --dtype fp16": Entry({"model.pth": "resnet18 10"}, check=_half),
+    "ckptfix convert fp8_release/ half.safetensors --dtype fp16": Entry(  # the group kept as stored, the rest cast
+        {"fp8_release": "block fp8 release"}, check=lambda tmp, res: "kept 1 quantized group (fp8-block) as stored" in
+        res.output and _dtypes("half.safetensors", {torch.float8_e4m3fn, torch.float32, torch.float16})(tmp, res)),
+    "ckptfix convert fp8_release/ bf16_release/ --dequantize --max-shard-size 5GB": Entry(
+        {"fp8_release": "block fp8 release"}, check=_dequantized),
     r"ckptfix convert old.pth new.pth --rename layer4\.(.*)=stage4.\1": Entry(
         {"old.pth": "resnet18 10"}, check=_keys_of("new.pth", lambda k: "stage4.0.conv1.weight" in k and "layer4.0.conv1.weight" not in k)),
     "ckptfix convert vgg_weights.pth mine.pth --by-order --model mypkg.models:build --arg num_classes=10": Entry(

@@ -20,6 +20,7 @@ from ..core import locations, torch_free
 from ..core.limits import collector_paused
 from ..errors import NeedsLocalCopy
 from ..core.torch_free import NeedsTorch
+from . import quantized
 from .convert_options import ConvertOptions, takes
 from .reading import read_checkpoint, summarise
 from ..reports import Checkpoint, ConvertReport, LoadReport
@@ -94,11 +95,18 @@ def load(
     dtype: str | None = None,
     allow_overflow: bool = False,
     allow: tuple[str, ...] | list[str] = (),
+    dequantize: bool = False,
+    cast_unknown_quantized: bool = False,
 ) -> Any:
     """The model's state dict with wrapper segments normalised to ``to`` (default: none).
 
     ``rename`` takes ``'REGEX=REPLACEMENT'`` rules (full match, in order); ``dtype`` casts
-    floating-point tensors (fp32/fp16/bf16), never integer or bool buffers.
+    floating-point tensors (fp32/fp16/bf16), never integer or bool buffers, nor a quantized group's weight and
+    scales (kept as stored; float8 or packed tensors beside scales of no known scheme are refused unless
+    ``cast_unknown_quantized``). ``dequantize`` gives each quantized group (block FP8, NVFP4, MXFP4, GPTQ …, as
+    ``ckptfix inspect`` names them) as one plain ``MODULE.weight`` in ``dtype`` (default: the ``torch_dtype`` of the
+    ``config.json`` beside the file if bfloat16 or float16, else float32), its scales dropped: what
+    ``convert --dequantize`` writes.
 
     ``path`` may be a URL, read as :func:`read` reads one. Its ``_metadata`` comes back as torch's loaders take it
     (:mod:`ckptfix.statedict.metadata`): whatever else it held is dropped with a UserWarning naming each part.
@@ -110,8 +118,11 @@ def load(
     if ckpt.metadata_dropped:
         warnings.warn(f"{ckpt.path}: " + "; ".join(map(metadata.note, ckpt.metadata_dropped)), UserWarning, stacklevel=2)
     sd, _notes = conversion.normalise_keys(ckpt, to, strip_prefix, add_prefix, rename)
+    applied = quantized.apply(sd, ckpt.path, quantized.read_configs(ckpt.path), dtype, dequantize,
+                              cast_unknown_quantized, f"dtype={dtype!r}")
+    sd = applied.state_dict
     if dtype is not None:
-        sd, _report = transforms.cast_floating(sd, dtype, allow_overflow)
+        sd, _report = transforms.cast_floating(sd, dtype, allow_overflow, keep=applied.keep)
     return sd
 
 
@@ -162,6 +173,11 @@ def load_into(model: Any, path: Any, *args: Any, **options: Any) -> LoadReport:
     dtype as stored, else materialised on ``map_location`` (``auto``: where they were saved, if this
     machine has it, else the CPU); tied parameters stay tied. With DTensor parameters (call it on every
     rank), each rank reads only its own shards' bytes.
+
+    A quantized checkpoint (block FP8, NVFP4, GPTQ …) loads as stored, bit-exact, into a model that holds the
+    quantized form (its weight and scale parameters); into a model whose parameter is a plain float ``.weight``,
+    ``dequantize=True`` loads each such group dequantized to that parameter's dtype (a note says so), and without
+    it LoadError names the key: a cast of the stored values would drop their scales.
 
     NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's ``nonfinite``;
     the check is fused into the copy, ``check_values=False`` skips it); with ``strict_values=True`` they

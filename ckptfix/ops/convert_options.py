@@ -99,6 +99,15 @@ class ConvertOptions:
                                           help="Cast floating-point tensors (never integer or bool buffers)."))
     allow_overflow: bool = option(False, Flag(("--allow-overflow",), is_flag=True,
                                               help="With --dtype fp16: allow values beyond ±65504 to become inf."))
+    dequantize: bool = option(False, Flag(
+        ("--dequantize",), is_flag=True,
+        help="Write each quantized group (FP8, NVFP4, MXFP4, GPTQ …) as one plain weight, scales dropped, in "
+             "--dtype (default: the config's torch_dtype if bf16/fp16, else fp32). Without it --dtype keeps "
+             "quantized groups as stored."))
+    cast_unknown_quantized: bool = option(False, Flag(
+        ("--cast-unknown-quantized",), is_flag=True,
+        help="Treat float8 / packed-integer tensors beside scales of no known scheme as plain tensors (--dtype "
+             "casts them, without their scales) instead of refusing."))
     hash: bool = option(False, Flag(("--hash",), is_flag=True,
                                     help="Append the first 8 hex digits of DST's SHA-256 to its name."))
     force: bool = option(False, Flag(("--force",), is_flag=True,

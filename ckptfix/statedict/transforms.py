@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,8 +74,10 @@ def parse_dtype(name: str) -> Any:
     return getattr(torch, CAST_DTYPES[key])
 
 
-def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: bool = False) -> tuple[OrderedDict, CastReport]:
-    """Cast floating-point tensors to ``dtype``; integer buffers (num_batches_tracked) and bool stay.
+def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: bool = False,
+                  keep: Collection[str] = ()) -> tuple[OrderedDict, CastReport]:
+    """Cast floating-point tensors to ``dtype``; integer buffers (num_batches_tracked), bool and the ``keep`` keys
+    (a quantized group's weight and scales: a cast would change what they stand for) stay as stored.
 
     Values beyond float16's range would become inf: refused unless ``allow_overflow``.
     Tensors that shared storage still share it afterwards. Tensors on ``meta`` (a streaming
@@ -90,7 +92,7 @@ def cast_floating(state_dict: Mapping[str, Any], dtype: str, allow_overflow: boo
     out: OrderedDict = OrderedDict()
     for key, t in state_dict.items():
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == target \
-                or t.layout != torch.strided:  # (a sparse tensor is kept as saved: its values aren't cast)
+                or t.layout != torch.strided or key in keep:  # (a sparse tensor is kept as saved: its values aren't cast)
             out[key] = t
             if isinstance(t, torch.Tensor):
                 name = dtype_name(t.dtype)

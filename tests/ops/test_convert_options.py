@@ -73,7 +73,8 @@ def test_the_command_passes_every_option(calls: list[dict[str, Any]], cli_runner
     argv = ["convert", "a.pth", "b.pth", "--to", "ddp", "--map-location", "cuda:1=cpu", "--select", "ema",
             "--keep-extra", "--strip-prefix", "s", "--add-prefix", "p", "--format", "pth", "--max-shard-size", "5GB",
             "--rename", "a=b", "--rename", "c=d", "--by-order", "--model", f"{fixtures_dir / 'train.py'}:mlp",
-            "--untie", "--dtype", "bf16", "--allow-overflow", "--hash", "--force", "-q", "--trust",
+            "--untie", "--dtype", "bf16", "--allow-overflow", "--dequantize", "--cast-unknown-quantized", "--hash",
+            "--force", "-q", "--trust",
             "--allow", "myproj.Config", "--allow", "myproj.Mode", "--json"]
     res = cli_runner.invoke(cli, argv)
     assert res.exit_code == 0, res.output
@@ -81,7 +82,8 @@ def test_the_command_passes_every_option(calls: list[dict[str, Any]], cli_runner
     assert isinstance(kwargs.pop("by_order"), torch.nn.Module)
     assert kwargs == dict(to="ddp", map_location=parse_cli_map_location(("cuda:1=cpu",)), select="ema", keep_extra=True,
                           strip_prefix="s", add_prefix="p", format="pth", max_shard_size="5GB", rename=("a=b", "c=d"),
-                          untie=True, dtype="bf16", allow_overflow=True, hash=True, force=True, progress=False, trust=True,
+                          untie=True, dtype="bf16", allow_overflow=True, dequantize=True, cast_unknown_quantized=True,
+                          hash=True, force=True, progress=False, trust=True,
                           allow=("myproj.Config", "myproj.Mode"), checksums=True)
     assert sorted(kwargs) == sorted(set(KEYWORDS) - {"by_order"})
 

@@ -42,6 +42,8 @@ def needs_torch(req: Any) -> str | None:
         return _flag("trust")
     if req.dtype is not None:
         return f"{_flag('dtype')} {req.dtype} (the cast)"
+    if req.dequantize:
+        return _flag("dequantize")
     if req.by_order is not None:
         return _flag("by_order")
     if not torch_free.enabled():

@@ -32,8 +32,9 @@ from ...errors import ConversionError, DeviceError, WrapperError
 from ...core.limits import collector_paused
 from ...core.progress import Progress, peak_rss_bytes
 from ...core.units import few, parse_size
-from . import remote_convert
+from . import quant, remote_convert
 from ..convert_options import ConvertOptions
+from ..quantized import Configs, read_configs
 from ..reading import read_checkpoint, structure_first, summarise
 from ...parse import format_registry as registry, inert
 from ...reports import Checkpoint, ConvertReport, tensor_stats
@@ -54,6 +55,8 @@ class Request(ConvertOptions):
     fmt_out: str
     shard_size: int | None
     plan: DevicePlan
+    #: the JSON configs beside the source, read where a cast or a dequantization asks which groups are quantized
+    configs: Configs = Configs()
 
 
 def validate(src: str, dst: str, options: ConvertOptions) -> Request:
@@ -71,7 +74,9 @@ def validate(src: str, dst: str, options: ConvertOptions) -> Request:
         raise ConversionError(f"{dst}: --untie is for safetensors output, which stores a tied tensor once; a "
                               f"{fmt_out} output keeps tied tensors as torch.save does (torch.load restores each "
                               "key): drop --untie")
-    return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan, **vars(options))
+    configs = read_configs(src) if options.dtype is not None or options.dequantize else Configs()
+    return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan,
+                   configs=configs, **vars(options))
 
 
 def _stores_aliases(fmt: str) -> bool:
@@ -120,7 +125,7 @@ def _check_directory_name(dst: str, flag: str) -> None:
 
 def plan_read(req: Request, torch_free: bool = True) -> tuple[Checkpoint, str]:
     """The source read the cheapest way the request allows, and which way that was."""
-    if req.trust or not registry.get(req.fmt_in).stream or not registry.get(req.fmt_out).writes_from_refs \
+    if req.trust or req.dequantize or not registry.get(req.fmt_in).stream or not registry.get(req.fmt_out).writes_from_refs \
             or req.plan.user_fn is not None:
         remote_convert.refuse_torch(req)
         return _load(req), LOADED
@@ -233,13 +238,15 @@ def normalise_keys(
 @dataclass
 class Output:
     """What is about to be written: the renamed state dict, the object written (it, or the whole
-    checkpoint with it put back), notes so far and the dtype cast report."""
+    checkpoint with it put back), notes so far, the dtype cast report, whether quantized groups were dequantized."""
 
     state_dict: Any
     obj: Any
     notes: list[str]
     cast: Any
     kept: bool
+    renamed: int  # keys the renames changed (before a dequantization drops any)
+    dequantized: bool = False
 
 
 def transform(req: Request, ckpt: Checkpoint) -> Output:
@@ -251,9 +258,12 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
         sd, untied = ties.untie_aliases(sd, ckpt.refs)
         notes.append(f"--untie: {len(untied)} tied tensor(s) stored under their own keys"
                      + (": " + ", ".join(untied[:20]) if untied else ""))
-    cast = None
+    cast, renamed = None, sum(1 for a, b in zip(ckpt.state_dict.keys(), sd.keys()) if a != b)
+    groups = quant.apply(req, sd)  # quantized groups: kept as stored by a cast, or dequantized
+    sd = groups.state_dict
+    notes += groups.notes
     if req.dtype is not None:
-        sd, cast = transforms.cast_floating(sd, req.dtype, req.allow_overflow)
+        sd, cast = transforms.cast_floating(sd, req.dtype, req.allow_overflow, keep=groups.keep)
         notes.append(f"cast to {cast.dtype}: " + (", ".join(f"{k} ×{v}" for k, v in cast.cast.items()) or "nothing to cast")
                      + ("; kept " + ", ".join(f"{k} ×{v}" for k, v in cast.kept.items()) if cast.kept else ""))
     kept = req.keep_extra and ckpt.state_dict_key not in (None, "<nn.Module>")
@@ -264,7 +274,7 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
             f"{req.src}: holds {', '.join(held)}, read as inert placeholders (never imported), which can't be "
             "written back under their own names; " + ("drop --keep-extra to write the state dict alone" if kept else
                                                        "drop --allow for them, or remove them from the state dict"))
-    return Output(sd, obj, notes, cast, kept)
+    return Output(sd, obj, notes, cast, kept, renamed, groups.dequantized)
 
 
 # -- writing -------------------------------------------------------------------------------------------
@@ -318,7 +328,7 @@ def _archive_name(dst: str) -> str:
 
 
 def _nbytes_out(ckpt: Checkpoint, out: Output) -> int:
-    return tensor_stats(out.state_dict, {}).nbytes if out.cast is not None else ckpt.stats.nbytes
+    return tensor_stats(out.state_dict, {}).nbytes if out.cast is not None or out.dequantized else ckpt.stats.nbytes
 
 
 def _with_casts(refs: dict, cast: Any) -> dict:
@@ -368,7 +378,7 @@ def run(req: Request, start: float) -> ConvertReport:
                 return report(req, ckpt, out, written, final, True, start)
     final = _Finalizer(req)
     out = transform(req, ckpt)
-    written = write_with_torch(req, ckpt, out, final, streamed=mode == STREAMED)
+    written = write_with_torch(req, ckpt, out, final, streamed=mode == STREAMED) + quant.write_configs(req)
     return report(req, ckpt, out, written, final, mode == STREAMED, start)
 
 
@@ -393,8 +403,8 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         ema_keys=ckpt.ema_keys,
         wrappers_before=ckpt.wrappers,
         wrappers_after=wrappers.detect_wrappers(sd.keys()),
-        renamed=sum(1 for a, b in zip(ckpt.state_dict.keys(), sd.keys()) if a != b),
-        num_tensors=ckpt.stats.num_tensors,
+        renamed=out.renamed,
+        num_tensors=tensor_stats(sd, {}).num_tensors if out.dequantized else ckpt.stats.num_tensors,
         nbytes=_nbytes_out(ckpt, out),
         nbytes_in=ckpt.stats.nbytes,
         kept_extra=list(ckpt.extra) if out.kept else [],

@@ -34,7 +34,7 @@ from ...formats.base import source_record
 from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
 from ...reports import LoadReport
 from ...statedict import repair
-from . import modelwalk, shards
+from . import dequant, modelwalk, shards
 from ..reading import read_checkpoint, structure_first
 from ..sources import Sources, damaged
 
@@ -75,6 +75,7 @@ class LoadOptions:
     strict_values: bool = False
     check_values: bool = True
     assign: bool | None = None
+    dequantize: bool = False
 
 
 def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
@@ -91,7 +92,7 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
             model_walk = modelwalk.walk(model)
             target = repair.describe_target(model, state_dict=model_walk.state_dict,
                                             module_names=model_walk.module_names)
-            ckpt, chosen, fit, sources = _read_fitted(path, o, target, reader)
+            ckpt, chosen, fit, sources = _read_fitted(path, o, target, reader, model_walk.state_dict)
             plan = _plan(model_walk, fit.state_dict, sources, plan_devices, o.assign)
             if o.strict_values:
                 _check_records(plan, sources, distributed)
@@ -125,19 +126,25 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
     )
 
 
-def _read_fitted(path: str, o: LoadOptions, target: repair.Target,
-                 reader: PositionalReader) -> tuple[Any, repair.Repair, repair.Fit, Sources]:
+def _read_fitted(path: str, o: LoadOptions, target: repair.Target, reader: PositionalReader,
+                 model_state: Any) -> tuple[Any, repair.Repair, repair.Fit, Sources]:
     """The checkpoint, its keys fitted to the model, and its tensors' bytes: the structure, where its refs place every
     tensor the model takes (each read by position), else what torch.load reads on the CPU (legacy files, DeepSpeed,
-    DCP values)."""
+    DCP values, quantized groups the model takes dequantized)."""
+    plain: dict[str, Any] = {}  # quantized groups the model takes as plain weights: dequantized from the values
 
     def placed(ckpt: Any) -> tuple[repair.Repair, repair.Fit] | None:
+        plain.update(dequant.plain_groups(ckpt, target, model_state, o.dequantize))
+        if plain:
+            return None
         chosen, fit = _fit(ckpt, target, o.strict)
         sources = Sources(ckpt.refs, reader)
         return (chosen, fit) if all(sources.has_bytes(t) for t in _tensors(fit.state_dict)) else None
 
     ckpt, found = structure_first(path, o.select, placed,
                                   lambda: read_checkpoint(path, "cpu", o.trust, o.select, refuse=True), trust=o.trust)
+    if plain:
+        ckpt = dequant.dequantized(ckpt, plain)
     chosen, fit = found or _fit(ckpt, target, o.strict)
     sources = Sources(ckpt.refs if found else {}, reader)
     sources.check_bounds()

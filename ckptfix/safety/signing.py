@@ -1,0 +1,290 @@
+"""Detached signatures in the OpenSSF Model Signing format (``model-signing`` 1.1.1): a Sigstore bundle holding a
+DSSE-signed in-toto statement over each file's SHA-256, made and checked by model-signing's own classes.
+
+ckptfix hashes the files itself (in parallel; a convert hashes its output while the kernel writes it back) and hands
+model-signing the digests, following its serialization rules exactly: a single file is one resource named ``.``,
+a directory every regular file under it by its relative POSIX path, except the signature itself and the ``.git*``
+paths model-signing ignores by default. ``model_signing verify key`` accepts what :func:`sign` writes, and
+:func:`verify_signature` checks what ``model_signing sign`` wrote, naming each file that differs.
+
+>>> sign("model.safetensors", key="key.pem")                       # doctest: +SKIP
+>>> verify_signature("model.safetensors", "model.safetensors.sig", public_key="pub.pem").ok   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+import stat
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.atomic import atomic_path, sha256_file
+from ..core.units import shown
+from ..errors import SigningError
+
+#: where a directory's signature goes (model-signing's CLI default), and a file's: beside it, ``OUT.sig``
+DIR_SIGNATURE = "model.sig"
+FILE_SUFFIX = ".sig"
+#: the paths model-signing ignores unless told otherwise (``hashing.Config.hash``), as its manifest records them
+GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
+#: the curves model-signing's key and certificate signers take
+CURVES = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}
+INSTALL = "pip install 'ckptfix[sign]'"
+#: a single file is one resource of this name (model-signing: the file's path relative to itself)
+SINGLE = "."
+
+
+def library() -> Any:
+    """The ``model_signing`` package, imported when a signature is made or checked (an optional extra)."""
+    try:
+        return importlib.import_module("model_signing")
+    except ImportError:
+        raise SigningError(f"signatures need the model-signing package: {INSTALL}") from None
+
+
+def default_signature(path: str) -> str:
+    """Where a signature of ``path`` goes unless told: ``PATH/model.sig`` in a directory, ``PATH.sig`` beside a file."""
+    return os.path.join(path, DIR_SIGNATURE) if os.path.isdir(path) else path + FILE_SUFFIX
+
+
+def ignored_paths(path: str, signature: str) -> list[str]:
+    """The paths a signature of ``path`` leaves out, as model-signing's CLI records them: the signature itself
+    where it lies inside the model directory, then the ``.git*`` ones."""
+    inside = os.path.relpath(os.path.abspath(signature), os.path.abspath(path))
+    own = [pathlib.PurePath(inside).as_posix()] if os.path.isdir(path) and not inside.startswith("..") else []
+    return own + list(GIT_PATHS)
+
+
+def model_files(path: str, ignore: Sequence[str]) -> dict[str, str]:
+    """Each file model-signing hashes in ``path``, by resource name (its relative POSIX path; ``.`` for a single
+    file); a symlink or special file is refused, as model-signing refuses it."""
+    _check_entry(path, path)
+    if not os.path.isdir(path):
+        return {SINGLE: path}
+    files: dict[str, str] = {}
+    for top, dirs, names in os.walk(path):
+        for name in sorted(dirs) + sorted(names):
+            full = os.path.join(top, name)
+            rel = pathlib.PurePath(os.path.relpath(full, path)).as_posix()
+            if any(rel == p or rel.startswith(p.rstrip("/") + "/") for p in ignore):
+                continue
+            _check_entry(full, path)
+            if name in names:
+                files[rel] = full
+    return files
+
+
+def _check_entry(full: str, root: str) -> None:
+    mode = os.lstat(full).st_mode
+    if stat.S_ISLNK(mode):
+        raise SigningError(f"{shown(full)}: a symlink in {shown(root)}; model signatures cover regular files only")
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise SigningError(f"{shown(full)}: not a regular file or directory; model signatures cover regular files only")
+
+
+def hash_files(files: Mapping[str, str]) -> dict[str, str]:
+    """Each file's hex SHA-256, the files hashed in parallel (hashlib releases the GIL), each at SHA-256 speed."""
+    if len(files) <= 1:
+        return {name: sha256_file(p) for name, p in files.items()}
+    with ThreadPoolExecutor(max_workers=min(len(files), os.cpu_count() or 1)) as pool:
+        futures = {name: pool.submit(sha256_file, p) for name, p in files.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def hash_in_background(path: str) -> Future[str]:
+    """The SHA-256 of a file just written, computed on another thread (from the page cache) while the caller
+    fsyncs it: a signed convert reads its output once more, overlapped with the write-back."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(sha256_file, path)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def load_key(key: str, password: str | None = None) -> str:
+    """The curve name of the EC private key at ``key`` (PEM); any other key refused in one line."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        with open(key, "rb") as f:
+            private = serialization.load_pem_private_key(f.read(), password.encode() if password else None)
+    except OSError as e:
+        raise SigningError(f"{shown(key)}: can't read the key: {e.strerror or e}") from None
+    except TypeError:
+        raise SigningError(f"{shown(key)}: the key is encrypted and no password was given (--key-password-env VAR)"
+                           if password is None else f"{shown(key)}: the key is not encrypted; drop the password") from None
+    except ValueError as e:
+        raise SigningError(f"{shown(key)}: not a PEM private key ckptfix can read ({e})") from None
+    if not isinstance(private, ec.EllipticCurvePrivateKey):
+        kind = type(private).__name__.removesuffix("PrivateKey").lstrip("_") or "non-EC"
+        raise SigningError(f"{shown(key)}: a {kind} key; model signatures take EC keys on P-256, P-384 or P-521")
+    if private.curve.name not in CURVES:
+        raise SigningError(f"{shown(key)}: an EC key on {private.curve.name}; model signatures take P-256, P-384 "
+                           "or P-521")
+    return CURVES[private.curve.name]
+
+
+def manifest_of(path: str, digests: Mapping[str, str], ignore: Sequence[str]) -> Any:
+    """model-signing's ``Manifest`` of ``path`` from digests computed here, built with its own classes exactly as
+    its file serialization builds it (``hash_type`` sha256, no symlinks, the ignored paths recorded)."""
+    ms = library()
+    serialization = ms.manifest.SerializationType.from_args(
+        {"method": "files", "hash_type": "sha256", "allow_symlinks": False, "ignore_paths": list(ignore)})
+    items = [serialization.new_item(name, ms._hashing.hashing.Digest("sha256", bytes.fromhex(digest)))
+             for name, digest in digests.items()]
+    return ms.manifest.Manifest(os.path.basename(os.path.abspath(path)), items, serialization)
+
+
+@dataclass
+class Signed:
+    """What :func:`sign` wrote: the signature, the signer, and each file's SHA-256 by resource name."""
+
+    path: str
+    signature: str
+    signer: dict[str, Any]
+    files: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "signature": self.signature, "signer": self.signer, "files": self.files}
+
+    def format_text(self) -> str:
+        return (f"signed {self.path}: {len(self.files)} file(s), SHA-256, {self.signer['method']} "
+                f"{self.signer.get('curve', '')}".rstrip() + f" -> {self.signature}")
+
+
+def sign(path: str, key: str, signature: str | None = None, *, certificate: str | None = None,
+         certificate_chain: Sequence[str] = (), password: str | None = None,
+         digests: Mapping[str, str] | None = None) -> Signed:
+    """Sign ``path`` (a file or a directory) with the EC private key ``key``; the signature goes to ``signature``
+    (default :func:`default_signature`). With ``certificate``: model-signing's certificate method (the leaf
+    certificate of ``key``, and ``certificate_chain`` up to a root). ``digests`` (resource name → hex SHA-256): the
+    files as already hashed (a convert's output); the rest are hashed here, in parallel."""
+    curve = load_key(key, password)
+    signature = signature or default_signature(path)
+    ignore = ignored_paths(path, signature)
+    files = model_files(path, ignore)
+    known = dict(digests or {})
+    hashed = {**known, **hash_files({n: p for n, p in files.items() if n not in known})}
+    hashed = {n: hashed[n] for n in sorted(files)}
+    ms = library()
+    config = ms.signing.Config()
+    if certificate is None:
+        config.use_elliptic_key_signer(private_key=key, password=password)
+        signer = {"method": "key", "curve": curve}
+    else:
+        config.use_certificate_signer(private_key=key, signing_certificate=certificate,
+                                      certificate_chain=list(certificate_chain))
+        signer = {"method": "certificate", "curve": curve, "certificate": certificate}
+    config.set_hashing_config(_precomputed(manifest_of(path, hashed, ignore)))
+    with atomic_path(signature) as tmp:
+        config.sign(path, tmp)
+    return Signed(path, signature, signer, hashed)
+
+
+def _precomputed(manifest: Any) -> Any:
+    """A ``model_signing.hashing.Config`` that returns ``manifest`` instead of hashing the model again
+    (model-transparency#568: model-signing can't sign digests computed elsewhere)."""
+    ms = library()
+
+    class Precomputed(ms.hashing.Config):  # type: ignore[misc,name-defined]
+        def hash(self, model_path: Any, *, files_to_hash: Any = None) -> Any:
+            return manifest
+
+    return Precomputed()
+
+
+@dataclass
+class SignatureCheck:
+    """The outcome of :func:`verify_signature`: ``files`` maps each resource to ``ok``, ``changed``, ``missing``
+    or ``extra``; ``failures`` names each, and a wrong key or a renamed single file."""
+
+    signature: str
+    signer: dict[str, Any]
+    files: dict[str, str] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    signed_name: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"signature": self.signature, "signer": self.signer, "files": self.files,
+                "verdict": "verified" if self.ok else "failed", "signed_name": self.signed_name}
+
+
+def verify_signature(path: str, signature: str, public_key: str | None = None,
+                     certificate_chain: Sequence[str] | None = None) -> SignatureCheck:
+    """Check ``path`` against ``signature`` (made by ckptfix or by model_signing), offline: with ``public_key``
+    (model-signing's key method) or ``certificate_chain`` (its certificate method; empty: the system's roots)."""
+    library()
+    from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_pb  # pinned 1.1.1: its verifiers
+
+    if public_key is not None:
+        signer: dict[str, Any] = {"method": "key", "public_key": public_key}
+        verifier = sign_ec_key.Verifier(pathlib.Path(public_key))
+    else:
+        signer = {"method": "certificate", "certificate_chain": list(certificate_chain or ())}
+        verifier = sign_certificate.Verifier([pathlib.Path(c) for c in certificate_chain or ()])
+    check = SignatureCheck(signature, signer)
+    try:
+        expected = verifier.verify(sign_sigstore_pb.Signature.read(pathlib.Path(signature)))
+    except Exception as e:  # a wrong key, an altered bundle: the verifier's own exception types vary
+        reason = str(e) or type(e).__name__
+        check.failures.append(f"signature: {shown(signature)} does not verify with "
+                              f"{shown(public_key) if public_key else 'the certificate chain'}: the wrong key, or "
+                              f"the signature was altered ({shown(reason, 200)})")
+        return check
+    check.signed_name = expected.model_name
+    _compare(path, signature, expected, check)
+    return check
+
+
+def _compare(path: str, signature: str, expected: Any, check: SignatureCheck) -> None:
+    """Fill ``check`` with each file's verdict: the signed digests against the files as they are now."""
+    params = expected.serialization_type
+    ignore = list(dict.fromkeys(ignored_paths(path, signature) + list(params.get("ignore_paths", []))))
+    signed = {d.identifier: d.digest.digest_hex for d in expected.resource_descriptors()}
+    actual = _actual_digests(path, params, ignore)
+    name = os.path.basename(os.path.abspath(path))
+    for resource in sorted(signed.keys() | actual.keys()):
+        shown_name = shown(name if resource == SINGLE else resource)
+        if resource not in actual:
+            check.files[resource] = "missing"
+            check.failures.append(f"signature: {shown_name}: signed, but missing from {shown(path)}")
+        elif resource not in signed:
+            check.files[resource] = "extra"
+            check.failures.append(f"signature: {shown_name}: not in the signature (added after signing)")
+        elif actual[resource] != signed[resource]:
+            check.files[resource] = "changed"
+            check.failures.append(f"signature: {shown_name}: its bytes differ from the signed ones (changed after "
+                                  "signing, or damaged)")
+        else:
+            check.files[resource] = "ok"
+    if set(signed) == {SINGLE} and expected.model_name != name:
+        check.failures.append(f"signature: {shown(name)} was signed as {shown(expected.model_name)}: renamed after "
+                              "signing (model_signing binds no file name; ckptfix does)")
+
+
+def _actual_digests(path: str, params: Mapping[str, Any], ignore: list[str]) -> dict[str, str]:
+    """The files' digests under the signature's serialization: SHA-256 per file here, in parallel; any other
+    method (shards, BLAKE2, BLAKE3) by model-signing's own hashing."""
+    if params.get("method") == "files" and params.get("hash_type") == "sha256":
+        return hash_files(model_files(path, ignore))
+    ms = library()
+    config = ms.hashing.Config().set_ignored_paths(paths=ignore, ignore_git_paths=False)
+    if params.get("method") == "shards":
+        config.use_shard_serialization(hashing_algorithm=params["hash_type"], shard_size=params["shard_size"],
+                                       allow_symlinks=params["allow_symlinks"])
+    else:
+        config.use_file_serialization(hashing_algorithm=params["hash_type"], allow_symlinks=params["allow_symlinks"])
+    try:
+        manifest = config.hash(path)
+    except ValueError as e:
+        raise SigningError(f"{shown(path)}: {e}") from None
+    return {d.identifier: d.digest.digest_hex for d in manifest.resource_descriptors()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from ...formats.base import CastRef, source_record
 from ...statedict import locate, ties, transforms, wrappers
 from ...core import locations
 from ...core.bytecopy import CrcCheck
-from ...core.atomic import hashed_name, sha256_file
+from ...core.atomic import hashed_name
 from ...core.upload import check_destination, check_destination_dir, check_scheme, output_path
 from ...core.devices import DevicePlan, normalise_device, storage_id
 from ...core.torch_free import NeedsTorch
@@ -37,7 +38,7 @@ from ..convert_options import ConvertOptions
 from ..reading import read_checkpoint, structure_first, summarise
 from ...parse import format_registry as registry, inert
 from ...reports import Checkpoint, ConvertReport, tensor_stats
-from ...safety import integrity
+from ...safety import integrity, signing
 from ...safety.standins import contains_stand_ins
 from ...core.tensorinfo import TensorInfo
 
@@ -71,7 +72,18 @@ def validate(src: str, dst: str, options: ConvertOptions) -> Request:
         raise ConversionError(f"{dst}: --untie is for safetensors output, which stores a tied tensor once; a "
                               f"{fmt_out} output keeps tied tensors as torch.save does (torch.load restores each "
                               "key): drop --untie")
+    if options.sign is not None:
+        _check_signing(dst, options.sign)
     return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan, **vars(options))
+
+
+def _check_signing(dst: str, key: str) -> None:
+    """``--sign KEY``: model-signing installed, a key it takes, a local output to sign beside; before any write."""
+    if locations.is_remote(dst):
+        raise ConversionError(f"{dst}: --sign writes the signature beside a local output; convert to a local path, "
+                              "sign it (ckptfix sign), then upload both")
+    signing.library()
+    signing.load_key(key)
 
 
 def _stores_aliases(fmt: str) -> bool:
@@ -276,11 +288,18 @@ class _Finalizer:
         self.req, self.dst = req, req.dst
         self.sha256: str | None = None
         self.size = 0  # the output's bytes (uploaded, for an s3:// destination)
+        self.pending: Future[str] | None = None
+        self.signature: str | None = None
+
+    def written(self, tmp: str) -> None:
+        """The temp file is complete: hash it on another thread (page cache) while ``output_path`` fsyncs it."""
+        if self.req.hash or self.req.checksums or self.req.sign:
+            self.pending = signing.hash_in_background(tmp)
 
     def __call__(self, tmp: str) -> str:
         self.size = os.path.getsize(tmp)
-        if self.req.hash or self.req.checksums:
-            self.sha256 = sha256_file(tmp)
+        if self.pending is not None:
+            self.sha256 = self.pending.result()
         if self.req.hash:
             assert self.sha256 is not None
             self.dst = hashed_name(self.req.dst, self.sha256)
@@ -303,6 +322,7 @@ def write_torch_free(req: Request, ckpt: Checkpoint, out: Output, final: _Finali
     with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
         with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
             written = plan.write(tmp)
+            final.written(tmp)
     return notes + written
 
 
@@ -347,6 +367,7 @@ def _write_output(req: Request, obj: Any, refs: dict | None, final: _Finalizer) 
     notes: list[str] = []
     with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
         written = formats.write(obj, tmp, req.fmt_out, refs=refs, archive=_archive_name(req.dst))
+        final.written(tmp)
     return notes + written
 
 
@@ -365,11 +386,22 @@ def run(req: Request, start: float) -> ConvertReport:
                 remote_convert.refuse_torch(req, str(e))
                 ckpt, mode = plan_read(req, torch_free=False)
             else:
+                _sign(req, final)
                 return report(req, ckpt, out, written, final, True, start)
     final = _Finalizer(req)
     out = transform(req, ckpt)
     written = write_with_torch(req, ckpt, out, final, streamed=mode == STREAMED)
+    _sign(req, final)
     return report(req, ckpt, out, written, final, mode == STREAMED, start)
+
+
+def _sign(req: Request, final: _Finalizer) -> None:
+    """``--sign``: the output signed with the file's SHA-256 as computed beside the write (a directory's files
+    hashed in parallel now, from the page cache)."""
+    if req.sign is None:
+        return
+    digests = {signing.SINGLE: final.sha256} if final.sha256 is not None and os.path.isfile(final.dst) else None
+    final.signature = signing.sign(final.dst, req.sign, digests=digests).signature
 
 
 def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], final: _Finalizer, streamed: bool,
@@ -407,6 +439,7 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         sha256_out=final.sha256 if req.checksums else None,
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,
+        signature=final.signature,
     )
 
 

@@ -221,19 +221,23 @@ class SignatureCheck:
 def verify_signature(path: str, signature: str, public_key: str | None = None,
                      certificate_chain: Sequence[str] | None = None) -> SignatureCheck:
     """Check ``path`` against ``signature`` (made by ckptfix or by model_signing), offline: with ``public_key``
-    (model-signing's key method) or ``certificate_chain`` (its certificate method; empty: the system's roots)."""
+    (model-signing's key method) or ``certificate_chain`` (its certificate method; empty: the system's roots).
+    A directory's signature given with one file of it (a ``save_pretrained`` directory's weights) checks the
+    directory."""
     library()
-    from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_pb  # pinned 1.1.1: its verifiers
+    from model_signing._signing import sign_sigstore_pb  # pinned 1.1.1: its bundle reader and verifiers
 
-    if public_key is not None:
-        signer: dict[str, Any] = {"method": "key", "public_key": public_key}
-        verifier = sign_ec_key.Verifier(pathlib.Path(public_key))
-    else:
-        signer = {"method": "certificate", "certificate_chain": list(certificate_chain or ())}
-        verifier = sign_certificate.Verifier([pathlib.Path(c) for c in certificate_chain or ()])
+    signer, verifier = _verifier(public_key, certificate_chain)
     check = SignatureCheck(signature, signer)
     try:
-        expected = verifier.verify(sign_sigstore_pb.Signature.read(pathlib.Path(signature)))
+        bundle = sign_sigstore_pb.Signature.read(pathlib.Path(signature))
+    except OSError as e:
+        raise SigningError(f"{shown(signature)}: can't read the signature: {e.strerror or e}") from None
+    except Exception as e:  # not JSON, not a bundle: the parser's own exception types vary
+        check.failures.append(f"signature: {shown(signature)} is not a model signature bundle ({shown(str(e), 200)})")
+        return check
+    try:
+        expected = verifier.verify(bundle)
     except Exception as e:  # a wrong key, an altered bundle: the verifier's own exception types vary
         reason = str(e) or type(e).__name__
         check.failures.append(f"signature: {shown(signature)} does not verify with "
@@ -241,8 +245,28 @@ def verify_signature(path: str, signature: str, public_key: str | None = None,
                               f"the signature was altered ({shown(reason, 200)})")
         return check
     check.signed_name = expected.model_name
+    if os.path.isfile(path) and {d.identifier for d in expected.resource_descriptors()} != {SINGLE}:
+        path = os.path.dirname(os.path.abspath(path))
     _compare(path, signature, expected, check)
     return check
+
+
+def _verifier(public_key: str | None, certificate_chain: Sequence[str] | None) -> tuple[dict[str, Any], Any]:
+    """The signer as the report names it, and model-signing's verifier for it (a key it can't take: one line)."""
+    from model_signing._signing import sign_certificate, sign_ec_key
+
+    try:
+        if public_key is not None:
+            return {"method": "key", "public_key": public_key}, sign_ec_key.Verifier(pathlib.Path(public_key))
+        chain = list(certificate_chain or ())
+        return ({"method": "certificate", "certificate_chain": chain},
+                sign_certificate.Verifier([pathlib.Path(c) for c in chain]))
+    except OSError as e:
+        raise SigningError(f"can't read {shown(e.filename or public_key or '')}: {e.strerror or e}") from None
+    except (ValueError, TypeError) as e:
+        what = shown(public_key) if public_key is not None else "--certificate-chain"
+        raise SigningError(f"{what}: not an EC public key (P-256, P-384 or P-521, PEM) or certificate model signatures "
+                           f"take ({shown(str(e), 200)})") from None
 
 
 def _compare(path: str, signature: str, expected: Any, check: SignatureCheck) -> None:

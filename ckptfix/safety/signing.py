@@ -171,19 +171,32 @@ def sign(path: str, key: str, signature: str | None = None, *, certificate: str 
     known = dict(digests or {})
     hashed = {**known, **hash_files({n: p for n, p in files.items() if n not in known})}
     hashed = {n: hashed[n] for n in sorted(files)}
-    ms = library()
-    config = ms.signing.Config()
-    if certificate is None:
-        config.use_elliptic_key_signer(private_key=key, password=password)
-        signer = {"method": "key", "curve": curve}
-    else:
-        config.use_certificate_signer(private_key=key, signing_certificate=certificate,
-                                      certificate_chain=list(certificate_chain))
-        signer = {"method": "certificate", "curve": curve, "certificate": certificate}
+    config, signer = _signer(key, password, certificate, certificate_chain)
+    signer["curve"] = curve
     config.set_hashing_config(_precomputed(manifest_of(path, hashed, ignore)))
     with atomic_path(signature) as tmp:
         config.sign(path, tmp)
     return Signed(path, signature, signer, hashed)
+
+
+def _signer(key: str, password: str | None, certificate: str | None,
+            chain: Sequence[str]) -> tuple[Any, dict[str, Any]]:
+    """model-signing's signing config for the key (and certificate), and the signer as the report names it."""
+    config = library().signing.Config()
+    try:
+        if certificate is None:
+            # cryptography takes the password as bytes (model-signing's hint says str)
+            secret = password.encode() if password is not None else None
+            return config.use_elliptic_key_signer(private_key=key, password=secret), {"method": "key"}
+        return (config.use_certificate_signer(private_key=key, signing_certificate=certificate,
+                                              certificate_chain=list(chain)),
+                {"method": "certificate", "certificate": certificate})
+    except OSError as e:
+        raise SigningError(f"can't read {shown(e.filename or certificate or key)}: {e.strerror or e}") from None
+    except TypeError:  # model-signing's certificate signer loads the key without a password
+        raise SigningError(f"{shown(key)}: model_signing's certificate method takes an unencrypted key") from None
+    except ValueError as e:  # a certificate that isn't PEM, or not KEY's
+        raise SigningError(f"{shown(certificate or key)}: {shown(str(e), 200)}") from None
 
 
 def _precomputed(manifest: Any) -> Any:
@@ -245,7 +258,7 @@ def verify_signature(path: str, signature: str, public_key: str | None = None,
                               f"the signature was altered ({shown(reason, 200)})")
         return check
     check.signed_name = expected.model_name
-    if os.path.isfile(path) and {d.identifier for d in expected.resource_descriptors()} != {SINGLE}:
+    if os.path.isfile(path) and not _single_file(expected):
         path = os.path.dirname(os.path.abspath(path))
     _compare(path, signature, expected, check)
     return check
@@ -269,6 +282,15 @@ def _verifier(public_key: str | None, certificate_chain: Sequence[str] | None) -
                            f"take ({shown(str(e), 200)})") from None
 
 
+def _single_file(manifest: Any) -> bool:
+    """The manifest is a single file's: its resources are ``.`` (by file) or ``.:START:END`` (by shard)."""
+    return all(_file_of(d.identifier) == SINGLE for d in manifest.resource_descriptors())
+
+
+def _file_of(resource: str) -> str:
+    return resource.rsplit(":", 2)[0] if resource.count(":") >= 2 else resource
+
+
 def _compare(path: str, signature: str, expected: Any, check: SignatureCheck) -> None:
     """Fill ``check`` with each file's verdict: the signed digests against the files as they are now."""
     params = expected.serialization_type
@@ -277,7 +299,7 @@ def _compare(path: str, signature: str, expected: Any, check: SignatureCheck) ->
     actual = _actual_digests(path, params, ignore)
     name = os.path.basename(os.path.abspath(path))
     for resource in sorted(signed.keys() | actual.keys()):
-        shown_name = shown(name if resource == SINGLE else resource)
+        shown_name = shown(name + resource[1:] if _file_of(resource) == SINGLE else resource)
         if resource not in actual:
             check.files[resource] = "missing"
             check.failures.append(f"signature: {shown_name}: signed, but missing from {shown(path)}")
@@ -290,7 +312,7 @@ def _compare(path: str, signature: str, expected: Any, check: SignatureCheck) ->
                                   "signing, or damaged)")
         else:
             check.files[resource] = "ok"
-    if set(signed) == {SINGLE} and expected.model_name != name:
+    if _single_file(expected) and expected.model_name != name:
         check.failures.append(f"signature: {shown(name)} was signed as {shown(expected.model_name)}: renamed after "
                               "signing (model_signing binds no file name; ckptfix does)")
 
@@ -303,7 +325,8 @@ def _actual_digests(path: str, params: Mapping[str, Any], ignore: list[str]) -> 
     ms = library()
     config = ms.hashing.Config().set_ignored_paths(paths=ignore, ignore_git_paths=False)
     if params.get("method") == "shards":
-        config.use_shard_serialization(hashing_algorithm=params["hash_type"], shard_size=params["shard_size"],
+        # the statement's numbers come back from protobuf as floats: model-signing's own verify trips on 1024.0
+        config.use_shard_serialization(hashing_algorithm=params["hash_type"], shard_size=int(params["shard_size"]),
                                        allow_symlinks=params["allow_symlinks"])
     else:
         config.use_file_serialization(hashing_algorithm=params["hash_type"], allow_symlinks=params["allow_symlinks"])

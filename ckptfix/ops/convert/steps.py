@@ -59,6 +59,8 @@ class Request(ConvertOptions):
 
 def validate(src: str, dst: str, options: ConvertOptions) -> Request:
     """Check the request before anything is read: source format, destination, device, dtype."""
+    if options.sign is not None:
+        _check_signing(dst, options.sign)
     check_scheme(dst)  # s3:// is uploaded; https:// and hf:// are refused
     src, fmt_in = formats.resolve(src)  # a save_pretrained directory: its one file
     shard_size, fmt_out = _plan_output(src, dst, options.format, options.max_shard_size, options.keep_extra,
@@ -72,8 +74,6 @@ def validate(src: str, dst: str, options: ConvertOptions) -> Request:
         raise ConversionError(f"{dst}: --untie is for safetensors output, which stores a tied tensor once; a "
                               f"{fmt_out} output keeps tied tensors as torch.save does (torch.load restores each "
                               "key): drop --untie")
-    if options.sign is not None:
-        _check_signing(dst, options.sign)
     return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan, **vars(options))
 
 

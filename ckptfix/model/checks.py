@@ -416,5 +416,5 @@ def signature(gate: Gate, report: VerifyReport) -> Findings:
 
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
-CHECKS = (sha256, signature, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs, observed_load,
-          forward_outputs)
+CHECKS = (sha256, signature, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs,
+          observed_load, forward_outputs)

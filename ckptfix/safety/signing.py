@@ -204,7 +204,7 @@ def _precomputed(manifest: Any) -> Any:
     (model-transparency#568: model-signing can't sign digests computed elsewhere)."""
     ms = library()
 
-    class Precomputed(ms.hashing.Config):  # type: ignore[misc,name-defined]
+    class Precomputed(ms.hashing.Config):  # type: ignore[name-defined]
         def hash(self, model_path: Any, *, files_to_hash: Any = None) -> Any:
             return manifest
 

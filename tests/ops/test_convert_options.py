@@ -74,7 +74,7 @@ def test_the_command_passes_every_option(calls: list[dict[str, Any]], cli_runner
             "--keep-extra", "--strip-prefix", "s", "--add-prefix", "p", "--format", "pth", "--max-shard-size", "5GB",
             "--rename", "a=b", "--rename", "c=d", "--by-order", "--model", f"{fixtures_dir / 'train.py'}:mlp",
             "--untie", "--dtype", "bf16", "--allow-overflow", "--hash", "--force", "-q", "--trust",
-            "--allow", "myproj.Config", "--allow", "myproj.Mode", "--json"]
+            "--allow", "myproj.Config", "--allow", "myproj.Mode", "--json", "--sign", "key.pem"]
     res = cli_runner.invoke(cli, argv)
     assert res.exit_code == 0, res.output
     (kwargs,) = calls
@@ -82,7 +82,7 @@ def test_the_command_passes_every_option(calls: list[dict[str, Any]], cli_runner
     assert kwargs == dict(to="ddp", map_location=parse_cli_map_location(("cuda:1=cpu",)), select="ema", keep_extra=True,
                           strip_prefix="s", add_prefix="p", format="pth", max_shard_size="5GB", rename=("a=b", "c=d"),
                           untie=True, dtype="bf16", allow_overflow=True, hash=True, force=True, progress=False, trust=True,
-                          allow=("myproj.Config", "myproj.Mode"), checksums=True)
+                          allow=("myproj.Config", "myproj.Mode"), checksums=True, sign="key.pem")
     assert sorted(kwargs) == sorted(set(KEYWORDS) - {"by_order"})
 
 

@@ -14,12 +14,15 @@ paths model-signing ignores by default. ``model_signing verify key`` accepts wha
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import pathlib
 import stat
+import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from ..core.atomic import atomic_path, sha256_file
@@ -38,12 +41,30 @@ INSTALL = "pip install 'ckptfix[sign]'"
 SINGLE = "."
 
 
-def library() -> Any:
-    """The ``model_signing`` package, imported when a signature is made or checked (an optional extra)."""
+#: the modules of model-signing ckptfix uses (pinned 1.1.1: some are private), by the name :func:`library` gives them
+_MODULES = {"manifest": "model_signing.manifest", "digest": "model_signing._hashing.hashing",
+            "payload": "model_signing._signing.signing", "key": "model_signing._signing.sign_ec_key",
+            "bundle": "model_signing._signing.sign_sigstore_pb", "hashing": "model_signing.hashing"}
+
+
+def library(certificate: bool = False) -> SimpleNamespace:
+    """model-signing's own manifest, payload, signer, verifier and bundle modules (``certificate``: its certificate
+    method's too), imported without running the package's ``__init__``: it imports sigstore, TUF and boto3 —
+    ~0.8 s of CPU that a key signature doesn't use. A later ``import model_signing`` runs it as usual, reusing them."""
+    spec = importlib.util.find_spec("model_signing")
+    if spec is None:
+        raise SigningError(f"signatures need the model-signing package: {INSTALL}")
+    names = dict(_MODULES, **({"certificate": "model_signing._signing.sign_certificate"} if certificate else {}))
+    stub = "model_signing" not in sys.modules
+    if stub:  # the package as a bare namespace while its submodules load
+        sys.modules["model_signing"] = importlib.util.module_from_spec(spec)
     try:
-        return importlib.import_module("model_signing")
-    except ImportError:
-        raise SigningError(f"signatures need the model-signing package: {INSTALL}") from None
+        return SimpleNamespace(**{name: importlib.import_module(module) for name, module in names.items()})
+    except ImportError as e:  # pyOpenSSL, which model-signing's certificate module imports without declaring it
+        raise SigningError(f"signatures need {e.name or 'a package model-signing imports'}: {INSTALL}") from None
+    finally:
+        if stub:
+            del sys.modules["model_signing"]
 
 
 def default_signature(path: str) -> str:
@@ -135,7 +156,7 @@ def manifest_of(path: str, digests: Mapping[str, str], ignore: Sequence[str]) ->
     ms = library()
     serialization = ms.manifest.SerializationType.from_args(
         {"method": "files", "hash_type": "sha256", "allow_symlinks": False, "ignore_paths": list(ignore)})
-    items = [serialization.new_item(name, ms._hashing.hashing.Digest("sha256", bytes.fromhex(digest)))
+    items = [serialization.new_item(name, ms.digest.Digest("sha256", bytes.fromhex(digest)))
              for name, digest in digests.items()]
     return ms.manifest.Manifest(os.path.basename(os.path.abspath(path)), items, serialization)
 
@@ -171,44 +192,33 @@ def sign(path: str, key: str, signature: str | None = None, *, certificate: str 
     known = dict(digests or {})
     hashed = {**known, **hash_files({n: p for n, p in files.items() if n not in known})}
     hashed = {n: hashed[n] for n in sorted(files)}
-    config, signer = _signer(key, password, certificate, certificate_chain)
-    signer["curve"] = curve
-    config.set_hashing_config(_precomputed(manifest_of(path, hashed, ignore)))
+    signer, description = _signer(key, password, certificate, certificate_chain)
+    description["curve"] = curve
+    # model-signing's own payload and signer, over digests hashed here (model-transparency#568: its Config hashes
+    # the model again)
+    bundle = signer.sign(library().payload.Payload(manifest_of(path, hashed, ignore)))
     with atomic_path(signature) as tmp:
-        config.sign(path, tmp)
-    return Signed(path, signature, signer, hashed)
+        bundle.write(pathlib.Path(tmp))
+    return Signed(path, signature, description, hashed)
 
 
 def _signer(key: str, password: str | None, certificate: str | None,
             chain: Sequence[str]) -> tuple[Any, dict[str, Any]]:
-    """model-signing's signing config for the key (and certificate), and the signer as the report names it."""
-    config = library().signing.Config()
+    """model-signing's signer for the key (and certificate), and the signer as the report names it."""
     try:
         if certificate is None:
             # cryptography takes the password as bytes (model-signing's hint says str)
             secret = password.encode() if password is not None else None
-            return config.use_elliptic_key_signer(private_key=key, password=secret), {"method": "key"}
-        return (config.use_certificate_signer(private_key=key, signing_certificate=certificate,
-                                              certificate_chain=list(chain)),
-                {"method": "certificate", "certificate": certificate})
+            return library().key.Signer(pathlib.Path(key), secret), {"method": "key"}
+        signer = library(certificate=True).certificate.Signer(pathlib.Path(key), pathlib.Path(certificate),
+                                                           [pathlib.Path(c) for c in chain])
+        return signer, {"method": "certificate", "certificate": certificate}
     except OSError as e:
         raise SigningError(f"can't read {shown(e.filename or certificate or key)}: {e.strerror or e}") from None
     except TypeError:  # model-signing's certificate signer loads the key without a password
         raise SigningError(f"{shown(key)}: model_signing's certificate method takes an unencrypted key") from None
     except ValueError as e:  # a certificate that isn't PEM, or not KEY's
         raise SigningError(f"{shown(certificate or key)}: {shown(str(e), 200)}") from None
-
-
-def _precomputed(manifest: Any) -> Any:
-    """A ``model_signing.hashing.Config`` that returns ``manifest`` instead of hashing the model again
-    (model-transparency#568: model-signing can't sign digests computed elsewhere)."""
-    ms = library()
-
-    class Precomputed(ms.hashing.Config):  # type: ignore[name-defined]
-        def hash(self, model_path: Any, *, files_to_hash: Any = None) -> Any:
-            return manifest
-
-    return Precomputed()
 
 
 @dataclass
@@ -237,13 +247,10 @@ def verify_signature(path: str, signature: str, public_key: str | None = None,
     (model-signing's key method) or ``certificate_chain`` (its certificate method; empty: the system's roots).
     A directory's signature given with one file of it (a ``save_pretrained`` directory's weights) checks the
     directory."""
-    library()
-    from model_signing._signing import sign_sigstore_pb  # pinned 1.1.1: its bundle reader and verifiers
-
     signer, verifier = _verifier(public_key, certificate_chain)
     check = SignatureCheck(signature, signer)
     try:
-        bundle = sign_sigstore_pb.Signature.read(pathlib.Path(signature))
+        bundle = library().bundle.Signature.read(pathlib.Path(signature))
     except OSError as e:
         raise SigningError(f"{shown(signature)}: can't read the signature: {e.strerror or e}") from None
     except Exception as e:  # not JSON, not a bundle: the parser's own exception types vary
@@ -266,14 +273,12 @@ def verify_signature(path: str, signature: str, public_key: str | None = None,
 
 def _verifier(public_key: str | None, certificate_chain: Sequence[str] | None) -> tuple[dict[str, Any], Any]:
     """The signer as the report names it, and model-signing's verifier for it (a key it can't take: one line)."""
-    from model_signing._signing import sign_certificate, sign_ec_key
-
     try:
         if public_key is not None:
-            return {"method": "key", "public_key": public_key}, sign_ec_key.Verifier(pathlib.Path(public_key))
+            return {"method": "key", "public_key": public_key}, library().key.Verifier(pathlib.Path(public_key))
         chain = list(certificate_chain or ())
         return ({"method": "certificate", "certificate_chain": chain},
-                sign_certificate.Verifier([pathlib.Path(c) for c in chain]))
+                library(certificate=True).certificate.Verifier([pathlib.Path(c) for c in chain]))
     except OSError as e:
         raise SigningError(f"can't read {shown(e.filename or public_key or '')}: {e.strerror or e}") from None
     except (ValueError, TypeError) as e:

@@ -356,3 +356,23 @@ def test_sign_hashes_a_directorys_files_in_parallel_as_model_signing_names_them(
     (tmp_path / "m" / "link").symlink_to("a.bin")
     with pytest.raises(ckptfix.errors.SigningError, match="a symlink"):
         signing.sign(str(tmp_path / "m"), str(keys["key"]))
+
+
+#: a signed convert in a fresh process: model-signing's heavy imports (sigstore, TUF, boto3) stay out, and a later
+#: ``import model_signing`` works as usual, its verifier accepting the signature
+_FRESH = """
+import sys, ckptfix
+ckptfix.convert(sys.argv[1], sys.argv[2], sign=sys.argv[3])
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"sigstore", "tuf", "boto3", "torch"})
+import model_signing
+model_signing.verifying.Config().use_elliptic_key_verifier(public_key=sys.argv[4]).verify(sys.argv[2], sys.argv[2] + ".sig")
+print(heavy)
+"""
+
+
+def test_a_signed_convert_imports_only_what_it_signs_with(fixtures_dir: Path, keys: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", _FRESH, str(fixtures_dir / "mlp_single.pth"),
+                          str(tmp_path / "o.safetensors"), str(keys["key"]), str(keys["pub"])],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -13,12 +13,14 @@ paths model-signing ignores by default. ``model_signing verify key`` accepts wha
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import pathlib
 import stat
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,30 +43,49 @@ INSTALL = "pip install 'ckptfix[sign]'"
 SINGLE = "."
 
 
+_IMPORTING = threading.Lock()
 #: the modules of model-signing ckptfix uses (pinned 1.1.1: some are private), by the name :func:`library` gives them
 _MODULES = {"manifest": "model_signing.manifest", "digest": "model_signing._hashing.hashing",
             "payload": "model_signing._signing.signing", "key": "model_signing._signing.sign_ec_key",
             "bundle": "model_signing._signing.sign_sigstore_pb", "hashing": "model_signing.hashing"}
 
 
+def require() -> Any:
+    """model-signing's module spec, found without importing it; not installed: the one-line error naming the extra."""
+    spec = importlib.util.find_spec("model_signing")
+    if spec is None:
+        raise SigningError(f"signatures need the model-signing package: {INSTALL}")
+    return spec
+
+
 def library(certificate: bool = False) -> SimpleNamespace:
     """model-signing's own manifest, payload, signer, verifier and bundle modules (``certificate``: its certificate
     method's too), imported without running the package's ``__init__``: it imports sigstore, TUF and boto3 —
     ~0.8 s of CPU that a key signature doesn't use. A later ``import model_signing`` runs it as usual, reusing them."""
-    spec = importlib.util.find_spec("model_signing")
-    if spec is None:
-        raise SigningError(f"signatures need the model-signing package: {INSTALL}")
+    spec = require()
     names = dict(_MODULES, **({"certificate": "model_signing._signing.sign_certificate"} if certificate else {}))
-    stub = "model_signing" not in sys.modules
-    if stub:  # the package as a bare namespace while its submodules load
-        sys.modules["model_signing"] = importlib.util.module_from_spec(spec)
-    try:
-        return SimpleNamespace(**{name: importlib.import_module(module) for name, module in names.items()})
-    except ImportError as e:  # pyOpenSSL, which model-signing's certificate module imports without declaring it
-        raise SigningError(f"signatures need {e.name or 'a package model-signing imports'}: {INSTALL}") from None
-    finally:
-        if stub:
-            del sys.modules["model_signing"]
+    with _IMPORTING:  # one thread at a time puts the bare package in place and takes it away
+        stub = "model_signing" not in sys.modules
+        if stub:  # the package as a bare namespace while its submodules load
+            sys.modules["model_signing"] = importlib.util.module_from_spec(spec)
+        try:
+            return SimpleNamespace(**{name: importlib.import_module(module) for name, module in names.items()})
+        except ImportError as e:  # pyOpenSSL, which model-signing's certificate module imports without declaring it
+            raise SigningError(f"signatures need {e.name or 'a package model-signing imports'}: {INSTALL}") from None
+        finally:
+            if stub:
+                del sys.modules["model_signing"]
+
+
+def import_in_background() -> None:
+    """Import :func:`library`'s modules on another thread (~0.2 s of CPU) while a convert copies its bytes in the
+    kernel; the signing step then finds them loaded (an import error surfaces there)."""
+    threading.Thread(target=_import_quietly, daemon=True).start()
+
+
+def _import_quietly() -> None:
+    with contextlib.suppress(SigningError):
+        library()
 
 
 def default_signature(path: str) -> str:

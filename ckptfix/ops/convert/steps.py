@@ -82,8 +82,9 @@ def _check_signing(dst: str, key: str) -> None:
     if locations.is_remote(dst):
         raise ConversionError(f"{dst}: --sign writes the signature beside a local output; convert to a local path, "
                               "sign it (ckptfix sign), then upload both")
-    signing.library()
+    signing.require()
     signing.load_key(key)
+    signing.import_in_background()
 
 
 def _stores_aliases(fmt: str) -> bool:

@@ -137,6 +137,11 @@ class DeepSpeedZeroError(CkptfixError, ValueError):
     save, ZeRO-3 placeholders, a half-precision copy not selected); the message says what to give."""
 
 
+class SigningError(CkptfixError, ValueError):
+    """A signature can't be made or checked as asked: model-signing not installed, a key it doesn't take, a
+    signature file it can't read; the message says what to give instead."""
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT, SIGTERM or SIGHUP arrived while ckptfix was working; its temp output has been removed.
 

@@ -242,11 +242,13 @@ class ConvertReport:
     notes: list[str] = field(default_factory=list)
     nbytes_in: int = 0  # tensor bytes in the source (differs from nbytes after a dtype cast)
     bytes_fetched: int | None = None  # a remote source: the bytes fetched over the network (None: a local one)
+    signature: str | None = None  # --sign: where the output's signature was written
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if d["bytes_fetched"] is None:
-            del d["bytes_fetched"]
+        for key in ("bytes_fetched", "signature"):  # present only where they apply
+            if d[key] is None:
+                del d[key]
         return d
 
 

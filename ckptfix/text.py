@@ -123,6 +123,8 @@ def convert_text(report: Any) -> str:
     lines.append(f"  wrappers: {stack(report.wrappers_before)} -> {stack(report.wrappers_after)} ({report.renamed} keys renamed)")
     if getattr(report, "bytes_fetched", None) is not None:
         lines.append(f"  fetched: {human_size(report.bytes_fetched)} ({report.bytes_fetched:,} bytes) from {report.src}")
+    if getattr(report, "signature", None) is not None:
+        lines.append(f"  signed: {report.signature} (OpenSSF model signature)")
     for note in report.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

@@ -198,6 +198,25 @@ def _noisy_mlp() -> dict:
     return {k: v + 5e-7 for k, v in sd.items()}
 
 
+def _ec_key(dst: Path, request: Any) -> None:
+    """docs/signing.md's key.pem (EC P-256), and its pub.pem beside it."""
+    pytest.importorskip("model_signing")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    dst.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+    dst.with_name("pub.pem").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                       serialization.PublicFormat.SubjectPublicKeyInfo))
+
+
+def _signed(dst: Path, request: Any) -> None:
+    """mypkg's MLP (the mlp_single fixture) as safetensors, signed with key.pem beside it (its pub.pem too)."""
+    _ec_key(dst.with_name("key.pem"), request)
+    ckptfix.convert(ROOT / "fixtures" / "mlp_single.pth", dst, sign=str(dst.with_name("key.pem")))
+
+
 MAKERS: dict[str, Callable[[Path, Any], None]] = {
     **{f"fixture:{p.name}": _fixture(p.name) for p in (ROOT / "fixtures").iterdir() if p.name.startswith("mlp_")},
     "dir": lambda dst, request: dst.mkdir(),
@@ -209,6 +228,8 @@ MAKERS: dict[str, Callable[[Path, Any], None]] = {
     "unsafe": _tensors(lambda: {"weight": torch.zeros(1), "run": exec, "shell": os.system}),
     "hf sharded": _hf_dir,
     "block fp8 release": _fp8_release,
+    "ec key": _ec_key,
+    "signed mypkg MLP": _signed,
     "on s3: mlp_ddp.pth": _on_s3("mlp_ddp.pth", "s3://my-bucket/runs/ddp_run.pth"),
     "s3 bucket: my-bucket": _bucket("my-bucket"),
     "deepspeed zero-2 bf16": _deepspeed,
@@ -457,6 +478,14 @@ RECIPES: dict[str, Entry] = {
     "ckptfix convert ckpt/ hf/ --max-shard-size 5GB": Entry(  # one shard: model.safetensors, no index
         DEEPSPEED, check=lambda tmp, res: os.listdir(tmp / "hf") == ["model.safetensors"]),
     "ckptfix convert ckpt/ half.safetensors --select module": Entry(DEEPSPEED, check=_dtypes("half.safetensors", {torch.bfloat16})),
+    # docs/signing.md
+    "ckptfix convert ddp_run.pth model.safetensors --sign key.pem": Entry(
+        {**MLP_DDP, "key.pem": "ec key"}, check=lambda tmp, res: (tmp / "model.safetensors.sig").is_file()),
+    "ckptfix sign hf_dir --key key.pem": Entry(
+        {"hf_dir": "hf sharded", "key.pem": "ec key"}, check=_output_has("signed hf_dir: 4 file(s)")),
+    "ckptfix verify model.safetensors --model mypkg.models:build --signature model.safetensors.sig --public-key pub.pem":
+        Entry({"model.safetensors": "signed mypkg MLP", **MYPKG_FILES}, env_path=True,
+              check=_output_has("signature: 1 file(s) verified against model.safetensors.sig")),
     # docs/security.md: the shown `$ ckptfix inspect model.pth` and its one line of output
     "ckptfix inspect model.pth": Entry({"model.pth": "unsafe"}, code=1),
 }

@@ -72,6 +72,8 @@ CASES: list[tuple[type[errors.CkptfixError], type[Exception] | None, Callable[[P
     (errors.GoldenError, ValueError,
      lambda tmp, fx: ckptfix.verify(fx / "mlp_single.pth", torch.nn.Linear(2, 2), record_golden=True)),
     (errors.ForwardError, RuntimeError, _forward),
+    (errors.SigningError, ValueError,  # a signature to check, and no key to check it with
+     lambda tmp, fx: ckptfix.verify(fx / "mlp_single.pth", torch.nn.Linear(2, 2), signature=tmp / "model.sig")),
     (errors.RemoteError, OSError, lambda tmp, fx: ckptfix.read("https://example.com/model.pth")),  # (no request sent)
     (errors.NeedsLocalCopy, OSError, lambda tmp, fx: ckptfix.read("https://example.com/model.pth", trust=True)),
 ]

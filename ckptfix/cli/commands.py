@@ -123,6 +123,36 @@ def scan(ctx: click.Context, path: str, as_json: bool) -> None:
         ctx.exit(exits.FINDING)
 
 
+@cli.command()
+@click.argument("path", type=click.Path(exists=True, dir_okay=True))
+@click.option("--key", required=True, metavar="KEY.pem", type=click.Path(dir_okay=False),
+              help="The EC private key to sign with (PEM; P-256, P-384 or P-521, as model_signing's key method takes).")
+@click.option("--signature", metavar="SIG", type=click.Path(dir_okay=False),
+              help="Where to write the signature (default: PATH.sig beside a file, PATH/model.sig in a directory).")
+@click.option("--certificate", metavar="CERT.pem", type=click.Path(dir_okay=False),
+              help="Sign with model_signing's certificate method: KEY's signing certificate (PEM).")
+@click.option("--certificate-chain", multiple=True, metavar="CHAIN.pem", type=click.Path(dir_okay=False),
+              help="With --certificate: the certificates up to the root (repeatable, or several in one file).")
+@click.option("--key-password-env", metavar="VAR", help="The environment variable holding an encrypted KEY's password.")
+@json_option
+def sign(path: str, key: str, signature: str | None, certificate: str | None, certificate_chain: tuple[str, ...],
+         key_password_env: str | None, as_json: bool) -> None:
+    """Sign PATH (a checkpoint file or directory) in the OpenSSF Model Signing format, offline: each file's
+    SHA-256, hashed in parallel; `model_signing verify key` and `ckptfix verify --signature` check it."""
+    import os
+
+    from ..safety.signing import sign as do_sign
+
+    if certificate_chain and certificate is None:
+        raise click.UsageError("--certificate-chain goes with --certificate")
+    password = os.environ.get(key_password_env) if key_password_env else None
+    if key_password_env and password is None:
+        raise click.UsageError(f"--key-password-env {key_password_env}: that variable is not set")
+    report = do_sign(path, key, signature, certificate=certificate, certificate_chain=certificate_chain,
+                     password=password)
+    render(report, as_json, _format_text)
+
+
 def _format_text(report: Any) -> str:
     return str(report.format_text())
 

@@ -23,7 +23,7 @@ from ..errors import GoldenError, LoadError, ModelSpecError, UnsafeCheckpointErr
 from ..ops import api, reading
 from ..parse.format_registry import get as format_of
 from ..reports import Checkpoint
-from ..safety import integrity, scanner
+from ..safety import integrity, scanner, signing
 from ..statedict import metadata, repair
 from . import fixes, observe, serving
 from . import forward as fwd
@@ -395,7 +395,26 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
     return net
 
 
+def model_free(check: Any) -> Any:
+    """Mark a check that needs no model: ``verify PATH`` without one runs these."""
+    check.needs_model = False
+    return check
+
+
+@model_free
+def signature(gate: Gate, report: VerifyReport) -> Findings:
+    """With ``signature``: PATH against its OpenSSF model signature, offline; each changed, missing or extra file,
+    a wrong key, a renamed file fails."""
+    opts = gate.options
+    if opts.signature is None:
+        return Findings()
+    with gate.phase("signature"):
+        check = signing.verify_signature(gate.path, opts.signature, opts.public_key, opts.certificate_chain)
+    notes = [f"signature: {len(check.files)} file(s) verified against {opts.signature}"] if check.ok else []
+    return Findings(failures=check.failures, notes=notes, fields={"signature": check.to_dict()})
+
+
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
-CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs, observed_load,
-          forward_outputs)
+CHECKS = (sha256, signature, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs,
+          observed_load, forward_outputs)

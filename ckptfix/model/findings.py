@@ -46,6 +46,8 @@ class VerifyReport:
     serving_device: str | None = None
     #: with ``exact``: what the serving loader did with the file as saved (``observe.Observation.to_dict``)
     observed: dict[str, Any] | None = None
+    #: with ``signature``: the OpenSSF model signature's check (``signing.SignatureCheck.to_dict``: signer, files, verdict)
+    signature: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

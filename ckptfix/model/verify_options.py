@@ -3,7 +3,7 @@
 Each field of :class:`VerifyOptions` is one keyword of :func:`ckptfix.verify` after ``path`` and ``model`` (name,
 type, default, and its place: the keywords keep the order they have always had, so a positional call still
 works) and carries its command-line :class:`Flag`; ``ckptfix.cli.options`` builds ``ckptfix verify``'s click
-options from these fields, in :data:`HELP_ORDER`. The two options that go together are :data:`RULES`, checked
+options from these fields, in :data:`HELP_ORDER`. The options that go together are :data:`RULES`, checked
 when the options are made: the library raises the rule's error, the command line stops with its usage line.
 
 Plain data: it imports only the option declarations and the error types, so ``ckptfix --help`` reads it without
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from ..errors import CkptfixError, DeviceError, GoldenError, ModelSpecError
+from ..errors import CkptfixError, DeviceError, GoldenError, ModelSpecError, SigningError
 from ..ops.convert_options import DTYPES, JSON, ConvertOptions, Flag, flag_of, option
 
 #: Seed of the input used for forward checks (the fixtures' own: fixtures/train.py INPUT_SEED).
@@ -89,6 +89,15 @@ class VerifyOptions:
     serving_loader: str = option("torch", own_flag(("--serving-loader",), choices=("torch", "transformers"), help=(
         "With --exact: the loader the server calls: torch (torch.load/load_file + load_state_dict(strict=True); "
         "default) or transformers (type(model).from_pretrained, which ties the model's tied weights itself).")))
+    signature: Any = option(None, own_flag(("--signature",), metavar="SIG", kind="file", help=(
+        "Check PATH against this OpenSSF model signature (made by ckptfix or model_signing), offline: fail naming "
+        "each changed, missing or extra file, a wrong key, a renamed file (needs ckptfix[sign]).")))
+    public_key: Any = option(None, own_flag(("--public-key",), metavar="PUB.pem", kind="file", help=(
+        "With --signature: the signer's EC public key (model_signing's key method).")))
+    certificate_chain: tuple[Any, ...] = option((), own_flag(("--certificate-chain",), multiple=True, metavar="CHAIN.pem",
+                                                             kind="file", help=(
+        "With --signature: a certificate-signed signature, checked up to these certificates (repeatable; "
+        "model_signing's certificate method).")))
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -100,7 +109,7 @@ class VerifyOptions:
 #: the fields' flags in ``ckptfix verify --help`` (after ``--model``); a flag not named here follows them
 HELP_ORDER = ("model_args", "exact", "serving_device", "serving_loader", "reference", "input_shape", "input_dtype",
               "input_range", "inputs", "golden", "record_golden", "dtype", "atol", "rtol", "forward", "structure_only",
-              "map_location", "select", "trust", "checksum", "progress")
+              "signature", "public_key", "certificate_chain", "map_location", "select", "trust", "checksum", "progress")
 
 
 def flagged() -> Iterator[Field]:
@@ -133,6 +142,13 @@ RULES = (
          "serving_loader={serving_loader!r} (--serving-loader) names the loader --exact observes: pass exact=True "
          "(--exact) too",
          "--serving-loader goes with --exact (the load it observes)"),
+    Rule(lambda o: o["signature"] is not None and (o["public_key"] is None) == (not o["certificate_chain"]),
+         SigningError, "signature={signature!r} is checked with one of public_key=PUB (--public-key) or "
+         "certificate_chain=[CHAIN] (--certificate-chain)",
+         "--signature needs one of --public-key PUB or --certificate-chain CHAIN"),
+    Rule(lambda o: o["signature"] is None and (o["public_key"] is not None or bool(o["certificate_chain"])),
+         SigningError, "public_key and certificate_chain check a signature: pass signature=SIG (--signature) too",
+         "--public-key and --certificate-chain go with --signature SIG"),
 )
 
 

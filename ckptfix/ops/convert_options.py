@@ -110,6 +110,9 @@ class ConvertOptions:
              "casts them, without their scales) instead of refusing."))
     hash: bool = option(False, Flag(("--hash",), is_flag=True,
                                     help="Append the first 8 hex digits of DST's SHA-256 to its name."))
+    sign: str | None = option(None, Flag(("--sign",), metavar="KEY.pem", kind="file", help=(
+        "Sign the output with this EC private key (P-256/384/521): an OpenSSF model signature, DST.sig beside a "
+        "file, DST/model.sig in a directory, that `model_signing verify key` accepts (needs ckptfix[sign]).")))
     force: bool = option(False, Flag(("--force",), is_flag=True,
                                      help="Replace DST if it exists (a directory DST: only the files the output consists "
                                           "of; the rest is kept)."))

@@ -1,6 +1,7 @@
 """The safety policy: the one allow-list and what each allowed global may do, the guards that build the
 unpickler's policy from it, numpy and stand-in policies, the DCP and DeepSpeed pickle policies, the
-scanners behind ``ckptfix scan`` and every untrusted load, and ``integrity`` (a file's SHA-256, its zip CRC-32 findings).
+scanners behind ``ckptfix scan`` and every untrusted load, ``integrity`` (a file's SHA-256, its zip CRC-32
+findings) and ``signing`` (OpenSSF model signatures).
 
 May import: :mod:`ckptfix.core`, :mod:`ckptfix.parse`, :mod:`ckptfix.errors`.
 

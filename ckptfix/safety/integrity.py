@@ -1,5 +1,5 @@
 """Integrity: whether a file is the one that was written — its SHA-256 and the CRC-32s a zip stores for
-each member (later: digests and signatures). The hashing primitive is :func:`ckptfix.core.atomic.sha256_file`;
+each member (signatures: :mod:`ckptfix.safety.signing`). The hashing primitive is :func:`ckptfix.core.atomic.sha256_file`;
 this module says what a report records and what counts as a finding.
 
 >>> file_sha256("model.safetensors")          # doctest: +SKIP

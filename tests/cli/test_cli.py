@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ckptfix.cli import cli
+from ckptfix.safety.signing import Signed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,6 +169,8 @@ def test_every_json_field_is_documented_in_readme(fixtures_dir: Path, tmp_path: 
                                  reference=fixtures_dir / "mlp_single.pth").to_dict(),
         "diff": ckptfix.diff(fixtures_dir / "mlp_ddp.pth", tmp_path / "o.pth").to_dict(),
         "scan": ckptfix.scan(fixtures_dir / "mlp_ddp.pth").to_dict(),
+        # what `ckptfix sign --json` prints (signing itself: tests/safety/test_signing.py, with model-signing installed)
+        "sign": Signed("o.pth", "o.pth.sig", {"method": "key", "curve": "P-256"}, {".": "0" * 64}).to_dict(),
     }
     with_json = {name for name, command in cli.commands.items() if any(o.name == "as_json" for o in command.params)}
     assert set(objects) == with_json and set(docs) == with_json, (sorted(docs), sorted(with_json))

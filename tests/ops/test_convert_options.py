@@ -75,7 +75,7 @@ def test_the_command_passes_every_option(calls: list[dict[str, Any]], cli_runner
             "--rename", "a=b", "--rename", "c=d", "--by-order", "--model", f"{fixtures_dir / 'train.py'}:mlp",
             "--untie", "--dtype", "bf16", "--allow-overflow", "--dequantize", "--cast-unknown-quantized", "--hash",
             "--force", "-q", "--trust",
-            "--allow", "myproj.Config", "--allow", "myproj.Mode", "--json"]
+            "--allow", "myproj.Config", "--allow", "myproj.Mode", "--json", "--sign", "key.pem"]
     res = cli_runner.invoke(cli, argv)
     assert res.exit_code == 0, res.output
     (kwargs,) = calls
@@ -84,7 +84,7 @@ def test_the_command_passes_every_option(calls: list[dict[str, Any]], cli_runner
                           strip_prefix="s", add_prefix="p", format="pth", max_shard_size="5GB", rename=("a=b", "c=d"),
                           untie=True, dtype="bf16", allow_overflow=True, dequantize=True, cast_unknown_quantized=True,
                           hash=True, force=True, progress=False, trust=True,
-                          allow=("myproj.Config", "myproj.Mode"), checksums=True)
+                          allow=("myproj.Config", "myproj.Mode"), checksums=True, sign="key.pem")
     assert sorted(kwargs) == sorted(set(KEYWORDS) - {"by_order"})
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from ...formats.base import CastRef, source_record
 from ...statedict import locate, ties, transforms, wrappers
 from ...core import locations
 from ...core.bytecopy import CrcCheck
-from ...core.atomic import hashed_name, sha256_file
+from ...core.atomic import hashed_name
 from ...core.upload import check_destination, check_destination_dir, check_scheme, output_path
 from ...core.devices import DevicePlan, normalise_device, storage_id
 from ...core.torch_free import NeedsTorch
@@ -38,7 +39,7 @@ from ..quantized import Configs, read_configs
 from ..reading import read_checkpoint, structure_first, summarise
 from ...parse import format_registry as registry, inert
 from ...reports import Checkpoint, ConvertReport, tensor_stats
-from ...safety import integrity
+from ...safety import integrity, signing
 from ...safety.standins import contains_stand_ins
 from ...core.tensorinfo import TensorInfo
 
@@ -61,6 +62,8 @@ class Request(ConvertOptions):
 
 def validate(src: str, dst: str, options: ConvertOptions) -> Request:
     """Check the request before anything is read: source format, destination, device, dtype."""
+    if options.sign is not None:
+        _check_signing(dst, options.sign)
     check_scheme(dst)  # s3:// is uploaded; https:// and hf:// are refused
     src, fmt_in = formats.resolve(src)  # a save_pretrained directory: its one file
     shard_size, fmt_out = _plan_output(src, dst, options.format, options.max_shard_size, options.keep_extra,
@@ -77,6 +80,16 @@ def validate(src: str, dst: str, options: ConvertOptions) -> Request:
     configs = read_configs(src) if options.dtype is not None or options.dequantize else Configs()
     return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan,
                    configs=configs, **vars(options))
+
+
+def _check_signing(dst: str, key: str) -> None:
+    """``--sign KEY``: model-signing installed, a key it takes, a local output to sign beside; before any write."""
+    if locations.is_remote(dst):
+        raise ConversionError(f"{dst}: --sign writes the signature beside a local output; convert to a local path, "
+                              "sign it (ckptfix sign), then upload both")
+    signing.require()
+    signing.load_key(key)
+    signing.import_in_background()
 
 
 def _stores_aliases(fmt: str) -> bool:
@@ -286,11 +299,18 @@ class _Finalizer:
         self.req, self.dst = req, req.dst
         self.sha256: str | None = None
         self.size = 0  # the output's bytes (uploaded, for an s3:// destination)
+        self.pending: Future[str] | None = None
+        self.signature: str | None = None
+
+    def written(self, tmp: str) -> None:
+        """The temp file is complete: hash it on another thread (page cache) while ``output_path`` fsyncs it."""
+        if self.req.hash or self.req.checksums or self.req.sign:
+            self.pending = signing.hash_in_background(tmp)
 
     def __call__(self, tmp: str) -> str:
         self.size = os.path.getsize(tmp)
-        if self.req.hash or self.req.checksums:
-            self.sha256 = sha256_file(tmp)
+        if self.pending is not None:
+            self.sha256 = self.pending.result()
         if self.req.hash:
             assert self.sha256 is not None
             self.dst = hashed_name(self.req.dst, self.sha256)
@@ -313,6 +333,7 @@ def write_torch_free(req: Request, ckpt: Checkpoint, out: Output, final: _Finali
     with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
         with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
             written = plan.write(tmp)
+            final.written(tmp)
     return notes + written
 
 
@@ -357,6 +378,7 @@ def _write_output(req: Request, obj: Any, refs: dict | None, final: _Finalizer) 
     notes: list[str] = []
     with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
         written = formats.write(obj, tmp, req.fmt_out, refs=refs, archive=_archive_name(req.dst))
+        final.written(tmp)
     return notes + written
 
 
@@ -375,11 +397,22 @@ def run(req: Request, start: float) -> ConvertReport:
                 remote_convert.refuse_torch(req, str(e))
                 ckpt, mode = plan_read(req, torch_free=False)
             else:
+                _sign(req, final)
                 return report(req, ckpt, out, written, final, True, start)
     final = _Finalizer(req)
     out = transform(req, ckpt)
     written = write_with_torch(req, ckpt, out, final, streamed=mode == STREAMED) + quant.write_configs(req)
+    _sign(req, final)
     return report(req, ckpt, out, written, final, mode == STREAMED, start)
+
+
+def _sign(req: Request, final: _Finalizer) -> None:
+    """``--sign``: the output signed with the file's SHA-256 as computed beside the write (a directory's files
+    hashed in parallel now, from the page cache)."""
+    if req.sign is None:
+        return
+    digests = {signing.SINGLE: final.sha256} if final.sha256 is not None and os.path.isfile(final.dst) else None
+    final.signature = signing.sign(final.dst, req.sign, digests=digests).signature
 
 
 def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], final: _Finalizer, streamed: bool,
@@ -417,6 +450,7 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         sha256_out=final.sha256 if req.checksums else None,
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,
+        signature=final.signature,
     )
 
 

@@ -18,7 +18,8 @@ from .quant_schemes import BY_NAME
 if TYPE_CHECKING:
     import torch
 
-Tensors = Mapping[str, "torch.Tensor"]
+    Tensors = Mapping[str, torch.Tensor]
+    Kernel = Callable[[QuantGroup, Tensors], torch.Tensor]
 
 #: E2M1 values by 4-bit code (sign in bit 3), as transformers' mxfp4 FP4_VALUES and compressed-tensors' FLOAT_TO_E2M1
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -353,7 +354,6 @@ def bnb_int8_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     return (0.5 * _TIE + _SLACK * w.float().abs()) * step.expand(tuple(w.shape))
 
 
-Kernel = Callable[[QuantGroup, Tensors], "torch.Tensor"]
 #: one dequantization per ``Scheme.dequant`` name
 KERNELS: dict[str, Kernel] = {"fp8_scaled": fp8_scaled, "nvfp4_ct": nvfp4, "nvfp4_modelopt": nvfp4, "mxfp4": mxfp4,
                               "int_packed_ct": int_packed_ct, "gptq": gptq, "gptq_v2": gptq, "awq": awq, "bnb4": bnb4,

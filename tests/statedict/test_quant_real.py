@@ -23,7 +23,7 @@ SCHEME = {"llmcompressor/fp8_block": "ct-fp8", "llmcompressor/fp8_channel": "ct-
           "llmcompressor/w4a16": "ct-int-packed", "bitsandbytes/nf4": "bnb-nf4", "bitsandbytes/nf4_double_quant": "bnb-nf4",
           "bitsandbytes/fp4": "bnb-fp4", "bitsandbytes/int8": "bnb-int8",
           "torchao/int8_weight_only_safetensors": "torchao-int8", "modelopt/fp8": "modelopt-fp8",
-          "modelopt/nvfp4": "modelopt-nvfp4", "mxfp4/gpt_oss": "mxfp4"}
+          "modelopt/nvfp4": "modelopt-nvfp4", "mxfp4/gpt_oss": "mxfp4", "awq/gemm": "awq"}
 #: files written per the publisher's layout from values of their own (no quantizer ran on CPU): no bf16 original
 NO_ORIGINAL = {"mxfp4/gpt_oss"}
 
@@ -52,7 +52,7 @@ def test_real_file_dequantized_as_its_library_does(name: str, original: dict[str
         # within the rounding of bfloat16, where the library computed in it (compressed-tensors' NVFP4)
         torch.testing.assert_close(values, reference[group.dequantized_key].float(), rtol=2.0**-8, atol=0)
         bound = step_bound(group, sd)
-        assert bound is not None
-        if str(folder.relative_to(ROOT)) in NO_ORIGINAL:
+        assert (bound is not None) == group.rtn  # AWQ/GPTQ compensate errors: no round-to-nearest bound to hold
+        if bound is None or str(folder.relative_to(ROOT)) in NO_ORIGINAL:
             continue
         assert bool(((values - original[group.dequantized_key].float()).abs() <= bound).all()), group.module

@@ -242,11 +242,15 @@ class ConvertReport:
     notes: list[str] = field(default_factory=list)
     nbytes_in: int = 0  # tensor bytes in the source (differs from nbytes after a dtype cast)
     bytes_fetched: int | None = None  # a remote source: the bytes fetched over the network (None: a local one)
+    #: what a ``--dtype`` or ``--dequantize`` did to quantized groups (:func:`ckptfix.ops.quantized.summary`): ``kept``
+    #: and ``dequantized`` (scheme → groups), ``dtype``, ``dropped``, ``unknown``; None where it met none
+    quantized: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if d["bytes_fetched"] is None:
-            del d["bytes_fetched"]
+        for optional in ("bytes_fetched", "quantized"):
+            if d[optional] is None:
+                del d[optional]
         return d
 
 

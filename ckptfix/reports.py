@@ -243,12 +243,15 @@ class ConvertReport:
     nbytes_in: int = 0  # tensor bytes in the source (differs from nbytes after a dtype cast)
     bytes_fetched: int | None = None  # a remote source: the bytes fetched over the network (None: a local one)
     signature: str | None = None  # --sign: where the output's signature was written
+    #: what a ``--dtype`` or ``--dequantize`` did to quantized groups (:func:`ckptfix.ops.quantized.summary`): ``kept``
+    #: and ``dequantized`` (scheme → groups), ``dtype``, ``dropped``, ``unknown``; None where it met none
+    quantized: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("bytes_fetched", "signature"):  # present only where they apply
-            if d[key] is None:
-                del d[key]
+        for optional in ("bytes_fetched", "signature", "quantized"):  # present only where they apply
+            if d[optional] is None:
+                del d[optional]
         return d
 
 

@@ -117,9 +117,8 @@ def convert_text(report: Any) -> str:
     """``ckptfix convert``'s summary: what was written, the wrappers before and after, the notes."""
     lines: list[str] = []
     where = f" from {shown(repr(report.state_dict_key))}" if report.state_dict_key else ""
-    cast = f" (cast from {human_size(report.nbytes_in)})" if report.nbytes != report.nbytes_in else ""
     lines.append(f"Wrote {report.dst} ({report.format_out}): {report.num_tensors} tensors, "
-                 f"{human_size(report.nbytes)}{cast}{where}")
+                 f"{human_size(report.nbytes)}{changed_bytes(report)}{where}")
     lines.append(f"  wrappers: {stack(report.wrappers_before)} -> {stack(report.wrappers_after)} ({report.renamed} keys renamed)")
     if getattr(report, "bytes_fetched", None) is not None:
         lines.append(f"  fetched: {human_size(report.bytes_fetched)} ({report.bytes_fetched:,} bytes) from {report.src}")
@@ -128,6 +127,18 @@ def convert_text(report: Any) -> str:
     for note in report.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+def changed_bytes(report: Any) -> str:
+    """`` (cast from 2.0 MiB)``, `` (dequantized 7 groups (fp8-block) to bfloat16, from 1.1 MiB)``: why the bytes
+    written differ from SRC's (a dequantization: the groups, their schemes and dtype), or nothing where they don't."""
+    q = getattr(report, "quantized", None) or {}
+    if q.get("dequantized"):
+        n, schemes = sum(q["dequantized"].values()), q["dequantized"]
+        named = next(iter(schemes)) if len(schemes) == 1 else counts(schemes)
+        return (f" (dequantized {n} group{'s' * (n != 1)} ({named}) to {q['dtype']}, "
+                f"from {human_size(report.nbytes_in)})")
+    return f" (cast from {human_size(report.nbytes_in)})" if report.nbytes != report.nbytes_in else ""
 
 
 def scan_text(report: Any) -> str:

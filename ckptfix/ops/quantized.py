@@ -176,12 +176,25 @@ def dequantized_note(groups: list[QuantGroup], dtype: Any, dropped: int) -> str:
 
 @dataclass
 class Applied:
-    """What the quantized groups made of a state dict: the state dict, the keys a cast leaves alone, notes."""
+    """What the quantized groups made of a state dict: the state dict, the keys a cast leaves alone, notes, and
+    ``summary`` (:func:`summary`: what a report records, None where no group or odd tensor was met)."""
 
     state_dict: Any
     keep: frozenset[str] = frozenset()
     notes: list[str] = field(default_factory=list)
     dequantized: bool = False
+    summary: dict[str, Any] | None = None
+
+
+def summary(kept: list[QuantGroup], dequantized: list[QuantGroup], dtype: Any, dropped: int,
+            unknown: list[str]) -> dict[str, Any] | None:
+    """``ConvertReport.quantized``: groups kept as stored and dequantized, by scheme, the dequantized weights' dtype,
+    the companions dropped, and the tensors of no known scheme or of a broken group (cast as plain tensors by a cast,
+    else kept as stored); None where there are none of these."""
+    if not kept and not dequantized and not unknown:
+        return None
+    return {"kept": dict(Counter(g.scheme for g in kept)), "dequantized": dict(Counter(g.scheme for g in dequantized)),
+            "dtype": dtype_name(dtype) if dequantized else None, "dropped": dropped, "unknown": unknown}
 
 
 def apply(state_dict: Any, source: str, configs: Configs, dtype: str | None, dequantize: bool, cast_unknown: bool,
@@ -202,11 +215,14 @@ def apply(state_dict: Any, source: str, configs: Configs, dtype: str | None, deq
                      + ("cast as plain tensors" if dtype is not None else "kept as stored") + f": {few(odd)}")
     if not dequantize:
         kept = kept_note(layout)
-        return Applied(state_dict, grouped_keys(layout), ([kept] if kept else []) + notes)
+        return Applied(state_dict, grouped_keys(layout), ([kept] if kept else []) + notes,
+                       summary=summary(layout.groups, [], None, 0, odd))
     refuse_problems(layout, source, "dequantize")
     target = torch_dtype(dtype or configs.default_dtype())
     out = dequantize_groups(state_dict, layout.groups, target, source)
     if not layout.groups:
-        return Applied(out, notes=["dequantize: no quantized group to dequantize"] + notes)
-    return Applied(out, notes=[dequantized_note(layout.groups, target, len(state_dict) - len(out))] + notes,
-                   dequantized=True)
+        return Applied(out, notes=["dequantize: no quantized group to dequantize"] + notes,
+                       summary=summary([], [], None, 0, odd))
+    dropped = len(state_dict) - len(out)
+    return Applied(out, notes=[dequantized_note(layout.groups, target, dropped)] + notes, dequantized=True,
+                   summary=summary([], layout.groups, target, dropped, odd))

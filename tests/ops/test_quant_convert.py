@@ -118,7 +118,7 @@ def test_dtype_keeps_groups_bit_exact(release: Path, dtype: str, ext: str, tmp_p
 def test_dequantize_matches_deepseek(release: Path, dtype: str | None, tmp_path: Path, cli_runner) -> None:
     """--dequantize: one weight per group (the module's .weight) equal to DeepSeek's dequantization rounded once to
     the target dtype (default: the config's torch_dtype, bfloat16), scales gone, plain tensors as they were (cast with
-    --dtype); the directory output's config.json has no quantization_config."""
+    --dtype); the directory output's config.json has no quantization_config, and its torch_dtype is the written one."""
     out = tmp_path / "out"
     args = ["convert", str(release), str(out), "--dequantize", "--max-shard-size", "10MB"]
     res = cli_runner.invoke(cli, args + (["--dtype", dtype] if dtype else []))
@@ -135,7 +135,8 @@ def test_dequantize_matches_deepseek(release: Path, dtype: str | None, tmp_path:
     for key in PLAIN:
         assert torch.equal(got[key], src[key] if dtype is None else src[key].to(want)), key
     config = json.loads((out / "config.json").read_text())
-    assert config == {k: v for k, v in CONFIG.items() if k != "quantization_config"}
+    unquantized = {k: v for k, v in CONFIG.items() if k != "quantization_config"}
+    assert config == {**unquantized, "torch_dtype": str(want).removeprefix("torch.")}
     assert not (out / "hf_quant_config.json").exists()
 
 

@@ -251,7 +251,8 @@ def normalise_keys(
 @dataclass
 class Output:
     """What is about to be written: the renamed state dict, the object written (it, or the whole
-    checkpoint with it put back), notes so far, the dtype cast report, whether quantized groups were dequantized."""
+    checkpoint with it put back), notes so far, the dtype cast report, whether quantized groups were dequantized and
+    what was done to them (``ConvertReport.quantized``)."""
 
     state_dict: Any
     obj: Any
@@ -260,6 +261,7 @@ class Output:
     kept: bool
     renamed: int  # keys the renames changed (before a dequantization drops any)
     dequantized: bool = False
+    quantized: dict[str, Any] | None = None
 
 
 def transform(req: Request, ckpt: Checkpoint) -> Output:
@@ -287,7 +289,7 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
             f"{req.src}: holds {', '.join(held)}, read as inert placeholders (never imported), which can't be "
             "written back under their own names; " + ("drop --keep-extra to write the state dict alone" if kept else
                                                        "drop --allow for them, or remove them from the state dict"))
-    return Output(sd, obj, notes, cast, kept, renamed, groups.dequantized)
+    return Output(sd, obj, notes, cast, kept, renamed, groups.dequantized, groups.summary)
 
 
 # -- writing -------------------------------------------------------------------------------------------
@@ -401,7 +403,8 @@ def run(req: Request, start: float) -> ConvertReport:
                 return report(req, ckpt, out, written, final, True, start)
     final = _Finalizer(req)
     out = transform(req, ckpt)
-    written = write_with_torch(req, ckpt, out, final, streamed=mode == STREAMED) + quant.write_configs(req)
+    written = write_with_torch(req, ckpt, out, final, streamed=mode == STREAMED)
+    written += quant.write_configs(req, (out.quantized or {}).get("dtype"))
     _sign(req, final)
     return report(req, ckpt, out, written, final, mode == STREAMED, start)
 
@@ -450,7 +453,8 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         sha256_out=final.sha256 if req.checksums else None,
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,
-        signature=final.signature,
+        quantized=out.quantized,
+    _sign(req, final)
     )
 
 

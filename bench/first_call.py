@@ -2,14 +2,15 @@
 
 Each run is a fresh ``python -c`` process that, before the clock, imports torch, safetensors and ckptfix and its
 row's loader (``from safetensors.torch import load_file``; ``from ckptfix import load_into``: resolving the verb is
-ckptfix's documented warm-up, it imports everything a call needs), builds the model (on the CPU, or on meta) and
-reads the file once (warm page cache). Only the one call is timed, wall and CPU (``time.process_time``: every
-thread of the process); then the loaded model is compared bit for bit with the file, and the modules the call
-imported are counted (the warm-up's promise: none). The model has GPT-2's 148 tensors (12 blocks of two LayerNorms
-and four Linears, token and position embeddings, a final LayerNorm), its width set by the size. Rounds alternate
-the rows' order; "ms above plain" is the median over rounds of the row's time minus the plain loader's on the same
-file in the same round (``--rounds`` ≥ 7 for the issue's figure). The import of each row's loader is timed too
-(its own column: excluded from the call on both sides).
+ckptfix's documented warm-up, it imports everything a call needs), builds the model (on the CPU, or on meta), reads
+the file once (warm page cache) and collects garbage (no collection left pending, for every row alike). Only the one
+call is timed, wall and CPU (``time.process_time``: every thread of the process); then the loaded model is compared
+bit for bit with the file, and the modules the call imported are counted (the warm-up's promise: none). The model
+has GPT-2's 148 tensors (12 blocks of two LayerNorms and four Linears, token and position embeddings, a final
+LayerNorm), its width set by the size. Rounds alternate the rows' order; "ms above plain" is the median over rounds
+of the row's time minus the plain loader's on the same file in the same round (7 rounds unless ``--rounds`` says
+otherwise; the issue asks for at least 7). The import of each row's loader is timed too (its own column: excluded
+from the call on both sides).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ two rows' peaks (the same model built in both).
 
     python bench/load.py                       # 1 GiB, 5 rounds, warm and cold: about 10 minutes
     python bench/load.py --size-mib 64 --rounds 3 --json out.json
+    python bench/load.py --modes first-call    # a fresh process's first call, 7 rounds (bench/first_call.py)
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import first_call  # bench/first_call.py
 from measure import AnonSampler, drop_from_page_cache, read_through, rss_anon  # bench/measure.py
-from load_report import render_markdown, summarise  # bench/load_report.py
+from load_report import render_first_call, render_markdown, summarise, summarise_first_call  # bench/load_report.py
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = {"st": "m.safetensors", "pth": "m.pth", "ddp": "m_ddp.pth", "compiled": "m_compiled.pth"}
@@ -409,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--size-mib", type=float, default=1024, help="fp32 weights of the model (default 1 GiB)")
     ap.add_argument("--width", type=int, default=2048, help="the Linear layers' width (default 2048: 16 MiB each)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--modes", nargs="+", choices=("warm", "cold", "warm-busy", "cold-busy"), default=["warm", "cold"],
-                    help="warm / cold page cache; -busy: with --busy CPU-bound processes running beside each run")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 5; first-call: 7, as issue 29 asks)")
+    ap.add_argument("--modes", nargs="+", choices=("warm", "cold", "warm-busy", "cold-busy", "first-call"),
+                    default=["warm", "cold"], help="warm / cold page cache; -busy: with --busy CPU-bound processes "
+                    "running beside each run; first-call: a fresh process's first call (bench/first_call.py)")
     ap.add_argument("--busy", type=int, default=2, help="CPU-bound processes of the -busy modes (default 2)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="where the files go (kept, and reused by the next run of the same size; default: a temp dir)")
@@ -421,54 +424,74 @@ def main(argv: list[str] | None = None) -> int:
                          "and their anchors")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     args = ap.parse_args(argv)
-    layers = max(1, round(args.size_mib * 2**20 / (4 * args.width * (args.width + 1))))
+    first = "first-call" in args.modes
+    args.modes = [m for m in args.modes if m != "first-call"]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ckptfix-bench-load-", dir="/var/tmp"))
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()  # its imports overlap the files' making
     try:
-        files = make_files(workdir, args.width, layers)
-        tiny = make_files(workdir / "tiny", TINY_WIDTH, 1)
-        base = {"files": files, "tiny": tiny, "fingerprint": str(workdir / "fingerprint.pt"), "width": args.width,
-                "layers": layers, "timeout": args.timeout, "busy": args.busy}
-        cases = [c for c in CASES if not skip_reason(c) and chosen(c, args.cases)]
-        items = [(c.id, mode) for c in cases for mode in args.modes]
-        runs: dict[tuple[str, str], list[dict[str, Any]]] = {item: [] for item in items}
-        with AnonSampler() as sampler:
-            for r in range(args.rounds):
-                for case_id, mode in items if r % 2 == 0 else reversed(items):
-                    if any(run.get("error") for run in runs[case_id, mode]):
-                        runs[case_id, mode].append({"error": "skipped after an earlier failure"})
-                        continue
-                    run = run_once(ctx, sampler, {**base, "case": case_id, "mode": mode})
-                    runs[case_id, mode].append(run)
-                    shown = f"{run['seconds']:.3f} s" if "seconds" in run else f"FAILED {run['error']}"
-                    print(f"round {r + 1}: {case_id} {mode}: {shown}", file=sys.stderr)
-        import ckptfix
-
-        setup = {
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                       f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}, Python {platform.python_version()}",
-            "torch": torch.__version__, "safetensors": importlib.metadata.version("safetensors"),
-            "load_into": f"ckptfix.load_into({', '.join(inspect.signature(ckptfix.load_into).parameters)})",
-            "size_mib": os.path.getsize(files["st"]) / 2**20, "size_mib_arg": args.size_mib,
-            "width": args.width, "layers": layers, "rounds": args.rounds, "modes": args.modes, "busy": args.busy,
-        }
-        rows = [{"id": c.id, "group": c.group, "label": c.label, "file": FILES[c.file], "model": c.model,
-                 "vs": anchor_of(c), "target": c.target, "mem_target": c.mem_target, "skip": skip_reason(c)}
-                for c in CASES if chosen(c, args.cases)]
-        report = summarise(rows, runs, setup)
-        print(render_markdown(report))
-        for row in report["rows"]:  # the fastest run against the anchor's fastest: what a busy machine can't add
-            mins = ", ".join(f"{m} {row[m]['ratio_of_mins']:.2f}" for m in args.modes
-                             if row.get(m, {}).get("ratio_of_mins") is not None)
-            print(f"min/min ratio {row['id']}: {mins}", file=sys.stderr)
+        out: dict[str, Any] = {}
+        if first:
+            out["first_call"] = summarise_first_call(first_call.run(workdir / "first-call", args.size_mib,
+                                                                    args.rounds or 7, args.timeout))
+            print(render_first_call(out["first_call"], _machine()))
+        if args.modes:
+            args.rounds = args.rounds or 5
+            out.update(_bench_rows(args, workdir))
         if args.json:
-            args.json.write_text(json.dumps(report, indent=1))
-        return 1 if any(row["status"].startswith("failed") for row in report["rows"]) else 0
+            args.json.write_text(json.dumps(out, indent=1))
+        failed = [row for part in (out.get("rows", []), out.get("first_call", {}).get("rows", [])) for row in part
+                  if row["status"].startswith("failed")]
+        return 1 if failed else 0
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _machine() -> str:
+    return (f"{platform.machine()}, {os.cpu_count()} cores, {'CUDA' if torch.cuda.is_available() else 'no GPU'}, "
+            f"Python {platform.python_version()}")
+
+
+def _bench_rows(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The rows of CASES in ``args.modes``, each run in a process forked from a server: the report (setup, rows)."""
+    layers = max(1, round(args.size_mib * 2**20 / (4 * args.width * (args.width + 1))))
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()  # its imports overlap the files' making
+    files = make_files(workdir, args.width, layers)
+    tiny = make_files(workdir / "tiny", TINY_WIDTH, 1)
+    base = {"files": files, "tiny": tiny, "fingerprint": str(workdir / "fingerprint.pt"), "width": args.width,
+            "layers": layers, "timeout": args.timeout, "busy": args.busy}
+    cases = [c for c in CASES if not skip_reason(c) and chosen(c, args.cases)]
+    items = [(c.id, mode) for c in cases for mode in args.modes]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {item: [] for item in items}
+    with AnonSampler() as sampler:
+        for r in range(args.rounds):
+            for case_id, mode in items if r % 2 == 0 else reversed(items):
+                if any(run.get("error") for run in runs[case_id, mode]):
+                    runs[case_id, mode].append({"error": "skipped after an earlier failure"})
+                    continue
+                run = run_once(ctx, sampler, {**base, "case": case_id, "mode": mode})
+                runs[case_id, mode].append(run)
+                shown = f"{run['seconds']:.3f} s" if "seconds" in run else f"FAILED {run['error']}"
+                print(f"round {r + 1}: {case_id} {mode}: {shown}", file=sys.stderr)
+    import ckptfix
+
+    setup = {
+        "machine": _machine(), "torch": torch.__version__, "safetensors": importlib.metadata.version("safetensors"),
+        "load_into": f"ckptfix.load_into({', '.join(inspect.signature(ckptfix.load_into).parameters)})",
+        "size_mib": os.path.getsize(files["st"]) / 2**20, "size_mib_arg": args.size_mib,
+        "width": args.width, "layers": layers, "rounds": args.rounds, "modes": args.modes, "busy": args.busy,
+    }
+    rows = [{"id": c.id, "group": c.group, "label": c.label, "file": FILES[c.file], "model": c.model,
+             "vs": anchor_of(c), "target": c.target, "mem_target": c.mem_target, "skip": skip_reason(c)}
+            for c in CASES if chosen(c, args.cases)]
+    report = summarise(rows, runs, setup)
+    print(render_markdown(report))
+    for row in report["rows"]:  # the fastest run against the anchor's fastest: what a busy machine can't add
+        mins = ", ".join(f"{m} {row[m]['ratio_of_mins']:.2f}" for m in args.modes
+                         if row.get(m, {}).get("ratio_of_mins") is not None)
+        print(f"min/min ratio {row['id']}: {mins}", file=sys.stderr)
+    return report
 
 
 if __name__ == "__main__":

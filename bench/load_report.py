@@ -110,3 +110,56 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "Cold runs where part of the file stayed in the page cache (mapped elsewhere, or tmpfs): "
                   + ", ".join(f"{r['id']} {r['stayed_cached_mib']:.0f} MiB" for r in stayed) + "."]
     return "\n".join(lines) + "\n"
+
+
+def summarise_first_call(result: dict[str, Any]) -> dict[str, Any]:
+    """bench/first_call.py's runs per row: the median call (wall and CPU), the median over rounds of the call minus the
+    plain loader's in the same round ("ms above plain", against the issue's bound), the loader's import, and the
+    modules any call imported."""
+    runs, target = result["runs"], result["setup"]["target_ms"]
+    out = []
+    for row in result["rows"]:
+        entry, mine = dict(row), runs[row["id"]]
+        errors = [run["error"] for run in mine if run.get("error")]
+        entry["status"] = f"failed: {errors[0]}" if errors else "ok"
+        ms = [run["seconds"] * 1000 if "seconds" in run else None for run in mine]
+        plain = [run["seconds"] * 1000 if "seconds" in run else None for run in runs[row["vs"]]]
+        above = _median([m - p for m, p in zip(ms, plain) if m is not None and p is not None])
+        cpu, plain_cpu = ([run["cpu"] * 1000 if "cpu" in run else None for run in runs[i]] for i in (row["id"], row["vs"]))
+        entry.update(runs_ms=ms, median_ms=_median([m for m in ms if m is not None]), above_ms=above,
+                     cpu_ms=_median([c for c in cpu if c is not None]),
+                     cpu_above_ms=_median([c - p for c, p in zip(cpu, plain_cpu) if c is not None and p is not None]),
+                     import_ms=_median([run["verb_import"] * 1000 for run in mine if "verb_import" in run]),
+                     imported=sorted({m for run in mine for m in run.get("imported", [])}),
+                     met=None if row["id"] == row["vs"] or above is None else above <= target)
+        out.append(entry)
+    return {"setup": result["setup"], "rows": out}
+
+
+def render_first_call(report: dict[str, Any], machine: str) -> str:
+    """The first-call table under a line that says how it was measured."""
+    s = report["setup"]
+    lines = [
+        "## The first call in a fresh process (issue 29)", "",
+        f"`python bench/load.py --modes first-call --size-mib {s['size_mib_arg']:g} --rounds {s['rounds']}` on {machine}. "
+        f"GPT-2-shaped model ({s['tensors']} tensors, width {s['shape'][0]}), {s['size_mib']:.0f} MiB fp32 file. Each run "
+        "a fresh process; before the clock: torch, safetensors, ckptfix and the row's loader imported (`from ckptfix "
+        "import load_into`: the warm-up), the model built, the file read once (warm). Only the call is timed; median of "
+        f"{s['rounds']} alternating rounds; ms above plain: median of the per-round differences (bound ≤ "
+        f"{s['target_ms']:g} ms); CPU: all of the process's threads during the call (on a shared machine the steadier "
+        "figure).", "",
+        "| row | file | model | call (ms) | ms above plain | CPU (ms) | CPU ms above plain | loader's import (ms) "
+        "| imported by the call |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['label']} | {r['file']} | {r['model']} | {r['status']} | – | – | – | – | – |")
+            continue
+        above = ("anchor" if r["id"] == r["vs"] else "–" if r["above_ms"] is None
+                 else f"{r['above_ms']:+.1f}{_mark(r['met'])}")
+        cpu_above = "anchor" if r["id"] == r["vs"] else "–" if r["cpu_above_ms"] is None else f"{r['cpu_above_ms']:+.1f}"
+        imported = ", ".join(r["imported"]) or "none"
+        lines.append(f"| {r['label']} | {r['file']} | {r['model']} | {r['median_ms']:.1f} | {above} | {r['cpu_ms']:.1f} "
+                     f"| {cpu_above} | {r['import_ms']:.1f} | {imported} |")
+    return "\n".join(lines) + "\n"

@@ -24,6 +24,7 @@ mapped file overlaps the transfer of the last one.
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import mmap
 import os
@@ -43,6 +44,9 @@ READ_BYTES = 2**19
 MAX_READERS = 8
 #: bytes asked for ahead of the reads (``POSIX_FADV_WILLNEED``) where the file isn't in the page cache
 READAHEAD_BYTES = 64 * 2**20
+#: bytes of reads and checks per extra thread: starting one (and its first GIL hand-offs) costs about what one core
+#: reads and checks of this many, so a small load (a server's tiny buffers, a test) starts none
+THREAD_BYTES = 8 * 2**20
 
 
 def checks_values(t: Any) -> bool:
@@ -209,8 +213,16 @@ def all_finite_many(tensors: list[Any]) -> list[bool]:
         if finite[n] and not _bytes_finite(raw, tensors[n].dtype):
             finite[n] = False
 
-    run_jobs(len(chunks), check, min(MAX_READERS, torch.get_num_threads()))
+    run_jobs(len(chunks), check, workers_for(sum(raw.nbytes for _n, raw in chunks)))
     return finite
+
+
+def workers_for(nbytes: int) -> int:
+    """Threads worth running for ``nbytes`` of reads and checks: one per :data:`THREAD_BYTES`, at most torch's thread
+    count (what its ``copy_`` uses) and :data:`MAX_READERS`; one (none started) for less."""
+    import torch
+
+    return max(1, min(MAX_READERS, torch.get_num_threads(), nbytes // THREAD_BYTES))
 
 
 def run_jobs(count: int, job: Any, workers: int) -> None:
@@ -272,6 +284,12 @@ def _rule(dtype: Any) -> tuple[int, int | None, int | None, int | None] | None:
     (``S.1111.111``); ``e8m0fnu`` NaN is 0xFF; the ``fnuz`` kinds' one NaN is 0x80 (-128 as int8); ``float4`` has
     none. tests/core/test_tensorcopy.py checks every bit pattern of the 8- and 16-bit kinds against ``torch.isfinite``.
     """
+    return _rules().get(dtype)
+
+
+@functools.cache
+def _rules() -> dict[Any, tuple[int, int | None, int | None, int | None]]:
+    """:func:`_rule`'s table, built once (it is asked once per chunk read)."""
     import torch
 
     rules = {torch.float64: (8, 0xFFF0000000000000, 0x7FF0000000000000, None),
@@ -284,7 +302,7 @@ def _rule(dtype: Any) -> tuple[int, int | None, int | None, int | None] | None:
     for name, rule in (("float8_e8m0fnu", (1, 0xFF, None, None)), ("float4_e2m1fn_x2", (1, None, None, None))):
         if hasattr(torch, name):
             rules[getattr(torch, name)] = rule
-    return rules.get(dtype)
+    return rules
 
 
 def _bytes_finite(raw: Any, dtype: Any) -> bool:
@@ -328,7 +346,7 @@ def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, u
     own = {fd: _sequential(fd) for fd in {f[1] for f in fills}}
     try:
         reader = _Reader([(d, own[fd], o, name) for d, fd, o, name in fills], jobs, finite, check, undo)
-        run_jobs(len(jobs), reader.job, min(MAX_READERS, torch.get_num_threads()))
+        run_jobs(len(jobs), reader.job, workers_for(sum(buf.nbytes for _n, buf, _o in jobs)))
     finally:
         for fd, mine in own.items():
             if mine != fd:

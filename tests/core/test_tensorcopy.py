@@ -82,6 +82,7 @@ def test_many_tensors_by_several_threads(tmp_path: Path, monkeypatch: pytest.Mon
     a NaN in one of them found there only."""
     monkeypatch.setattr(tensorcopy, "READ_BYTES", 4096)
     monkeypatch.setattr(tensorcopy, "MAX_READERS", 4)
+    monkeypatch.setattr(tensorcopy, "THREAD_BYTES", 4096)  # (a thread per 4 KiB: several, at this size)
     g = torch.Generator().manual_seed(0)
     tensors = {f"t{i:03d}": torch.randn(int(torch.randint(0, 5000, (), generator=g)), generator=g) for i in range(300)}
     tensors["t150"][-1] = float("nan")

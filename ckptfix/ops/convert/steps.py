@@ -453,8 +453,8 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         sha256_out=final.sha256 if req.checksums else None,
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,
+        signature=final.signature,
         quantized=out.quantized,
-    _sign(req, final)
     )
 
 

@@ -203,7 +203,7 @@ def _build(installed: urllib.request.OpenerDirector | None) -> tuple[urllib.requ
         return urllib.request.build_opener(_Redirects()), {}
     opener = urllib.request.OpenerDirector()
     opener.addheaders = [(k, v) for k, v in installed.addheaders if k.lower() not in CREDENTIALS]
-    for handler in installed.handlers:
+    for handler in installed.handlers:  # type: ignore[attr-defined]  # (urllib's own list, not in its stubs)
         if not any(hasattr(handler, f"http_error_{code}") for code in (301, 302, 303, 307, 308)):
             opener.add_handler(copy.copy(handler))
     opener.add_handler(_Redirects())

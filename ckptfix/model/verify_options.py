@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from ..core.devices import normalise_device
 from ..errors import CkptfixError, DeviceError, GoldenError, InputError, ModelSpecError
 from ..ops.convert_options import DTYPES, JSON, ConvertOptions, Flag, flag_of, option
 
@@ -149,6 +148,8 @@ RULES = (
 
 def _serving_device(tag: Any) -> bool:
     """Whether ``tag`` names a device the serving code loads on (not meta, not a map_location rule)."""
+    from ..core.devices import normalise_device  # (plain data at import: see tests/test_layers.py DEFERRED)
+
     try:
         return normalise_device(tag) != "meta"
     except DeviceError:

@@ -43,6 +43,8 @@ DEFERRED: dict[str, str] = {
     "cli.commands": "`ckptfix --help` stays instant: the library (and through it torch) is imported by the command run",
     "cli.options": "the same: --map-location's parser (core.devices) is imported when a command parses it",
     "cli.exits": "the same: the signal handling (core.interrupts) is imported when a command runs",
+    "model.verify_options": "plain data that `ckptfix --help` reads: the device names a --serving-device is checked "
+                            "against (core.devices) are imported when options are made",
 }
 
 

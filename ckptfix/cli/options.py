@@ -168,7 +168,7 @@ def verify_kwargs(values: dict[str, Any]) -> dict[str, Any]:
     kwargs = _keywords(declared, values)
     rule = verify_declared.broken_rule(kwargs)
     if rule is not None:
-        raise click.UsageError(rule.usage)
+        raise click.UsageError(rule.usage.format(**kwargs))
     return _parsed(declared, kwargs)
 
 

@@ -9,6 +9,7 @@ spelled by :class:`~ckptfix.ops.convert_options.ConvertOptions`, never here.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import fields
 from typing import Any
@@ -72,10 +73,18 @@ def for_renamed_keys(fit: repair.Fit, target: repair.Target, path: str) -> list[
     """Where keys are both missing and unexpected: the prefix renames that fit (convert's ``--rename`` applies to
     the single form), and ``--by-order`` when the tensors pair up with the model's in order."""
     single = wrappers.strip_wrappers
-    out = repair.suggest_renames({single(k): repair.shape_of(fit.state_dict[k]) for k in fit.unexpected},
-                                 {single(k): target.shapes[k] for k in fit.missing}, path)
+    out = [{**rule, "text": _rename_text(rule["rename"]["from"], rule["rename"]["to"], rule["keys"], path)}
+           for rule in repair.suggest_renames({single(k): repair.shape_of(fit.state_dict[k]) for k in fit.unexpected},
+                                              {single(k): target.shapes[k] for k in fit.missing})]
     if repair.by_order_fits(fit.state_dict, target):
         out.append({"by_order": True, "keys": len(fit.state_dict), "text": (
             "the tensors pair up with the model's in order, shapes equal: "
             f"ckptfix convert {path} OUT {convert_flag('by_order')} --model SPEC [--arg NAME=VALUE …]")})
     return out
+
+
+def _rename_text(old: str, new: str, keys: int, path: str) -> str:
+    """The line suggesting a prefix rename (``old``/``new`` end in ``.``) and the ``ckptfix convert`` that applies it."""
+    value = shlex.quote(f"{re.escape(old[:-1])}\\.(.*)={new}\\1")
+    return (f"rename {old} -> {new} ({keys} keys, shapes agree): "
+            f"ckptfix convert {shlex.quote(path)} OUT {convert_flag('rename')} {value}")

@@ -167,10 +167,7 @@ def resolve_input(net: Any, shape: tuple[int, ...] | None = None, dtype: str | N
     given = {"--input-shape": shape, "--input-dtype": dtype, "--input-range": value_range}
     if recorded is not None and "file" not in recorded:
         return _recorded(recorded, given, inputs)
-    if inputs is not None:
-        clash = [name for name, v in given.items() if v is not None]
-        if clash:
-            raise InputError(f"--input gives the tensors themselves; drop {', '.join(clash)}")
+    if inputs is not None:  # (never with a recipe's options: VerifyOptions' RULES)
         if isinstance(inputs, (str, os.PathLike)):
             recipe = InputRecipe(tensors=read_input_file(inputs), source=os.fspath(inputs), seed=None)
         else:

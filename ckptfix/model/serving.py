@@ -164,10 +164,7 @@ def device_failures(devices: Mapping[str, int], serving_device: str | None, load
     """Why the serving loader can't put the tensors where they were saved: a device the serving machine lacks
     (``serving_device``; without one, this machine), or one other than the serving device."""
     out = []
-    serving = None if serving_device is None else device_of(serving_device)
-    if serving_device is not None and serving in (None, "meta"):
-        raise DeviceError(f"serving device {serving_device!r} (--serving-device) is not a device the serving code "
-                          "loads on: use cpu, cuda or cuda:N")
+    serving = None if serving_device is None else device_of(serving_device)  # (a device: VerifyOptions' RULES)
     here = available_devices()
     for tag, n in devices.items():
         dev = device_of(tag)

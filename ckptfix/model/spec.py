@@ -17,7 +17,7 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import CkptfixError, InputError, ModelSpecError
@@ -55,18 +55,23 @@ def split_spec(spec: str) -> tuple[str, str]:
 
 def build_model(spec: str, args: Mapping[str, Any] | None = None) -> Any:
     """Build the model a spec names, with keyword ``args``; a ModelSpecError says why it can't."""
+    return find_builder(spec)(args)
+
+
+def find_builder(spec: str) -> Callable[[Mapping[str, Any] | None], Any]:
+    """The builder a spec names, found (its file run, its module imported, a torchvision name checked) but not
+    called: a spec that names nothing is a ModelSpecError before any checkpoint is read."""
     where, attr = split_spec(spec)
-    args = dict(args or {})
     if where == "torchvision":
-        return _torchvision(attr, args, spec)
+        return _torchvision(attr, spec)
     if where.endswith(".py") or os.sep in where or "/" in where:
         factory = _attribute(_module_from_file(where, spec), attr, spec)
     else:
         factory = _attribute(_import(where, spec), attr, spec)
-    return call_factory(factory, args, spec)
+    return lambda args: call_factory(factory, dict(args or {}), spec)
 
 
-def _torchvision(name: str, args: dict[str, Any], spec: str) -> Any:
+def _torchvision(name: str, spec: str) -> Callable[[Mapping[str, Any] | None], Any]:
     from torchvision import models
 
     available = models.list_models()
@@ -74,13 +79,18 @@ def _torchvision(name: str, args: dict[str, Any], spec: str) -> Any:
         close = difflib.get_close_matches(name.lower(), available, n=5, cutoff=0.6)
         hint = f"; similar: {', '.join(close)}" if close else "; `torchvision.models.list_models()` lists them"
         raise ModelSpecError(f"model spec {spec!r}: torchvision has no model {name!r}{hint}")
-    if args.pop("pretrained", False) or args.get("weights") is not None:
-        raise ModelSpecError(f"model spec {spec!r}: torchvision models are built without pretrained weights here")
-    args["weights"] = None
     builder = models.get_model_builder(name.lower())
-    if "weights_backbone" in inspect.signature(builder).parameters:
-        args.setdefault("weights_backbone", None)  # a detector's default backbone would be downloaded
-    return call_factory(builder, args, spec)
+
+    def build(given: Mapping[str, Any] | None) -> Any:
+        args = dict(given or {})
+        if args.pop("pretrained", False) or args.get("weights") is not None:
+            raise ModelSpecError(f"model spec {spec!r}: torchvision models are built without pretrained weights here")
+        args["weights"] = None
+        if "weights_backbone" in inspect.signature(builder).parameters:
+            args.setdefault("weights_backbone", None)  # a detector's default backbone would be downloaded
+        return call_factory(builder, args, spec)
+
+    return build
 
 
 def _import(module_name: str, spec: str) -> Any:
@@ -213,6 +223,7 @@ class ModelSource:
         import torch
 
         self.model, self.args = model, args or {}
+        self._builder = find_builder(model) if isinstance(model, str) else None  # (a spec naming nothing fails now)
         self.dtype = dtype if dtype is None or isinstance(dtype, torch.dtype) else parse_dtype(str(dtype))
         self.dtype_name = None if self.dtype is None else dtype_name(self.dtype)
         if isinstance(model, str):
@@ -250,8 +261,8 @@ class ModelSource:
         return net if self.dtype is None else net.to(self.dtype)
 
     def _build(self) -> Any:
-        if isinstance(self.model, str):
-            return build_model(self.model, self.args)
+        if self._builder is not None:
+            return self._builder(self.args)
         return call_factory(self.model, self.args, self.label)
 
 

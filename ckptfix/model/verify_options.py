@@ -3,8 +3,9 @@
 Each field of :class:`VerifyOptions` is one keyword of :func:`ckptfix.verify` after ``path`` and ``model`` (name,
 type, default, and its place: the keywords keep the order they have always had, so a positional call still
 works) and carries its command-line :class:`Flag`; ``ckptfix.cli.options`` builds ``ckptfix verify``'s click
-options from these fields, in :data:`HELP_ORDER`. The options that go together are :data:`RULES`, checked
-when the options are made: the library raises the rule's error, the command line stops with its usage line.
+options from these fields, in :data:`HELP_ORDER`. What the options must be, alone or together, is :data:`RULES`,
+checked when the options are made, before anything is read: the library raises the rule's error, the command line
+stops with its usage line (exit 2).
 
 Plain data: it imports only the option declarations and the error types, so ``ckptfix --help`` reads it without
 the library.
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from ..errors import CkptfixError, DeviceError, GoldenError, ModelSpecError, SigningError
+from ..errors import CkptfixError, DeviceError, GoldenError, InputError, ModelSpecError, SigningError
 from ..ops.convert_options import DTYPES, JSON, ConvertOptions, Flag, flag_of, option
 
 #: Seed of the input used for forward checks (the fixtures' own: fixtures/train.py INPUT_SEED).
@@ -121,14 +122,16 @@ def flagged() -> Iterator[Field]:
 
 @dataclass(frozen=True)
 class Rule:
-    """Two options that go together: where ``broken(values)`` holds, the library raises ``error`` with ``message``
-    (``str.format``-ed with the options) and the command line stops with ``usage`` (exit 2)."""
+    """What an option must be, alone or with another: where ``broken(values)`` holds, the library raises ``error``
+    with ``message`` and the command line stops with ``usage`` (exit 2), each ``str.format``-ed with the options."""
 
     broken: Callable[[Mapping[str, Any]], bool]
     error: type[CkptfixError]
     message: str
     usage: str
 
+#: the options that describe a generated input (which ``inputs`` replaces)
+_RECIPE = ("input_shape", "input_dtype", "input_range")
 
 RULES = (
     Rule(lambda o: bool(o["record_golden"]) and o["golden"] is None, GoldenError,
@@ -149,7 +152,24 @@ RULES = (
     Rule(lambda o: o["signature"] is None and (o["public_key"] is not None or bool(o["certificate_chain"])),
          SigningError, "public_key and certificate_chain check a signature: pass signature=SIG (--signature) too",
          "--public-key and --certificate-chain go with --signature SIG"),
+    Rule(lambda o: o["serving_device"] is not None and not _serving_device(o["serving_device"]), DeviceError,
+         "serving device {serving_device!r} (--serving-device) is not a device the serving code loads on: use cpu, "
+         "cuda or cuda:N",
+         "--serving-device {serving_device!r} is not a device the serving code loads on: use cpu, cuda or cuda:N"),
+    Rule(lambda o: o["inputs"] is not None and any(o[k] is not None for k in _RECIPE), InputError,
+         "--input gives the tensors themselves; drop --input-shape, --input-dtype and --input-range",
+         "--input gives the tensors themselves; drop --input-shape, --input-dtype and --input-range"),
 )
+
+
+def _serving_device(tag: Any) -> bool:
+    """Whether ``tag`` names a device the serving code loads on (not meta, not a map_location rule)."""
+    from ..core.devices import normalise_device  # (plain data at import: see tests/test_layers.py DEFERRED)
+
+    try:
+        return normalise_device(tag) != "meta"
+    except DeviceError:
+        return False
 
 
 def broken_rule(values: Mapping[str, Any]) -> Rule | None:

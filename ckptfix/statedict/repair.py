@@ -9,8 +9,6 @@ applied, only suggested (:func:`suggest_renames`).
 
 from __future__ import annotations
 
-import re
-import shlex
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
@@ -294,8 +292,9 @@ def torch_fills_num_batches_tracked(key: str, state_dict: Any) -> bool:
     return key.rsplit(".", 1)[-1] == "num_batches_tracked" and (version is None or version < 2)
 
 
-def suggest_renames(unexpected: Mapping[str, Any], missing: Mapping[str, Any], path: str = "PATH") -> list[dict[str, Any]]:
-    """Prefix renames (``layer4.`` → ``stage4.``) that would turn unexpected keys into missing ones.
+def suggest_renames(unexpected: Mapping[str, Any], missing: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Prefix renames (``layer4.`` → ``stage4.``) that would turn unexpected keys into missing ones, each
+    ``{"rename": {"from": "layer4.", "to": "stage4."}, "keys": N}`` (the convert line that applies it: ``model/fixes``).
 
     ``unexpected``/``missing`` map key → shape. A rule is offered only when every unexpected key
     under its prefix lands on a missing key of the same shape. Nothing is applied.
@@ -321,10 +320,7 @@ def suggest_renames(unexpected: Mapping[str, Any], missing: Mapping[str, Any], p
                 if rule and not rule.keys() & covered and not set(rule.values()) & landed:
                     covered.update(rule)
                     landed.update(rule.values())
-                    option = shlex.quote(f"{re.escape(old)}\\.(.*)={new}.\\1")
-                    out.append({"rename": {"from": old + ".", "to": new + "."}, "keys": len(rule),
-                                "text": f"rename {old}. -> {new}. ({len(rule)} keys, shapes agree): "
-                                        f"ckptfix convert {shlex.quote(path)} OUT --rename {option}"})
+                    out.append({"rename": {"from": old + ".", "to": new + "."}, "keys": len(rule)})
                     break
     return out
 

@@ -225,7 +225,8 @@ def test_serving_device_goes_with_exact(cli_runner: Any, fixtures_dir: Path) -> 
     res = cli_runner.invoke(cli, ["verify", path, "--model", MLP_SPEC, "--serving-device", "cpu"])
     assert res.exit_code == 2 and "--serving-device goes with --exact" in res.output
     res = cli_runner.invoke(cli, ["verify", path, "--model", MLP_SPEC, "--exact", "--serving-device", "gpu0", "--quiet"])
-    assert res.exit_code == 1 and res.stderr.startswith("Error: serving device 'gpu0' (--serving-device) is not a device")
+    assert res.exit_code == 2 and res.output.endswith("Error: --serving-device 'gpu0' is not a device the serving code "
+                                                       "loads on: use cpu, cuda or cuda:N\n"), res.output
     with pytest.raises(ckptfix.errors.DeviceError, match="pass exact=True"):
         ckptfix.verify(path, MLP_SPEC, serving_device="cpu")
 

@@ -1,5 +1,5 @@
 """Verify's options are declared once (ckptfix.model.verify_options.VerifyOptions): ``ckptfix.verify``'s keywords,
-``ckptfix verify``'s flags, what the command passes to the library, and the two rules of options that go together."""
+``ckptfix verify``'s flags, what the command passes to the library, and the rules of what the options must be."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, Any, dict[str, Any
 def test_the_command_passes_every_option(calls: list[Any], cli_runner: Any, tmp_path: Path) -> None:
     argv = ["verify", "a.pth", "--model", "m:f", "--arg", "n=3", "--arg", "name=x", "--exact", "--serving-device", "cpu",
             "--reference", "r.pth", "--input-shape", "2x13", "--input-dtype", "long", "--input-range", "-1,1",
-            "--input", "i.pt", "--golden", "g.safetensors", "--record-golden", "--dtype", "bf16", "--atol", "0.5",
+            "--golden", "g.safetensors", "--record-golden", "--dtype", "bf16", "--atol", "0.5",
             "--rtol", "0.25", "--no-forward", "--map-location", "cuda:1=cpu", "--select", "ema", "--trust", "--json",
             "--structure-only", "--quiet", "--signature", "s.sig", "--public-key", "p.pem"]
     res = cli_runner.invoke(cli, argv)
@@ -119,11 +119,14 @@ def test_the_command_passes_every_option(calls: list[Any], cli_runner: Any, tmp_
     ((path, model, kwargs),) = calls
     assert (path, model) == ("a.pth", "m:f")
     assert kwargs == dict(model_args={"n": 3, "name": "x"}, exact=True, serving_device="cpu", reference="r.pth",
-                          input_shape=(2, 13), input_dtype="long", input_range=(-1.0, 1.0), inputs="i.pt",
+                          input_shape=(2, 13), input_dtype="long", input_range=(-1.0, 1.0), inputs=None,
                           golden="g.safetensors", record_golden=True, dtype="bf16", atol=0.5, rtol=0.25, forward=False,
                           map_location=parse_cli_map_location(("cuda:1=cpu",)), select="ema", trust=True, checksum=True,
                           progress=False, structure_only=True, serving_loader="torch", signature="s.sig",
                           public_key="p.pem", certificate_chain=())
+    # --input alone (it gives the tensors that --input-shape, --input-dtype and --input-range would describe)
+    assert cli_runner.invoke(cli, ["verify", "a.pth", "--model", "m:f", "--input", "i.pt"]).exit_code == 0
+    assert calls[1][2]["inputs"] == "i.pt"
 
 
 def test_the_command_defaults_are_the_library_defaults(calls: list[Any], cli_runner: Any) -> None:
@@ -140,11 +143,19 @@ def test_the_command_defaults_are_the_library_defaults(calls: list[Any], cli_run
     (dict(serving_device="cpu"), ["--serving-device", "cpu"], ckptfix.errors.DeviceError,
      "serving_device='cpu' (--serving-device) is what --exact's plain load is checked against: pass exact=True "
      "(--exact) too", "--serving-device goes with --exact (the plain load it checks)"),
-], ids=["record-golden", "serving-device"])
-def test_options_that_go_together(keywords: dict[str, Any], argv: list[str], error: type, message: str, usage: str,
+    *[(dict(exact=True, serving_device=dev), ["--exact", "--serving-device", dev], ckptfix.errors.DeviceError,
+       f"serving device {dev!r} (--serving-device) is not a device the serving code loads on: use cpu, cuda or cuda:N",
+       f"--serving-device {dev!r} is not a device the serving code loads on: use cpu, cuda or cuda:N")
+      for dev in ("gpu0", "meta")],
+    (dict(inputs=str(ROOT / "fixtures" / "mlp_single.pth"), input_dtype="long"),
+     ["--input", str(ROOT / "fixtures" / "mlp_single.pth"), "--input-dtype", "long"], ckptfix.errors.InputError,
+     "--input gives the tensors themselves; drop --input-shape, --input-dtype and --input-range",
+     "--input gives the tensors themselves; drop --input-shape, --input-dtype and --input-range"),
+], ids=["record-golden", "serving-device", "serving-device-gpu0", "serving-device-meta", "input-and-recipe"])
+def test_option_errors_come_before_any_read(keywords: dict[str, Any], argv: list[str], error: type, message: str, usage: str,
                                   cli_runner: Any, fixtures_dir: Path) -> None:
-    """One rule each, checked when the options are made: the library's error, the command line's usage line (exit 2),
-    before any value is parsed or any file read."""
+    """One rule each (alone or together), checked when the options are made: the library's error, the command line's
+    usage line (exit 2), before any value is parsed or any file read (the checkpoint is missing)."""
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         VerifyOptions(**keywords)
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
@@ -154,3 +165,17 @@ def test_options_that_go_together(keywords: dict[str, Any], argv: list[str], err
     assert res.exit_code == 2 and res.output.endswith(f"Error: {usage}\n"), res.output
     res = cli_runner.invoke(cli, [*base, "--json"])
     assert res.exit_code == 2 and json.loads(res.stdout) == {"error": usage, "error_type": "UsageError", "exit_code": 2}
+
+
+@pytest.mark.parametrize("spec, why", [("no_such_module_ckptfix:build", "can't import 'no_such_module_ckptfix'"),
+                                       ("fixtures/no_such_file.py:build", "no such file"),
+                                       (f"{ROOT / 'fixtures' / 'train.py'}:no_such_builder", "has no attribute"),
+                                       ("no-colon", "expected torchvision:NAME")])
+def test_a_model_spec_naming_nothing_fails_before_any_read(spec: str, why: str, cli_runner: Any,
+                                                           fixtures_dir: Path) -> None:
+    """The builder is found (not called) before the checkpoint is read: its error, not the missing file's."""
+    with pytest.raises(ckptfix.errors.ModelSpecError, match=f"^model spec {re.escape(repr(spec))}: .*{re.escape(why)}"):
+        ckptfix.verify(fixtures_dir / "missing.pth", spec, exact=True)
+    res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "missing.pth"), "--model", spec, "--exact"])
+    assert res.exit_code == 1 and res.stderr == f"Error: {res.stderr[7:]}" and res.stderr.count("\n") == 1
+    assert res.stderr.startswith(f"Error: model spec {spec!r}: "), res.stderr

@@ -5,13 +5,15 @@ refused before its body is read), the bytes are the ones asked for, and the file
 Last-Modified) is the first fetch's. The body is read under a :class:`~.common.Pace` (a stall or a deadline ends
 it). Redirects are followed as huggingface_hub's and requests' clients follow them: credentials (``Authorization``,
 ``Cookie``, ``Proxy-Authorization``: the Hub's token) go only where the request itself went (the same scheme, host
-and port), and an https URL is never followed to http. A web server lists nothing: a URL whose last segment has no
+and port), and an https URL is never followed to http. An opener installed with ``urllib.request.install_opener`` (a
+proxy, a CA, a user agent) carries every request, its redirect handlers replaced by this policy and its credential
+headers sent as the request's own (so dropped off their origin too). A web server lists nothing: a URL whose last segment has no
 extension is a directory, its files asked for by name. Nothing is written over HTTP (it has no standard upload).
 """
 
 from __future__ import annotations
 
-import functools
+import copy
 import re
 import socket
 import urllib.error
@@ -58,12 +60,14 @@ class HttpSource(ByteSource):
         return with_retries(self.name, lambda: self._request(offset, n))
 
     def _request(self, offset: int, n: int) -> bytes:
-        headers = {**self.headers, "Range": f"bytes={offset}-{offset + n - 1}", "Accept-Encoding": "identity"}
+        opener, credentials = _opener()
+        headers = {**credentials, **self.headers, "Range": f"bytes={offset}-{offset + n - 1}",
+                   "Accept-Encoding": "identity"}
         req = urllib.request.Request(self.url, headers=headers)
         pace = Pace(self.name)
         wait = min(timeout(), pace.deadline) if pace.deadline > 0 else timeout()
         try:
-            with _opener().open(req, timeout=wait) as r:
+            with opener.open(req, timeout=wait) as r:
                 return self._answer(r, offset, n, pace)
         except urllib.error.HTTPError as e:
             raise self._status_error(e.code, e.reason) from None
@@ -176,10 +180,34 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
         return new
 
 
-@functools.cache
-def _opener() -> urllib.request.OpenerDirector:
-    """urllib's default opener with :class:`_Redirects` (built once, as ``urlopen``'s own is)."""
-    return urllib.request.build_opener(_Redirects())
+#: (the installed opener an opener was built from, that opener, the installed one's credential headers)
+_built: tuple[Any, urllib.request.OpenerDirector, dict[str, str]] | None = None
+
+
+def _opener() -> tuple[urllib.request.OpenerDirector, dict[str, str]]:
+    """The opener every request goes through, and the credential headers it adds: urllib's installed one
+    (``urlopen``'s own, ``install_opener``'s) or its default, with :class:`_Redirects`; rebuilt when another is
+    installed (urllib keeps it in ``urllib.request._opener``, and has no public getter)."""
+    global _built
+    installed = urllib.request._opener  # type: ignore[attr-defined]
+    if _built is None or _built[0] is not installed:
+        _built = (installed, *_build(installed))
+    return _built[1], _built[2]
+
+
+def _build(installed: urllib.request.OpenerDirector | None) -> tuple[urllib.request.OpenerDirector, dict[str, str]]:
+    """``installed``'s handlers (copies: the user's opener keeps its own) but its redirect handlers, then
+    :class:`_Redirects`; its ``addheaders`` but the credentials, which go with each request instead (where a redirect
+    to another origin drops them)."""
+    if installed is None:
+        return urllib.request.build_opener(_Redirects()), {}
+    opener = urllib.request.OpenerDirector()
+    opener.addheaders = [(k, v) for k, v in installed.addheaders if k.lower() not in CREDENTIALS]
+    for handler in installed.handlers:  # type: ignore[attr-defined]  # (urllib's own list, not in its stubs)
+        if not any(hasattr(handler, f"http_error_{code}") for code in (301, 302, 303, 307, 308)):
+            opener.add_handler(copy.copy(handler))
+    opener.add_handler(_Redirects())
+    return opener, {k: v for k, v in installed.addheaders if k.lower() in CREDENTIALS}
 
 
 def _validator(headers: Any) -> tuple[str, str] | None:

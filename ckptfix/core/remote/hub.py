@@ -4,8 +4,10 @@ when an hf:// URL is first used: ``HF_ENDPOINT``, ``HF_TOKEN``).
 A file already in the local HF cache is read from there; else over HTTP (:class:`~.http.HttpSource`), pinned to
 the commit the first answer names, so a push mid-read changes nothing (the Hub's token goes only where the Hub
 itself is: a redirect to its CDN drops it, :mod:`.http`). Folders are listed with the Hub's tree API; the repository
-itself is a directory. A URL with ``.``, ``..`` or empty segments is refused before anything is asked. Nothing is
-written to the Hub (``huggingface-cli upload`` does that).
+itself is a directory. The metadata and listing calls run under a :class:`~.common.Pace` as body reads do: each
+call (its redirects, retries and pages) within ``CKPTFIX_REMOTE_DEADLINE``, each body at the minimum rate. A URL
+with ``.``, ``..`` or empty segments is refused before anything is asked. Nothing is written to the Hub
+(``huggingface-cli upload`` does that).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from ...errors import DestinationError, MissingFileError, RemoteError
 from ..positional import ByteSource, LocalSource
 from .backend import Backend
-from .common import import_client, plain_segments, timeout
+from .common import Pace, import_client, plain_segments, timeout
 from .http import HttpSource
 
 
@@ -87,8 +90,11 @@ def hub_source(location: str) -> ByteSource:
         local.name = location
         return local
     try:
-        meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, filename, repo_type=repo_type, revision=revision,
-                                                       endpoint=endpoint), endpoint=endpoint, timeout=timeout())
+        with paced(hub.utils.get_session(), location):
+            meta = hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, filename, repo_type=repo_type, revision=revision,
+                                                           endpoint=endpoint), endpoint=endpoint, timeout=timeout())
+    except RemoteError:
+        raise
     except hub.errors.EntryNotFoundError:
         raise MissingFileError(f"{location}: no such file in {repo_id}", location) from None
     except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
@@ -111,7 +117,7 @@ def hub_list(location: str) -> tuple[list[str], int]:
     repo_id, revision, folder, repo_type = split_hub(location)
     api = hub.HfApi(endpoint=_hub_settings()[0])
     hub.utils.build_hf_headers()  # (its user-agent probe, huggingface_hub's own once a process, is not the listing)
-    with _responses_counted(hub.utils.get_session()) as fetched:
+    with paced(hub.utils.get_session(), location) as fetched:
         try:
             items = api.list_repo_tree(repo_id, folder or None, revision=revision, repo_type=repo_type)
             names = [item.path.rsplit("/", 1)[-1] + ("/" if type(item).__name__ == "RepoFolder" else "") for item in items]
@@ -137,19 +143,59 @@ def hub_error(location: str, error: Any) -> RemoteError:
 
 
 @contextlib.contextmanager
-def _responses_counted(client: Any) -> Iterator[list[int]]:
-    """The body bytes of the responses huggingface_hub's shared HTTP client receives in this thread meanwhile
-    (``[n]``): a response hook, on that client only while inside."""
-    me, fetched = threading.get_ident(), [0]
+def paced(client: Any, name: str) -> Iterator[list[int]]:
+    """huggingface_hub's calls in this thread meanwhile under one :class:`~.common.Pace` (hooks on its shared HTTP
+    client, there only while inside): each request waits no longer than the deadline leaves, each body is read at
+    the minimum rate, and the body bytes received are counted (``[n]``). A call cut short past the deadline is the
+    deadline's error, whatever huggingface_hub made of it."""
+    me, fetched, pace = threading.get_ident(), [0], Pace(name)
 
-    def hook(response: Any) -> None:
+    def on_request(request: Any) -> None:
+        if threading.get_ident() != me or pace.deadline <= 0:
+            return
+        left = pace.deadline - (time.monotonic() - pace.start)
+        if left <= 0:  # (huggingface_hub's retry after a wait the deadline cut short)
+            raise pace.late()
+        waits = request.extensions.get("timeout") or dict.fromkeys(("connect", "read", "write", "pool"))
+        request.extensions["timeout"] = {key: left if wait is None else min(wait, left) for key, wait in waits.items()}
+
+    def on_response(response: Any) -> None:
         if threading.get_ident() == me:
+            pace.body()
+            response.stream = _paced_stream(response.stream, pace)
             response.read()  # (read before the client would: what it downloaded is then known)
             fetched[0] += response.num_bytes_downloaded
 
     hooks = client.event_hooks
-    hooks.setdefault("response", []).append(hook)
+    hooks.setdefault("request", []).append(on_request)
+    hooks.setdefault("response", []).append(on_response)
     try:
         yield fetched
+    except RemoteError:
+        raise
+    except Exception:
+        if pace.overdue():
+            raise pace.late() from None
+        raise
     finally:
-        hooks["response"].remove(hook)
+        hooks["request"].remove(on_request)
+        hooks["response"].remove(on_response)
+
+
+def _paced_stream(stream: Any, pace: Pace) -> Any:
+    """``stream`` (an httpx response's body) checked against ``pace`` after each chunk; the client's own
+    ``SyncByteStream`` type (found on the stream: huggingface_hub picks the httpx it uses)."""
+    base = next(cls for cls in type(stream).__mro__ if cls.__name__ == "SyncByteStream")
+
+    class Paced(base):  # type: ignore[misc, valid-type]
+        def __iter__(self) -> Iterator[bytes]:
+            got = 0
+            for chunk in stream:
+                got += len(chunk)
+                pace.check(got)
+                yield chunk
+
+        def close(self) -> None:
+            stream.close()
+
+    return Paced()

@@ -38,13 +38,26 @@ class ModelWalk:
         module = self.by_name.get(owner)
         is_param = module is not None and name in module._parameters
         if module is None or not (is_param or name in module._buffers):
-            raise LoadError(f"model key {key!r} is not a parameter or buffer at that path (a state_dict hook renames "
-                            "it?); load this model with model.load_state_dict(ckptfix.load(path))")
+            raise LoadError(_not_placed(key, self.by_name))
         return module, name, is_param
 
     def tensors(self) -> list[tuple[str, Any]]:
         """Every parameter and buffer of the model, by (first) name."""
         return [(k, t) for k, t in self.state_dict.items() if hasattr(t, "is_meta")] + self.non_persistent
+
+
+def _not_placed(key: str, by_name: dict[str, Any]) -> str:
+    """Why a model key names no parameter or buffer: a quantized module's packed weights (``quantize_dynamic``'s
+    Linear saves ``scale``, ``zero_point`` and ``_packed_params``, which torch's own load unpacks), else a hook."""
+    parts = key.split(".")
+    owner = next(path for path in (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)) if path in by_name)
+    cls = type(by_name[owner])
+    if cls.__module__.startswith(("torch.ao.nn.quantized.", "torch.nn.quantized.")):
+        return (f"model module {owner!r} is a quantized {cls.__module__.split('.modules')[0]}.{cls.__qualname__}: its "
+                f"weights are packed ({key!r} is no parameter or buffer, torch's own load unpacks it), and ckptfix fills "
+                "parameters and buffers only; load this model with model.load_state_dict(ckptfix.load(path))")
+    return (f"model key {key!r} is not a parameter or buffer at that path (a state_dict hook renames it?); load this "
+            "model with model.load_state_dict(ckptfix.load(path))")
 
 
 def walk(model: Any) -> ModelWalk:

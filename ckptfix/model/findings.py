@@ -18,7 +18,7 @@ class VerifyReport:
 
     ok: bool
     checkpoint: str
-    model: str
+    model: str | None  #: the model spec; None: the model-free gate (no model given)
     fix: str | None
     missing: list[str]
     unexpected: list[str]
@@ -46,6 +46,8 @@ class VerifyReport:
     serving_device: str | None = None
     #: with ``exact``: what the serving loader did with the file as saved (``observe.Observation.to_dict``)
     observed: dict[str, Any] | None = None
+    #: the quantized groups (:mod:`ckptfix.model.quant_checks`): counts per scheme, problems, ``--original``'s errors
+    quantization: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -89,6 +89,9 @@ class VerifyOptions:
     serving_loader: str = option("torch", own_flag(("--serving-loader",), choices=("torch", "transformers"), help=(
         "With --exact: the loader the server calls: torch (torch.load/load_file + load_state_dict(strict=True); "
         "default) or transformers (type(model).from_pretrained, which ties the model's tied weights itself).")))
+    original: Any = option(None, own_flag(("--original",), metavar="ORIGINAL", kind="path", help=(
+        "The unquantized weights: each quantized weight, dequantized, is compared with the original's (max, mean "
+        "and relative error); round-to-nearest schemes fail beyond their step bound (others: with --atol/--rtol).")))
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -98,7 +101,7 @@ class VerifyOptions:
 
 
 #: the fields' flags in ``ckptfix verify --help`` (after ``--model``); a flag not named here follows them
-HELP_ORDER = ("model_args", "exact", "serving_device", "serving_loader", "reference", "input_shape", "input_dtype",
+HELP_ORDER = ("model_args", "exact", "serving_device", "serving_loader", "reference", "original", "input_shape", "input_dtype",
               "input_range", "inputs", "golden", "record_golden", "dtype", "atol", "rtol", "forward", "structure_only",
               "map_location", "select", "trust", "checksum", "progress")
 
@@ -139,3 +142,24 @@ RULES = (
 def broken_rule(values: Mapping[str, Any]) -> Rule | None:
     """The first of :data:`RULES` that ``values`` (option name → value) break, or None."""
     return next((rule for rule in RULES if rule.broken(values)), None)
+
+
+#: the options that mean something only with a model: the serving loader's load, the forward check and its input,
+#: the model's dtype. Without a model (``verify PATH``, the model-free gate) each is refused.
+NEEDS_MODEL = ("exact", "reference", "golden", "record_golden", "inputs", "input_shape", "input_dtype", "input_range",
+               "dtype", "model_args")
+
+
+def needs_model(values: Mapping[str, Any]) -> Field | None:
+    """The first of :data:`NEEDS_MODEL` given in ``values`` (set, not its default), or None: without a model, the
+    library raises ``ModelSpecError`` and the command line stops with ``--FLAG needs --model`` (exit 2)."""
+    by_name = {f.name: f for f in fields(VerifyOptions)}
+    return next((by_name[n] for n in NEEDS_MODEL if values.get(n) not in (by_name[n].default, None, False, (), {})),
+                None)
+
+
+def without_model_error(fld: Field, value: Any) -> ModelSpecError:
+    """The library's error for ``fld`` given without a model."""
+    flag = flag_of(fld).decls[0]
+    return ModelSpecError(f"{fld.name}={value!r} ({flag}) needs a model: pass model= (--model SPEC), or leave it "
+                          "out for the model-free gate")

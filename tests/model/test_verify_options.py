@@ -26,14 +26,16 @@ ROOT = Path(__file__).resolve().parents[2]
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
 
 #: ``ckptfix.verify``'s signature before its options were declared once: users' calls keep working as they were
+#: (issue 28: ``model`` may be left out, the model-free gate; ``original`` added at the end)
 SIGNATURE = (
-    "(path: 'Any', model: 'Any', reference: 'Any' = None, exact: 'bool' = False, forward: 'bool' = True, "
+    "(path: 'Any', model: 'Any' = None, reference: 'Any' = None, exact: 'bool' = False, forward: 'bool' = True, "
     "atol: 'float | None' = None, rtol: 'float | None' = None, input_shape: 'tuple[int, ...] | None' = None, "
     "model_args: 'dict[str, Any] | None' = None, map_location: 'Any' = 'cpu', select: 'str' = 'auto', "
     "trust: 'bool' = False, seed: 'int' = 1234, checksum: 'bool' = True, dtype: 'Any' = None, "
     "input_dtype: 'str | None' = None, input_range: 'tuple[float, float] | None' = None, inputs: 'Any' = None, "
     "golden: 'Any' = None, record_golden: 'bool' = False, serving_device: 'str | None' = None, "
-    "progress: 'bool' = False, structure_only: 'bool' = False, serving_loader: 'str' = 'torch') -> 'VerifyReport'")
+    "progress: 'bool' = False, structure_only: 'bool' = False, serving_loader: 'str' = 'torch', original: 'Any' = None) "
+    "-> 'VerifyReport'")
 #: keywords the command line has no flag for
 LIBRARY_ONLY = {"seed"}
 
@@ -112,7 +114,7 @@ def test_the_command_passes_every_option(calls: list[Any], cli_runner: Any, tmp_
             "--reference", "r.pth", "--input-shape", "2x13", "--input-dtype", "long", "--input-range", "-1,1",
             "--input", "i.pt", "--golden", "g.safetensors", "--record-golden", "--dtype", "bf16", "--atol", "0.5",
             "--rtol", "0.25", "--no-forward", "--map-location", "cuda:1=cpu", "--select", "ema", "--trust", "--json",
-            "--structure-only", "--quiet"]
+            "--structure-only", "--quiet", "--original", "o.safetensors"]
     res = cli_runner.invoke(cli, argv)
     assert res.exit_code == 0, res.output
     ((path, model, kwargs),) = calls
@@ -121,7 +123,7 @@ def test_the_command_passes_every_option(calls: list[Any], cli_runner: Any, tmp_
                           input_shape=(2, 13), input_dtype="long", input_range=(-1.0, 1.0), inputs="i.pt",
                           golden="g.safetensors", record_golden=True, dtype="bf16", atol=0.5, rtol=0.25, forward=False,
                           map_location=parse_cli_map_location(("cuda:1=cpu",)), select="ema", trust=True, checksum=True,
-                          progress=False, structure_only=True, serving_loader="torch")
+                          progress=False, structure_only=True, serving_loader="torch", original="o.safetensors")
 
 
 def test_the_command_defaults_are_the_library_defaults(calls: list[Any], cli_runner: Any) -> None:

@@ -55,7 +55,8 @@ def find(path: str, state_dict: Mapping[str, Any]) -> Quantized:
     """The quantized groups of ``state_dict`` (read from ``path``), the config beside it deciding look-alikes."""
     import torch
 
-    infos = {k: (dtype_name(t.dtype), tuple(t.shape)) for k, t in state_dict.items() if isinstance(t, torch.Tensor)}
+    infos = {k: (dtype_name(t.dtype), tuple(t.shape)) for k, t in state_dict.items()  # sparse, nested: no scheme's
+             if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested}
     layout = quant_groups.find_groups(infos, quant_config(path))
     if not (layout.groups or layout.problems or layout.unknown):
         return Quantized(None, frozenset())

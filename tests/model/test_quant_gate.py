@@ -13,39 +13,10 @@ import pytest
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import ModelSpecError
+from tests.fp8_releases import original, quantized, release
 
 torch = pytest.importorskip("torch")
 save_file = pytest.importorskip("safetensors.torch").save_file
-
-BLOCK = 128
-#: block FP8 as DeepSeek-V3 / Qwen3 publish it: float8 weight, F32 ``weight_scale_inv`` per 128×128 (ceil grid)
-FP8_CONFIG = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK]}}
-
-
-def quantize_block_fp8(w: Any) -> tuple[Any, Any]:
-    """``(weight float8_e4m3fn, weight_scale_inv)``: each 128×128 block's amax at 448, the scale multiplied back in."""
-    rows, cols = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
-    scale = torch.empty(rows, cols)
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    for i in range(rows):
-        for j in range(cols):
-            block = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
-            scale[i, j] = block.abs().max() / 448.0
-            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / scale[i, j]).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def original() -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(28)
-    return {"layers.0.proj.weight": torch.randn(200, 300, generator=gen),  # a 2×3 ceil grid
-            "layers.1.proj.weight": torch.randn(256, 128, generator=gen), "norm.weight": torch.ones(300)}
-
-
-def quantized(orig: dict[str, Any]) -> dict[str, Any]:
-    sd = {"norm.weight": orig["norm.weight"]}
-    for layer in ("layers.0.proj", "layers.1.proj"):
-        sd[f"{layer}.weight"], sd[f"{layer}.weight_scale_inv"] = quantize_block_fp8(orig[f"{layer}.weight"])
-    return sd
 
 
 def _drop(key: str) -> Callable[[dict[str, Any]], None]:
@@ -71,13 +42,6 @@ BROKEN: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
 }
 
 
-def _release(where: Path, sd: dict[str, Any]) -> Path:
-    where.mkdir()
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(where / "model.safetensors"))
-    (where / "config.json").write_text(json.dumps(FP8_CONFIG))
-    return where
-
-
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The original (``original.safetensors``), the intact release, each broken variant, and one whose
@@ -85,14 +49,14 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp8")
     orig = original()
     save_file(orig, str(root / "original.safetensors"))
-    out = {"original": root / "original.safetensors", "intact": _release(root / "intact", quantized(orig))}
+    out = {"original": root / "original.safetensors", "intact": release(root / "intact", quantized(orig))}
     for name, (breaks, _) in BROKEN.items():
         sd = quantized(orig)
         breaks(sd)
-        out[name] = _release(root / name.replace(" ", "_"), sd)
+        out[name] = release(root / name.replace(" ", "_"), sd)
     off = quantized(orig)
     off["layers.1.proj.weight_scale_inv"] = off["layers.1.proj.weight_scale_inv"] * 4
-    out["scale 4x"] = _release(root / "scale_4x", off)
+    out["scale 4x"] = release(root / "scale_4x", off)
     return out
 
 

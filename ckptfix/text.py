@@ -186,7 +186,7 @@ def quantization_lines(quant: dict[str, Any] | None) -> list[str]:
     schemes = ", ".join(f"{name} {n}" for name, n in quant["schemes"].items())
     lines = [f"  quantized: {quant['groups']} groups" + (f" ({schemes})" if schemes else "")]
     original = quant.get("original")
-    if original:
+    if original and original["tensors"]:
         lines.append(f"  against the original {original['path']} (max abs, mean abs, relative error):")
         lines += [f"    {dequantized_row(r)}" for r in original["tensors"][:20]]
         lines += [f"    … and {len(original['tensors']) - 20} more"] if len(original["tensors"]) > 20 else []

@@ -13,8 +13,10 @@ import pytest
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import ModelSpecError
+from tests import quant_layouts
 from tests.fp8_releases import original, quantized, release
 
+ROOT = Path(__file__).resolve().parents[2]
 torch = pytest.importorskip("torch")
 save_file = pytest.importorskip("safetensors.torch").save_file
 
@@ -58,6 +60,27 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     off["layers.1.proj.weight_scale_inv"] = off["layers.1.proj.weight_scale_inv"] * 4
     out["scale 4x"] = release(root / "scale_4x", off)
     return out
+
+
+def _layout_release(where: Path, case: str, scale_by: float = 1.0,
+                    breaks: Callable[[dict[str, Any]], None] | None = None) -> tuple[Path, Path]:
+    """quant_layouts' ``case`` written as a release directory (its config as config.json or hf_quant_config.json)
+    and its original beside it (``original.safetensors``); ``scale_by`` multiplies the group's ``scale``, ``breaks``
+    changes the state dict."""
+    built = quant_layouts.build(case)
+    sd = dict(built.state_dict)
+    if breaks is not None:
+        breaks(sd)
+    for key in [k for k in sd if scale_by != 1.0 and k.endswith((".scales", ".weight_scale"))]:
+        sd[key] = sd[key] * scale_by
+    where.mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(where / "model.safetensors"))
+    name = "hf_quant_config.json" if built.config and "quantization" in built.config else "config.json"
+    (where / name).write_text(json.dumps(built.config))
+    orig = {m if any(k.startswith(m + "_blocks") for k in sd) else f"{m}.weight": w.contiguous()
+            for m, w in built.originals.items()}
+    save_file(orig, str(where / "original.safetensors"))
+    return where / "model.safetensors", where / "original.safetensors"
 
 
 def _verify(cli_runner: Any, *args: Any, code: int) -> dict[str, Any]:
@@ -133,3 +156,55 @@ def test_a_plain_file_passes_and_a_broken_crc_fails_without_a_model(fixtures_dir
     (tmp_path / "flipped.pth").write_bytes(bytes(data))
     report = _verify(cli_runner, tmp_path / "flipped.pth", code=3)
     assert any("CRC-32" in line for line in report["failures"]), report["failures"]
+
+
+@pytest.mark.parametrize("case", list(quant_layouts.CASES))
+def test_every_scheme_s_release_passes_against_its_original(case: str, tmp_path: Path, cli_runner: Any) -> None:
+    path, orig = _layout_release(tmp_path / "release", case)
+    report = _verify(cli_runner, path, "--original", orig, code=0)
+    (row,) = report["quantization"]["original"]["tensors"]
+    assert row["scheme"] == quant_layouts.CASES[case][1]
+    rtn = row["scheme"] not in ("gptq", "gptq-v2", "awq")
+    assert (row["ok"], row["tolerance"]) == ((True, "step bound") if rtn else (None, "reported")), row
+
+
+MX = "model.layers.0.mlp.experts.gate_up_proj"
+#: broken variants of other schemes' releases: (case, how it breaks, the module named)
+BROKEN_LAYOUTS = {
+    "0xFF E8M0": ("mxfp4", _set(f"{MX}_scales", lambda s: s.index_fill(0, torch.tensor([1]), 0xFF)), MX),
+    "short packed weight": ("ct-nvfp4", _set(f"{quant_layouts.MODULE}.weight_packed", lambda w: w[:, :-1].contiguous()),
+                            quant_layouts.MODULE),
+    "GPTQ qzeros dropped": ("gptq", _drop(f"{quant_layouts.MODULE}.qzeros"), quant_layouts.MODULE),
+}
+
+
+@pytest.mark.parametrize("variant", list(BROKEN_LAYOUTS))
+def test_broken_variants_of_other_schemes_fail_naming_the_module(variant: str, tmp_path: Path, cli_runner: Any) -> None:
+    case, breaks, module = BROKEN_LAYOUTS[variant]
+    path, _ = _layout_release(tmp_path / "release", case, breaks=breaks)
+    report = _verify(cli_runner, path, code=3)
+    assert report["failures"] and all(line.startswith(f"quantized {module}") for line in report["failures"]), report
+
+
+def test_an_error_compensating_scheme_is_reported_not_failed_unless_a_tolerance_is_given(tmp_path: Path,
+                                                                                          cli_runner: Any) -> None:
+    """GPTQ's scales 4× off: far beyond any round-to-nearest bound, but GPTQ has none: reported, exit 0."""
+    path, orig = _layout_release(tmp_path / "gptq", "gptq", scale_by=4.0)
+    report = _verify(cli_runner, path, "--original", orig, code=0)
+    (row,) = report["quantization"]["original"]["tensors"]
+    assert row["ok"] is None and row["rel_error"] > 1 and any("reported, not judged" in n for n in report["notes"])
+    judged = _verify(cli_runner, path, "--original", orig, "--rtol", "0.5", code=3)
+    assert judged["failures"][0].startswith("quantized model.layers.0.mlp.down_proj (gptq): ")
+
+
+REAL = ROOT / "fixtures" / "quant"
+
+
+@pytest.mark.parametrize("release", ["llmcompressor/fp8_block", "llmcompressor/fp8_channel", "llmcompressor/nvfp4a16",
+                                     "llmcompressor/w4a16"])
+def test_real_releases_pass_against_their_original(release: str, cli_runner: Any) -> None:
+    """Files llmcompressor wrote (fixtures/quant/MANIFEST.json), against the bf16 model they were made from."""
+    report = _verify(cli_runner, REAL / release / "model.safetensors", "--original",
+                     REAL / "original" / "model.safetensors", code=0)
+    rows = report["quantization"]["original"]["tensors"]
+    assert rows and all(r["ok"] is True and r["tolerance"] == "step bound" for r in rows), rows

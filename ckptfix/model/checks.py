@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .. import text
@@ -19,7 +20,7 @@ from ..core import locations
 from ..core.progress import Progress
 from ..core.units import shown
 from ..errors import GoldenError, LoadError, ModelSpecError, UnsafeCheckpointError
-from ..ops import api, reading
+from ..ops import api
 from ..parse.format_registry import get as format_of
 from ..safety import integrity, scanner
 from ..statedict import repair
@@ -325,6 +326,7 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
 
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
-CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata,
-          quant_checks.quantized_groups, quant_checks.against_original,  # issue 28: quantized groups (model-free)
-          as_saved, devices, zip_crcs, observed_load, forward_outputs)
+CHECKS: tuple[Callable[[Any, VerifyReport], Findings], ...] = (
+    sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata,
+    quant_checks.quantized_groups, quant_checks.against_original,  # issue 28: quantized groups (model-free)
+    as_saved, devices, zip_crcs, observed_load, forward_outputs)

@@ -115,7 +115,7 @@ Check = TypeVar("Check", bound=Callable[..., Findings])
 def model_free(check: Check) -> Check:
     """Declare a check that needs no model: ``verify PATH`` without one runs it too, on a :class:`FileGate`
     (a check without this runs only with a model, on a :class:`Gate`)."""
-    setattr(check, "needs_model", False)
+    check.needs_model = False  # type: ignore[attr-defined]
     return check
 
 

@@ -171,7 +171,7 @@ def verify_kwargs(values: dict[str, Any], has_model: bool = True) -> dict[str, A
     rule = verify_declared.broken_rule(kwargs)
     if rule is not None:
         raise click.UsageError(rule.usage)
-    modelled = None if has_model else verify_declared.needs_model(kwargs)
+    modelled = None if has_model else verify_declared.option_needing_model(kwargs)
     if modelled is not None:
         raise click.UsageError(f"{flag_of(modelled).decls[0]} needs --model")
     return _parsed(declared, kwargs)

@@ -19,7 +19,7 @@ from typing import Any
 from ..ops.convert_options import takes
 from . import checks, gate as gates
 from .findings import VerifyReport, add
-from .verify_options import VerifyOptions, needs_model, without_model_error
+from .verify_options import VerifyOptions, option_needing_model, without_model_error
 
 
 @takes(VerifyOptions)
@@ -63,7 +63,7 @@ def verify(path: Any, model: Any = None, *args: Any, **kwargs: Any) -> VerifyRep
     it ends (``ckptfix verify: read (1.2 s)``: read, build, hash, values, crc, load, forward).
     """
     options = VerifyOptions(*args, **kwargs)  # the options checked first
-    modelled = None if model is not None else needs_model({f.name: getattr(options, f.name) for f in fields(options)})
+    modelled = None if model is not None else option_needing_model({f.name: getattr(options, f.name) for f in fields(options)})
     if modelled is not None:
         raise without_model_error(modelled, getattr(options, modelled.name))
     gate = gates.open_gate(path, model, options)

@@ -150,12 +150,19 @@ NEEDS_MODEL = ("exact", "reference", "golden", "record_golden", "inputs", "input
                "dtype", "model_args")
 
 
-def needs_model(values: Mapping[str, Any]) -> Field | None:
+def option_needing_model(values: Mapping[str, Any]) -> Field | None:
     """The first of :data:`NEEDS_MODEL` given in ``values`` (set, not its default), or None: without a model, the
     library raises ``ModelSpecError`` and the command line stops with ``--FLAG needs --model`` (exit 2)."""
     by_name = {f.name: f for f in fields(VerifyOptions)}
-    return next((by_name[n] for n in NEEDS_MODEL if values.get(n) not in (by_name[n].default, None, False, (), {})),
-                None)
+    return next((by_name[n] for n in NEEDS_MODEL if _given(values.get(n), by_name[n].default)), None)
+
+
+def _given(value: Any, default: Any) -> bool:
+    """``value`` is set: not None, not the default, not an empty ``--arg``/``--input-shape`` (a tensor ``inputs`` is
+    never compared, only checked for None)."""
+    if value is None or value is default:
+        return False
+    return bool(value) and value != default if isinstance(value, (bool, tuple, list, dict)) else True
 
 
 def without_model_error(fld: Field, value: Any) -> ModelSpecError:

@@ -137,8 +137,8 @@ def test_a_tolerance_judges_instead_of_the_step_bound(releases: dict[str, Path],
 
 @pytest.mark.parametrize("flag, keyword", [
     (["--exact"], {"exact": True}), (["--reference", "{original}"], {"reference": "{original}"}),
-    (["--dtype", "bf16"], {"dtype": "bf16"}),
-], ids=["exact", "reference", "dtype"])
+    (["--dtype", "bf16"], {"dtype": "bf16"}), (["--input-shape", "1,4"], {"inputs": {"x": "a tensor"}}),
+], ids=["exact", "reference", "dtype", "input"])
 def test_options_that_need_a_model_are_a_usage_error_without_one(flag: list[str], keyword: dict[str, Any],
                                                                  releases: dict[str, Path], cli_runner: Any) -> None:
     res = cli_runner.invoke(cli, ["verify", str(releases["intact"]), *(a.format(original=releases["original"])
@@ -146,7 +146,7 @@ def test_options_that_need_a_model_are_a_usage_error_without_one(flag: list[str]
     assert res.exit_code == 2 and f"Error: {flag[0]} needs --model" in res.output
     with pytest.raises(ModelSpecError, match="needs a model: pass model="):
         ckptfix.verify(releases["intact"], None, **{k: v.format(original=releases["original"]) if isinstance(v, str)
-                                                    else v for k, v in keyword.items()})
+                                                    else {"x": torch.ones(2, 3)} for k, v in keyword.items()})
 
 
 def test_a_plain_file_passes_and_a_broken_crc_fails_without_a_model(fixtures_dir: Path, tmp_path: Path,

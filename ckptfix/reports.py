@@ -14,6 +14,8 @@ from typing import Any
 from .core.devices import storage_id
 from .errors import SelectError
 from .statedict.locate import common_prefix, detect_framework
+from .statedict.quant_groups import QuantLayout, find_groups, infos_of
+from .statedict.quant_schemes import quant_config
 from .core.units import shown
 from .core.tensorinfo import TensorInfo, is_tensor, layout_name, shape_and_dtype, shape_of, sparse_parts
 from .parse.inert import InertGlobal, InertObject
@@ -120,6 +122,8 @@ class Checkpoint:
     #: a file holding no state dict (a bare tensor, a list, a dict of plain values; ``raw`` holds it, ``state_dict``
     #: is empty): the line ``load``, ``convert``, ``verify`` and ``diff`` refuse it with (:meth:`require_state_dict`)
     no_state_dict: str | None = None
+    #: the config beside the file that holds its quantization (config.json / hf_quant_config.json), or None
+    quant_config: dict[str, Any] | None = field(default=None, repr=False)
 
     def require_state_dict(self) -> None:
         """Raise SelectError where the file holds no state dict (what ``read`` and ``inspect`` show whole)."""
@@ -130,6 +134,12 @@ class Checkpoint:
     def stats(self) -> TensorStats:
         """Counts over the state dict's tensors, computed when first read (``load_into`` never reads them)."""
         return self.stats_of() if self.stats_of is not None else tensor_stats(self.state_dict, {})
+
+    @functools.cached_property
+    def quantization(self) -> QuantLayout | None:
+        """The state dict's quantized groups by the schemes table, their problems; None where nothing is quantized."""
+        layout = find_groups(infos_of(self.state_dict), self.quant_config)
+        return layout if layout.groups or layout.problems or layout.unknown else None
 
     @property
     def framework(self) -> str | None:
@@ -186,7 +196,22 @@ class Checkpoint:
             "notes": self.notes,
             **({"bytes_fetched": self.bytes_fetched} if self.bytes_fetched is not None else {}),
             **({"no_state_dict": self.no_state_dict} if self.no_state_dict is not None else {}),
+            **({"quantization": quantization_dict(self.quantization, self.quant_config)}
+               if self.quantization is not None else {}),
         }
+
+
+def quantization_dict(layout: QuantLayout, config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``inspect --json``'s ``quantization``: groups per scheme, each group, each problem, what looks quantized
+    but matches no scheme, and the config's ``quant_method``."""
+    return {
+        "quant_method": quant_config(config).get("quant_method"),
+        "schemes": layout.counts(),
+        "groups": [{"module": g.module, "scheme": g.scheme, "weight": g.weight, "companions": g.companions,
+                    **({"also": list(g.also)} if g.also else {})} for g in layout.groups],
+        "problems": [{"module": p.module, "key": p.key, "kind": p.kind, "message": p.message} for p in layout.problems],
+        "unknown": layout.unknown,
+    }
 
 
 @dataclass

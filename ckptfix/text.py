@@ -60,23 +60,57 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
         rows.append(("other entries", listed([f"{shown(k)}: {v}" for k, v in info["extra"].items()], SHOWN_ITEMS, "; ")))
     if info["non_tensor_keys"]:
         rows.append(("non-tensor keys", few(info["non_tensor_keys"], 10)))
+    if "quantization" in info:
+        rows.append(("quantization", quantization_row(info["quantization"])))
     for name, value in rows:
         lines.append(f"{name + ':':<16}{value}")
+    if "quantization" in info:
+        lines += quantization_lines(info["quantization"])
     rows = info["keys"]
     cut = not all_keys and len(rows) > 2 * head
     listing = [(shown(r["key"]), r) for r in (rows[:head] + rows[-head:] if cut else rows)]
     lines.append(f"keys ({info['num_keys']}" + (f"; the first and last {head}, --all lists every key" if cut else "")
                  + "):")
     width = max((len(key) for key, _ in listing), default=0)
+    roles = quantized_roles(info.get("quantization"))
     for i, (key, row) in enumerate(listing):
         if cut and i == head:
             lines.append("  …")
         shape = "x".join("*" if n is None else str(n) for n in row["shape"]) if row["shape"] is not None else "-"
         layout = f" {row['layout']}" if "layout" in row else ""  # a sparse tensor's
+        layout += f"  ({roles[row['key']]})" if row["key"] in roles else ""
         lines.append(f"  {key:<{width}}  [{shape}]  {shown(row['dtype'])}{layout}")
     for note in info["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def quantization_row(q: dict[str, Any]) -> str:
+    """``fp8-block ×61 (fp8 by its config); 2 problems``: the groups per scheme, the config's quant_method."""
+    method = f" ({q['quant_method']} by its config)" if q["quant_method"] else ""
+    problems = f"; {len(q['problems'])} problem{'s' * (len(q['problems']) != 1)}" if q["problems"] else ""
+    return f"{counts(q['schemes']) if q['schemes'] else 'no intact group'}{method}{problems}"
+
+
+def quantized_roles(q: dict[str, Any] | None) -> dict[str, str]:
+    """Each key of a quantized group → ``fp8-block weight`` / ``fp8-block scale``: what the key listing tags it."""
+    roles: dict[str, str] = {}
+    for group in (q or {}).get("groups", []):
+        roles[group["weight"]] = f"{group['scheme']} weight"
+        roles.update({key: f"{group['scheme']} {role}" for role, key in group["companions"].items()})
+    return roles
+
+
+def quantization_lines(q: dict[str, Any], most: int = 10) -> list[str]:
+    """A line per problem (orphan scales, weights without theirs, wrong grids …) and per tensor that looks
+    quantized but matches no scheme; the first ``most`` of each."""
+    lines = [f"  problem: {shown(p['module'])}: {p['message']}" for p in q["problems"][:most]]
+    if len(q["problems"]) > most:
+        lines.append(f"  … and {len(q['problems']) - most} more problems (--json lists every one)")
+    if q["unknown"]:
+        lines.append(f"  unknown: {few([shown(k) for k in q['unknown']], most)} (float8 or packed integers beside a "
+                     "scale no scheme knows)")
+    return lines
 
 
 def convert_text(report: Any) -> str:

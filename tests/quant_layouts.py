@@ -364,6 +364,28 @@ def bnb_int8(seed: int = 9) -> Built:
     return Built(sd, config, {MODULE: w}, {MODULE: ref})
 
 
+def torchao(kind: str = "int8", seed: int = 10) -> Built:
+    """torchao weight-only, flattened into safetensors by transformers: ``_weight_qdata`` with a per-row
+    ``_weight_scale`` (int8: symmetric, amax/127.5, and a ``_weight_zero_point`` of zeros; float8: amax/448)."""
+    w = _weight((48, 64), seed)
+    amax = w.abs().amax(1, keepdim=True)
+    prefix = f"{MODULE}._weight"
+    if kind == "int8":
+        scale = amax / 127.5
+        zp = torch.zeros_like(scale, dtype=torch.int8)
+        q = torch.clamp(torch.round(w / scale), -128, 127).to(torch.int8)  # quantize_affine
+        sd = {f"{prefix}_qdata": q, f"{prefix}_scale": scale, f"{prefix}_zero_point": zp}
+        ref = (q.float() - zp.float()) * scale  # dequantize_affine
+    else:
+        scale = amax / 448
+        q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sd = {f"{prefix}_qdata": q, f"{prefix}_scale": scale}
+        ref = q.float() * scale
+    config = {"quantization_config": {"quant_method": "torchao", "quant_type": {"default": {
+        "_type": "Int8WeightOnlyConfig" if kind == "int8" else "Float8WeightOnlyConfig"}}}}
+    return Built(sd, config, {MODULE: w}, {MODULE: ref})
+
+
 #: case → (builder, the scheme its group is named)
 CASES: dict[str, tuple[Callable[[], Built], str]] = {
     "fp8-block": (block_fp8, "fp8-block"),
@@ -384,6 +406,8 @@ CASES: dict[str, tuple[Callable[[], Built], str]] = {
     "bnb-nf4": (bnb4, "bnb-nf4"),
     "bnb-fp4-nested": (lambda: bnb4("fp4", nested=True), "bnb-fp4"),
     "bnb-int8": (bnb_int8, "bnb-int8"),
+    "torchao-int8": (torchao, "torchao-int8"),
+    "torchao-float8": (lambda: torchao("float8"), "torchao-float8"),
 }
 
 
@@ -394,3 +418,10 @@ def build(case: str) -> Built:
 def infos(sd: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Each key's dtype name and shape, as find_groups takes them."""
     return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in sd.items()}
+
+
+def quant_method(config: dict[str, Any] | None) -> str | None:
+    """The quant_method a config file names (modelopt's hf_quant_config.json: ``modelopt``)."""
+    if config is None:
+        return None
+    return "modelopt" if "quantization" in config else config["quantization_config"]["quant_method"]

@@ -27,6 +27,8 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 _E2M1_HALF_GAP = (0.25, 0.25, 0.25, 0.25, 0.5, 0.5, 1.0, 2.0)
 #: relative slack on a round-to-nearest bound: the quantizer's own arithmetic (bf16 division, a rounded scale)
 _SLACK = 2.0**-8
+#: a value exactly half a step from two codes rounds either way; float32 arithmetic may land it a hair past
+_TIE = 1 + 2.0**-10
 
 
 def dequantize(group: QuantGroup, tensors: Tensors, dtype: Any = None) -> torch.Tensor:
@@ -82,7 +84,29 @@ def fp8_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     q = w.float()
     block = group.params.get("block")
     scale = _expand(_t(group, tensors, "scale"), tuple(w.shape), tuple(block) if block else None)
-    return (_fp8_half_ulp(q) + q.abs() * _SLACK) * scale.abs()
+    return (_fp8_half_ulp(q) * _TIE + q.abs() * _SLACK) * scale.abs()
+
+
+def _torchao_parts(group: QuantGroup, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    import torch
+
+    q = _t(group, tensors, "weight")
+    shape = tuple(q.shape)
+    scale = _expand(_t(group, tensors, "scale"), shape, None)
+    zp = _expand(_t(group, tensors, "zero_point"), shape, None) if "zero_point" in group.companions else \
+        torch.zeros(shape)
+    return q.float(), zp, scale
+
+
+def torchao_affine(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
+    """torchao's dequantize_affine of an int8 weight: ``(qdata - zero_point) * scale``, each scale over its block."""
+    q, zp, scale = _torchao_parts(group, tensors)
+    return (q - zp) * scale
+
+
+def torchao_affine_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
+    q, _zp, scale = _torchao_parts(group, tensors)
+    return scale.abs() * (0.5 * _TIE + _SLACK * q.abs())
 
 
 def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -123,7 +147,7 @@ def nvfp4(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
 def nvfp4_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     codes = _unpack_fp4(_t(group, tensors, "weight"))
     scale = _nvfp4_scale(group, tensors)[..., :codes.shape[-1]].abs()
-    return (_fp4_half_gap(codes) + _fp4_values(codes).abs() * _SLACK) * scale
+    return (_fp4_half_gap(codes) * _TIE + _fp4_values(codes).abs() * _SLACK) * scale
 
 
 def _mx_exponents(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
@@ -155,7 +179,7 @@ def mxfp4_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     blocks = _t(group, tensors, "weight")
     codes = _unpack_fp4(blocks)
     scale = torch.exp2(_mx_exponents(group, tensors).unsqueeze(-1).float())
-    bound = (_fp4_half_gap(codes) + _fp4_values(codes).abs() * _SLACK) * scale
+    bound = (_fp4_half_gap(codes) * _TIE + _fp4_values(codes).abs() * _SLACK) * scale
     return _mx_layout(bound, tuple(blocks.shape))
 
 
@@ -210,7 +234,7 @@ def int_packed_ct(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
 
 def int_packed_ct_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     q, _zp, scale = _ct_int_parts(group, tensors)
-    return scale.abs() * (0.5 + _SLACK * q.abs())
+    return scale.abs() * (0.5 * _TIE + _SLACK * q.abs())
 
 
 def gptq(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
@@ -315,7 +339,7 @@ def bnb4_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     a, da = absmax.abs().repeat_interleave(size)[:n], err.repeat_interleave(size)[:n]
     qmap = _t(group, tensors, "quant_map").float()
     value = qmap[codes].abs()
-    return (_half_gaps(qmap)[codes] * (a + da) + value * da + value * a * _SLACK).reshape(shape)
+    return (_half_gaps(qmap)[codes] * _TIE * (a + da) + value * da + value * a * _SLACK).reshape(shape)
 
 
 def bnb_int8(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
@@ -326,15 +350,15 @@ def bnb_int8(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
 def bnb_int8_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     w = _t(group, tensors, "weight")
     step = _t(group, tensors, "scale").float().abs().view(-1, 1) / 127
-    return (0.5 + _SLACK * w.float().abs()) * step.expand(tuple(w.shape))
+    return (0.5 * _TIE + _SLACK * w.float().abs()) * step.expand(tuple(w.shape))
 
 
 Kernel = Callable[[QuantGroup, Tensors], "torch.Tensor"]
 #: one dequantization per ``Scheme.dequant`` name
 KERNELS: dict[str, Kernel] = {"fp8_scaled": fp8_scaled, "nvfp4_ct": nvfp4, "nvfp4_modelopt": nvfp4, "mxfp4": mxfp4,
                               "int_packed_ct": int_packed_ct, "gptq": gptq, "gptq_v2": gptq, "awq": awq, "bnb4": bnb4,
-                              "bnb_int8": bnb_int8}
+                              "bnb_int8": bnb_int8, "torchao_affine": torchao_affine}
 #: the round-to-nearest bound of each kernel whose schemes round to nearest
 BOUNDS: dict[str, Kernel] = {"fp8_scaled": fp8_bound, "nvfp4_ct": nvfp4_bound, "nvfp4_modelopt": nvfp4_bound,
                              "mxfp4": mxfp4_bound, "int_packed_ct": int_packed_ct_bound, "bnb4": bnb4_bound,
-                             "bnb_int8": bnb_int8_bound}
+                             "bnb_int8": bnb_int8_bound, "torchao_affine": torchao_affine_bound}

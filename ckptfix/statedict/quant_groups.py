@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING, Any
 
+from ..core.tensorinfo import is_tensor, layout_name, shape_and_dtype
 from .quant_schemes import (ACTIVATION_SCALES, BY_NAME, COMPANION_SUFFIXES, QUANT_ONLY_SUFFIXES, QUANT_STORAGE,
                             SCALED_ONLY, SCHEMES, STANDALONE_SCALES, Scheme, Shape, quant_config)
 
@@ -58,6 +59,11 @@ class QuantGroup:
     def rtn(self) -> bool:
         return BY_NAME[self.scheme].rtn
 
+    @property
+    def dequantized_key(self) -> str:
+        """The key the dequantized weight goes under (``…q_proj.weight``; gpt-oss: ``…experts.gate_up_proj``)."""
+        return self.module + BY_NAME[self.scheme].dequantized_suffix
+
 
 @dataclass(frozen=True)
 class QuantLayout:
@@ -73,6 +79,21 @@ class QuantLayout:
         """Groups per scheme, in the table's order."""
         names = [g.scheme for g in self.groups]
         return {s.name: names.count(s.name) for s in SCHEMES if s.name in names}
+
+
+def infos_of(state_dict: Mapping[str, Any]) -> dict[str, tuple[str, Shape]]:
+    """Each strided tensor's dtype name and shape, from real tensors, meta tensors or TensorInfo alike (no torch
+    import); sparse and nested tensors are no quantized group's."""
+    out: dict[str, tuple[str, Shape]] = {}
+    for key, value in state_dict.items():
+        if is_tensor(value) and layout_name(value) is None:
+            shape, dtype = shape_and_dtype(value)
+            if None not in shape:
+                out[key] = (dtype, tuple(int(d) for d in shape if d is not None))
+    return out
+
+
+_WEIGHT_SUFFIXES = tuple({s.weight_suffix for s in SCHEMES})
 
 
 def _candidates(key: str, dtype: str, infos: Infos) -> list[tuple[Scheme, str, dict[str, str], list[str]]]:
@@ -120,7 +141,7 @@ def find_groups(infos: Infos, config: Mapping[str, Any] | None) -> QuantLayout:
     claimed: set[str] = set()
     unmatched = []
     for key, (dtype, _shape) in infos.items():
-        candidates = _candidates(key, dtype, infos)
+        candidates = _candidates(key, dtype, infos) if key.endswith(_WEIGHT_SUFFIXES) else []
         fits = [c for c in candidates if not c[3]]
         if fits:
             group = _pick(key, fits, infos, qc, problems)
@@ -138,26 +159,27 @@ def find_groups(infos: Infos, config: Mapping[str, Any] | None) -> QuantLayout:
             partial = candidates
         if partial:
             scheme, module, present, missing = max(partial, key=lambda c: len(c[2]))
-            problems.append(QuantProblem(module, key, f"{scheme.name} weight without its {', '.join(missing)}",
+            lacks = ", ".join(k[len(module):] for k in missing)
+            problems.append(QuantProblem(module, key, f"{scheme.name} weight {key[len(module):]} without its {lacks}",
                                          "missing"))
             claimed.update({key, *present.values()})
         elif dtype in SCALED_ONLY and not key.endswith(COMPANION_SUFFIXES) and _parent(key) not in scaled:
-            problems.append(QuantProblem(_parent(key), key, f"{dtype} weight without any scale: its values are not "
-                                                            "the weights'", "missing"))
+            problems.append(QuantProblem(_parent(key), key, f"{dtype} weight with no scale beside it: its raw "
+                                                            "values are not the weights", "missing"))
             claimed.add(key)
     problems.extend(_orphans(infos, claimed))
     claimed.update(p.key for p in problems)
-    unknown = _unknown(infos, claimed)
+    unknown = _unknown(infos, claimed, scaled)
     return QuantLayout(groups, problems, frozenset(infos) - claimed - set(unknown), unknown)
 
 
 def _orphans(infos: Infos, claimed: set[str]) -> list[QuantProblem]:
     out = []
     for key in infos:
-        suffix = next((s for s in COMPANION_SUFFIXES if key.endswith(s)), None)
-        if key in claimed or suffix is None:
+        if key in claimed or not key.endswith(COMPANION_SUFFIXES):
             continue
-        out.append(QuantProblem(key[:-len(suffix)], key, f"orphan scale: {key} has no quantized weight beside it",
+        suffix = next(s for s in COMPANION_SUFFIXES if key.endswith(s))
+        out.append(QuantProblem(key[:-len(suffix)], key, f"orphan scale: {suffix} with no quantized weight beside it",
                                 "orphan"))
     return out
 
@@ -166,9 +188,8 @@ def _parent(key: str) -> str:
     return key.rsplit(".", 1)[0] if "." in key else ""
 
 
-def _unknown(infos: Infos, claimed: set[str]) -> list[str]:
+def _unknown(infos: Infos, claimed: set[str], scaled: set[str]) -> list[str]:
     """Unclaimed float8/packed-integer tensors in a module that holds a ``*scale*`` key (not a KV-cache scale)."""
-    scaled = _scaled_modules(infos)
     return [k for k, (dtype, _s) in infos.items()
             if k not in claimed and dtype in QUANT_STORAGE and _parent(k) in scaled and not _is_scale(k)]
 

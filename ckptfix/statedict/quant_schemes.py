@@ -12,7 +12,7 @@ To add a scheme: one :class:`Scheme` row in ``SCHEMES`` and its kernel in :mod:`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import ceil, prod
 from typing import Any
 
@@ -60,7 +60,7 @@ class Scheme:
     rtn: bool  # round to nearest: the step bound applies (GPTQ/AWQ compensate errors: reported, not failed)
     source: str  # the publisher's code the formula was checked against
     default: bool = False  # taken among look-alikes with other formulas when no config decides
-    notes: str = field(default="", compare=False)
+    dequantized_suffix: str = ".weight"  # the dequantized weight's key: the module prefix + this
 
 
 def quant_config(config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -215,12 +215,17 @@ def _groups_rows(problems: list[str], scales: Shape, inp: int) -> int:
 
 
 def gptq_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """GPTQ: qweight int32 [in*bits/32, out], scales [groups, out], qzeros [groups, out*bits/32], g_idx [in]."""
+    """GPTQ: qweight int32 [in*bits/32, out], scales [groups, out], qzeros [groups, out*bits/32], g_idx [in]
+    (its length gives the bits where no config does)."""
     bits = _int_bits(qc)
     problems: list[str] = []
     qweight = _two_d(shapes, problems)
     if qweight is None:
         return {"bits": bits}, problems
+    g_rows = _numel(shapes["g_idx"]) if "g_idx" in shapes else 0
+    if "bits" not in qc and g_rows and qweight[0] and 32 * qweight[0] % g_rows == 0 and \
+            32 * qweight[0] // g_rows in (2, 4, 8):
+        bits = 32 * qweight[0] // g_rows
     inp, out = qweight[0] * 32 // bits, qweight[1]
     scales = tuple(shapes["scale"])
     if len(scales) != 2 or scales[1] != out:
@@ -255,6 +260,20 @@ def awq_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[dict
     group = _groups_rows(problems, scales, inp)
     _expect(problems, "qzeros", shapes["zero_point"], (scales[0], qweight[1]), f"{bits}-bit zeros packed along out")
     return {"bits": bits, "group_size": group}, problems
+
+
+def torchao_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """torchao flattened into safetensors: ``_weight_qdata`` [out, in], ``_weight_scale`` per tensor, per row
+    [out, 1] or per block of the row [out, in/block]; an int8 zero point shaped as the scale."""
+    problems: list[str] = []
+    weight = _two_d(shapes, problems)
+    scale = tuple(shapes["scale"])
+    if weight is not None and _numel(scale) != 1 and (
+            len(scale) != 2 or scale[0] != weight[0] or scale[1] < 1 or weight[1] % scale[1]):
+        problems.append(f"scale shape {list(scale)} is not one value, [{weight[0]}, 1] or [{weight[0]}, blocks]")
+    if "zero_point" in shapes:
+        _expect(problems, "zero_point", shapes["zero_point"], scale, "one zero point per scale")
+    return {}, problems
 
 
 def bnb4_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -316,7 +335,16 @@ SCHEMES: tuple[Scheme, ...] = (
            rtn=True, source="compressed-tensors compressors/quantized_compressors/pack_quantized.py unpack_from_int32"),
     Scheme("mxfp4", "_blocks", PACKED_FP4, (Companion("scale", "_scales", E8M0),), _method("mxfp4"), mxfp4_shapes,
            "mxfp4", "e2m1 * 2**(scale - 127)", rtn=True,
-           source="transformers integrations/mxfp4.py convert_moe_packed_tensors"),
+           source="transformers integrations/mxfp4.py convert_moe_packed_tensors", dequantized_suffix=""),
+    Scheme("torchao-int8", "._weight_qdata", frozenset({"int8"}),
+           (Companion("scale", "._weight_scale", FLOATS),
+            Companion("zero_point", "._weight_zero_point", frozenset({"int8"}), required=False)),
+           _method("torchao"), torchao_shapes, "torchao_affine", "(qdata - zero_point) * scale, per row or block",
+           rtn=True, source="torchao quantization/quantize_/workflows/int8/int8_tensor.py Int8Tensor.dequantize "
+           "(quant_primitives.dequantize_affine); flattened by transformers' torchao integration"),
+    Scheme("torchao-float8", "._weight_qdata", FP8, (Companion("scale", "._weight_scale", FLOATS),),
+           _method("torchao"), torchao_shapes, "fp8_scaled", "qdata * scale, per tensor or row", rtn=True,
+           source="torchao quantization/quantize_/workflows/float8/float8_tensor.py Float8Tensor.dequantize"),
     Scheme("gptq", ".qweight", INT32, _GPTQ_COMPANIONS, _gptq(("gptq",)), gptq_shapes, "gptq",
            "scales[g_idx] * (q - (qzeros + 1))", rtn=False, default=True,
            source="AutoGPTQ auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py; gptqmodel utils/model.py convert_gptq_v1_to_v2"),

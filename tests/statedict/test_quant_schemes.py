@@ -161,3 +161,14 @@ def test_shapes_read_from_config() -> None:
     assert find_groups(infos, qc).problems == []
     [problem] = find_groups(infos, None).problems  # 128x128 blocks: a [2, 1] grid
     assert problem.module == "x" and "[2, 1]" in problem.message
+
+
+@pytest.mark.parametrize(("config", "problems"), [({"quant_method": "gptq", "bits": 8}, []), (None, ["ambiguous"])])
+def test_gptq_bits_from_config_or_g_idx(config: dict | None, problems: list[str]) -> None:
+    """8-bit GPTQ (in 64, out 32, groups of 32): the config's bits, else g_idx's length over qweight's rows."""
+    infos = {"m.qweight": ("int32", (16, 32)), "m.qzeros": ("int32", (2, 8)), "m.scales": ("float16", (2, 32)),
+             "m.g_idx": ("int32", (64,))}
+    layout = find_groups(infos, config)
+    [group] = layout.groups
+    assert (group.params["bits"], group.params["group_size"]) == (8, 32)
+    assert [p.kind for p in layout.problems] == problems

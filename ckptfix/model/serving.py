@@ -23,6 +23,7 @@ from ..core.units import few
 from ..errors import DeviceError
 from ..parse.format_registry import get as format_of
 from ..parse.safetensors_header import read_header
+from ..safety.subclasses import SERVING_NEEDS
 from ..statedict import repair
 from .findings import Findings
 from .spec import unwrap_model
@@ -94,6 +95,8 @@ def loader_hint(obs: Any, aliases: Aliases) -> str:
     if aliases.absent and aliases.hook is not None and obs.stage == "strict":
         return (f" ({aliases.hook} ties {', '.join(aliases.absent)} again only in from_pretrained: if the server calls "
                 "it, verify with --serving-loader transformers; else write every tied name, e.g. convert --untie)")
+    if ("Weights only load failed" in error or "weights_only" in error) and "torchao." in error:
+        return f" (a torchao tensor class: {SERVING_NEEDS})"
     if "Weights only load failed" in error or "weights_only" in error:
         return (" (the weights-only unpickler refuses it: the server would need torch.serialization.add_safe_globals "
                 "for what it names, or a file without it: ckptfix convert writes one)")

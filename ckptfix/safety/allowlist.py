@@ -83,6 +83,8 @@ NUMPY_DTYPE_CLASSES = "numpy.dtypes."
 _NUMPY = "numpy."
 
 INERT_DATA = "inert data"
+#: the stand-in of a torchao tensor class: a name, only the class argument of torch's wrapper-subclass rebuild
+SUBCLASS = "tensor subclass"
 #: torch's dense CPU tensor classes, which a legacy pickle calls empty and gives a view by BUILD
 _LEGACY_TENSOR = Rule(TORCH, call="empty tensor", build="tensor")
 _VIEW = Rule(TORCH, call="view", build="tensor")
@@ -102,6 +104,18 @@ OMEGACONF_NODES = ("omegaconf.nodes.AnyNode", "omegaconf.nodes.StringNode", "ome
                    "omegaconf.nodes.NoneNode", "omegaconf.nodes.InterpolationResultNode", "omegaconf.nodes.ValueNode")
 _OMEGACONF_METADATA = ("omegaconf.base.Metadata", "omegaconf.base.ContainerMetadata")
 _TYPING = ("typing.Any", "typing.Dict", "typing.List", "typing.Tuple")  # ref_type/key_type/element_type values
+
+#: torchao 0.18's quantized tensor classes (those its own safetensors support allows), read as their inner
+#: tensors by :mod:`ckptfix.safety.subclasses`, never imported; and what their state holds: enums (REDUCE of
+#: one value: an inert member) and dataclasses (NEWOBJ, BUILD: inert data)
+TORCHAO_SUBCLASSES = ("torchao.quantization.Int8Tensor", "torchao.quantization.Float8Tensor",
+                      "torchao.quantization.Int4Tensor", "torchao.quantization.Int4PlainInt32Tensor",
+                      "torchao.quantization.Int4TilePackedTo4dTensor", "torchao.quantization.IntxUnpackedToInt8Tensor")
+_TORCHAO_ENUMS = ("torchao.quantization.quantize_.common.kernel_preference.KernelPreference",
+                  "torchao.quantization.quant_primitives.MappingType")
+_TORCHAO_DATA = ("torchao.quantization.granularity.PerRow", "torchao.quantization.granularity.PerTensor",
+                 "torchao.quantization.quantize_.workflows.int8.int8_tensor.QuantizeTensorToInt8Kwargs",
+                 "torchao.quantization.quantize_.workflows.float8.float8_tensor.QuantizeTensorToFloat8Kwargs")
 
 #: every global a pickle may name beyond torch's plain defaults (name as pickled: ``module.qualname``)
 RULES: dict[str, Rule] = {
@@ -132,8 +146,9 @@ RULES: dict[str, Rule] = {
     "torch.HalfTensor": _LEGACY_TENSOR, "torch.BFloat16Tensor": _LEGACY_TENSOR, "torch.LongTensor": _LEGACY_TENSOR,
     "torch.IntTensor": _LEGACY_TENSOR, "torch.ShortTensor": _LEGACY_TENSOR, "torch.CharTensor": _LEGACY_TENSOR,
     "torch.ByteTensor": _LEGACY_TENSOR, "torch.BoolTensor": _LEGACY_TENSOR,
-    # torch's defaults ckptfix refuses: storage-less wrapper subclasses, tensors from numpy arrays
-    "torch._utils._rebuild_wrapper_subclass": Rule(TORCH, refused=True),
+    # a storage-less wrapper subclass: only torchao's tensor classes, kept as a record (ckptfix.safety.subclasses)
+    "torch._utils._rebuild_wrapper_subclass": Rule(TORCH, call="wrapper subclass"),
+    # torch's defaults ckptfix refuses: tensors from numpy arrays
     "torch._utils._rebuild_device_tensor_from_numpy": Rule(TORCH, refused=True),
     # ckptfix's additions
     "argparse.Namespace": Rule(call="empty", new=NEW, build="attributes"),  # hyper-parameters
@@ -177,6 +192,10 @@ RULES: dict[str, Rule] = {
     # OmegaConf's DictConfig/ListConfig and their nodes and metadata: inert data, omegaconf never imported
     **{name: _CONFIG for name in (*OMEGACONF_CONTAINERS, *OMEGACONF_BOXES, *OMEGACONF_NODES, *_OMEGACONF_METADATA)},
     **{name: _TYPE_VALUE for name in _TYPING},
+    # torchao: its tensor classes as names, the enums and dataclasses of their state as inert data
+    **{name: Rule(stand_in=SUBCLASS) for name in TORCHAO_SUBCLASSES},
+    **{name: Rule(call="enum value", stand_in="enum") for name in _TORCHAO_ENUMS},
+    **{name: _CONFIG for name in _TORCHAO_DATA},
 }
 
 #: the rule of every allowed numpy DType class (:data:`NUMPY_DTYPE_CLASSES`): values, or called empty

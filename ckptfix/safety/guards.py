@@ -17,10 +17,10 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from . import numpy_policy, standins
+from . import numpy_policy, standins, subclasses
 from .tensor_guards import GUARDS as TENSOR_GUARDS, build_tensor, sizes_of
-from .allowlist import (INERT_DATA, NEW, PICKLE_CODECS, RULES, ckptfix_names, numpy_dtype_classes, numpy_names,
-                        refused_names, rule)
+from .allowlist import (INERT_DATA, NEW, PICKLE_CODECS, RULES, SUBCLASS, ckptfix_names, numpy_dtype_classes,
+                        numpy_names, refused_names, rule)
 from ..parse.inert import InertGlobal, build as inert_build
 from ..parse.unpickler import Policy, Refused, Unpickler, build_attributes, build_setstate, type_name
 
@@ -61,7 +61,8 @@ def _guards() -> dict[str, Guard]:
     """``Rule.call`` → the guard a call goes through."""
     return {
         "plain": plain, "empty": _no_args, "empty bytes": _no_args, "defaultdict": plain, "getattr": plain,
-        "bytearray": _bytearray, "codecs encode": _codecs_encode, **TENSOR_GUARDS, **numpy_policy.GUARDS,
+        "bytearray": _bytearray, "codecs encode": _codecs_encode, "enum value": subclasses.enum_value,
+        **TENSOR_GUARDS, **numpy_policy.GUARDS,
     }
 
 
@@ -86,6 +87,8 @@ _STAND_INS: dict[str, Callable[[str], Any]] = {
     "getattr": _fixed(standins.getattr_method),
     "history buffer": _fixed(standins.HistoryBuffer),
     INERT_DATA: InertGlobal,  # made into a placeholder by NEWOBJ and BUILD, never imported
+    SUBCLASS: subclasses.SubclassName,  # torchao's tensor classes: a name for the wrapper-subclass rebuild
+    "enum": subclasses.EnumName,  # torchao's enums: a name, called only by the "enum value" guard
     **{kind: _fixed(obj) for kind, obj in numpy_policy.STAND_INS.items()},
 }
 
@@ -142,6 +145,7 @@ def torch_policy(placeholders: bool = False) -> Policy:
 
 
 def _finish(obj: Any) -> Any:
+    obj = subclasses.flatten(obj)
     items, made = standins.take_pending()
     if not items and not made:
         return obj  # nothing to replace: the common case costs nothing

@@ -16,7 +16,8 @@ from ..core.torch_tables import STORAGE_DTYPES
 from ..core.units import shown
 from ..parse.unpickler import is_dunder
 from . import numpy_policy
-from .allowlist import HISTORY_BUFFER, INERT_DATA, PICKLE_CODECS, VALUE_ONLY, Rule, rule
+from .allowlist import HISTORY_BUFFER, INERT_DATA, PICKLE_CODECS, SUBCLASS, VALUE_ONLY, Rule, rule
+from .subclasses import static_wrapper
 from .standins import FACTORY_TYPES, STATISTICS_METHODS, short_args
 from .tensor_guards import view_bytes
 
@@ -104,6 +105,16 @@ def _inert_data(name: str, args: Any, op: str, r: Rule | None) -> str | None:
             else f"{op} calls {name}, which ckptfix reads only as a value")
 
 
+def _enum_value(name: str, args: Any, op: str, r: Rule | None) -> str | None:
+    if op == "REDUCE" and isinstance(args, tuple) and len(args) == 1 and type(args[0]) in (str, int):
+        return None
+    return f"{op} of {name}{short_args(args)}: ckptfix reads an enum only as pickle writes it (REDUCE of one value)"
+
+
+def _subclass(name: str, args: Any, op: str, r: Rule | None) -> str | None:
+    return f"{op} calls {name}, which ckptfix reads only as the class of torch's wrapper-subclass rebuild"
+
+
 def _numpy(name: str, args: Any, op: str, r: Rule | None) -> str | None:
     reason = _refused_new(name, op, r)
     if reason is None and r is not None:
@@ -116,7 +127,7 @@ _CALLS: dict[str, Check] = {
     "empty bytes": _empty_bytes, "factory token": _factory_token, "getattr": _getattr,
     "defaultdict": _defaultdict, "bytearray": _bytearray, "codecs encode": _codecs_encode,
     "view": _view, "view v1": _view, "view v3": _view, "qtensor": _view, "empty tensor": _empty_tensor,
-    INERT_DATA: _inert_data,
+    INERT_DATA: _inert_data, "enum value": _enum_value, SUBCLASS: _subclass, "wrapper subclass": static_wrapper,
     **{kind: _numpy for kind in numpy_policy.STATIC_CALLS},
 }
 

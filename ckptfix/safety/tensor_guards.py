@@ -17,6 +17,7 @@ from typing import Any
 from ..core.devices import NeedsValues
 from ..core.torch_tables import PACKED_PER_BYTE
 from ..parse.unpickler import Refused, Unpickler, type_name
+from . import subclasses
 
 
 def sizes_of(args: Any) -> int:
@@ -198,6 +199,8 @@ def _rebuild_from_type(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
     if kwargs or len(args) != 4:
         raise Refused("_rebuild_from_type_v2 with unexpected arguments")
     func, new_type, inner_args, state = args
+    if isinstance(new_type, subclasses.SubclassName):  # torchao's: a record of its inner tensors
+        return subclasses.from_type(u, func, new_type, inner_args, state)
     if new_type not in (torch.Tensor, torch.nn.Parameter) or not isinstance(inner_args, tuple):
         raise Refused(f"_rebuild_from_type_v2 to {type_name(new_type)}: only plain tensors are rebuilt")
     _plain_state(state)
@@ -251,5 +254,5 @@ GUARDS: dict[str, Callable[..., Any]] = {
     "view v1": _rebuild_view(hooks_at=None), "view": _rebuild_view(), "view v3": _rebuild_view(position_of_dtype=6),
     "qtensor": _qtensor, "nested tensor": _nested, "empty tensor": _empty_tensor, "parameter": _parameter,
     "rebuild parameter": _rebuild_parameter, "sparse tensor": _sparse_tensor, "device tensor": _device_tensor,
-    "from type": _rebuild_from_type,
+    "from type": _rebuild_from_type, "wrapper subclass": subclasses.wrapper_subclass,
 }

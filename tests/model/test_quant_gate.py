@@ -13,10 +13,9 @@ import pytest
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import ModelSpecError
-from tests import quant_layouts
+from tests import quant_files, quant_layouts
 from tests.fp8_releases import original, quantized, release
 
-ROOT = Path(__file__).resolve().parents[2]
 torch = pytest.importorskip("torch")
 save_file = pytest.importorskip("safetensors.torch").save_file
 
@@ -200,14 +199,17 @@ def test_an_error_compensating_scheme_is_reported_not_failed_unless_a_tolerance_
     assert judged["failures"][0].startswith("quantized model.layers.0.mlp.down_proj (gptq): ")
 
 
-REAL = ROOT / "fixtures" / "quant"
+#: the real files that hold quantized groups (torchao's are tensor subclasses, not groups), each with the weights it
+#: is compared with: its bf16 original, or for gpt-oss MXFP4 (no CPU quantizer made it: written per gpt-oss's layout)
+#: transformers' own dequantization of it
+REAL = [(f, f.reference if f.library == "mxfp4" or f.name.startswith("mxfp4/") else f.original)
+        for f in quant_files.files(suffix=".safetensors") if f.library != "torchao"]
 
 
-@pytest.mark.parametrize("release", ["llmcompressor/fp8_block", "llmcompressor/fp8_channel", "llmcompressor/nvfp4a16",
-                                     "llmcompressor/w4a16"])
-def test_real_releases_pass_against_their_original(release: str, cli_runner: Any) -> None:
-    """Files llmcompressor wrote (fixtures/quant/MANIFEST.json), against the bf16 model they were made from."""
-    report = _verify(cli_runner, REAL / release / "model.safetensors", "--original",
-                     REAL / "original" / "model.safetensors", code=0)
+@pytest.mark.parametrize("real", REAL, ids=lambda r: r[0].name)
+def test_real_releases_pass_against_their_original(real: tuple[Any, Path], cli_runner: Any) -> None:
+    """Files the publishing libraries wrote (fixtures/quant/MANIFEST.json), against the model they were made from."""
+    qfile, orig = real
+    report = _verify(cli_runner, qfile.path, "--original", orig, code=0)
     rows = report["quantization"]["original"]["tensors"]
     assert rows and all(r["ok"] is True and r["tolerance"] == "step bound" for r in rows), rows

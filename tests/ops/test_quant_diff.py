@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from ckptfix.cli import cli
+from tests import quant_files
 from tests.fp8_releases import original, quantized, release
 
 torch = pytest.importorskip("torch")
@@ -66,3 +67,11 @@ def test_two_quantized_files_compare_as_stored(files: dict[str, Path], cli_runne
     report = _diff(cli_runner, files["intact"], files["scale 4x"], code=3)
     assert report["dequantized"] == []
     assert [r["key"] for r in report["value_mismatch"]] == ["layers.1.proj.weight_scale_inv"]
+
+
+@pytest.mark.parametrize("name", ["llmcompressor/nvfp4a16/model.safetensors", "bitsandbytes/nf4/model.safetensors"])
+def test_a_real_release_against_its_original(name: str, cli_runner: Any) -> None:
+    (qfile,) = [f for f in quant_files.files() if f.name == name]
+    report = _diff(cli_runner, qfile.original, qfile.path, code=0)
+    assert len(report["dequantized"]) == 7 and all(r["ok"] is True for r in report["dequantized"])
+    assert report["only_a"] == report["only_b"] == [] and report["counts"]["equal"] == report["counts"]["common"] > 0

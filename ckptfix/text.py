@@ -168,7 +168,7 @@ def verify_text(report: Any) -> str:
     else:
         lines = [f"{verdict}: {report.checkpoint} against {report.model} ({mode})",
                  f"  keys: {report.fix or 'as saved'}: {report.matched}/{report.total} keys match{tolerated}"]
-    lines += quantization_lines(report.quantization)
+    lines += verified_quantization(report.quantization)
     if report.exact and report.devices:
         lines.append(f"  devices: {counts(report.devices)} (where {loader} puts the tensors: as saved)")
     if report.convert_command:
@@ -213,7 +213,7 @@ def verify_text(report: Any) -> str:
     return "\n".join(lines)
 
 
-def quantization_lines(quant: dict[str, Any] | None) -> list[str]:
+def verified_quantization(quant: dict[str, Any] | None) -> list[str]:
     """verify's quantized groups: their count per scheme, and each weight's error against ``--original``."""
     if not quant:
         return []

@@ -199,11 +199,9 @@ def test_an_error_compensating_scheme_is_reported_not_failed_unless_a_tolerance_
     assert judged["failures"][0].startswith("quantized model.layers.0.mlp.down_proj (gptq): ")
 
 
-#: the real files that hold quantized groups (torchao's are tensor subclasses, not groups), each with the weights it
-#: is compared with: its bf16 original, or for gpt-oss MXFP4 (no CPU quantizer made it: written per gpt-oss's layout)
-#: transformers' own dequantization of it
-REAL = [(f, f.reference if f.library == "mxfp4" or f.name.startswith("mxfp4/") else f.original)
-        for f in quant_files.files(suffix=".safetensors") if f.library != "torchao"]
+#: every real file (torchao's pickled subclasses too), each with the weights it is compared with: its bf16 original,
+#: or for gpt-oss MXFP4 (no CPU quantizer made it: written per gpt-oss's layout) transformers' dequantization of it
+REAL = [(f, f.reference if f.name.startswith("mxfp4/") else f.original) for f in quant_files.files()]
 
 
 @pytest.mark.parametrize("real", REAL, ids=lambda r: r[0].name)

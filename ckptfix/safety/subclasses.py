@@ -14,9 +14,10 @@ refuses the classes unless ``import torchao`` ran (:data:`SERVING_NEEDS`).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-from ..core.units import shown
+from ..core.units import few, shown
 from ..parse.unpickler import Refused, Unpickler, type_name
 from .allowlist import SUBCLASS, rule
 
@@ -24,6 +25,7 @@ from .allowlist import SUBCLASS, rule
 SERVING_NEEDS = ("the serving process needs `import torchao` before torch.load (torchao registers its tensor "
                  "classes as safe globals), or torch.serialization.add_safe_globals([...]) of each class")
 _made = [0]  # records made in this process: none, and no load can hold one (flatten skips its walk)
+_flattened = threading.local()  # the last load's: class name → (weight keys, inner names)
 
 
 class SubclassName:
@@ -122,6 +124,7 @@ def flatten(obj: Any) -> Any:
     flattened names; a record anywhere else is refused (no verb could read it)."""
     if not _made[0]:
         return obj
+    _flattened.found = {}
     stack, seen = [obj], set()
     while stack:
         x = stack.pop()
@@ -154,11 +157,22 @@ def _flatten_dict(d: dict) -> None:
             continue
         if not isinstance(key, str):
             raise Refused(f"a torchao tensor under the key {shown(repr(key))}: only string keys are read")
+        keys, inner_names = _flattened.found.setdefault(value.name, ([], {}))
+        keys.append(key)
+        inner_names.update(dict.fromkeys(value.inner))
         for inner, tensor in value.inner.items():
             name = flat_name(key, inner)
             if name in d or any(k == name for k, _ in items):
                 raise Refused(f"{shown(key)}'s inner tensor {shown(inner)} and the entry {shown(name)} collide")
             d[name] = tensor
+
+
+def take_notes() -> list[str]:
+    """A note per torchao class the last load read (its weights, their inner tensors, what serving needs); reset."""
+    found, _flattened.found = getattr(_flattened, "found", None) or {}, {}
+    return [f"{len(keys)} torchao {name.rpartition('.')[2]} ({few(keys, 2)}): read as their inner tensors "
+            f"({', '.join(inner)}) under torchao's flattened names ({flat_name(keys[0], next(iter(inner)))} …); "
+            "torchao not imported (serving the file needs it imported)" for name, (keys, inner) in found.items()]
 
 
 def static_wrapper(name: str, args: Any, op: str, r: Any) -> str | None:

@@ -60,7 +60,11 @@ def test_read_gives_inner_tensors_bit_equal_without_torchao(pickled: tuple) -> N
 def test_inspect_and_scan_without_trust(cli_runner, qf: quant_files.QuantFile) -> None:
     res = cli_runner.invoke(cli, ["inspect", str(qf.path), "--json"])
     assert res.exit_code == 0, res.output
-    keys = {t["key"]: (t["dtype"], t["shape"]) for t in json.loads(res.output)["keys"]}
+    report = json.loads(res.output)
+    keys = {t["key"]: (t["dtype"], t["shape"]) for t in report["keys"]}
+    cls = qf.extra["config"].replace("WeightOnlyConfig", "Tensor")  # Int8Tensor, Float8Tensor
+    assert any(n.startswith(f"7 torchao {cls} (model.layers.0.self_attn.q_proj.weight") and "torchao not imported"
+               in n for n in report["notes"]), report["notes"]
     qdata = "float8_e4m3fn" if "Float8" in qf.extra["config"] else "int8"
     assert keys["model.layers.0.mlp.down_proj._weight_qdata"] == (qdata, [128, 192])
     assert keys["model.layers.0.mlp.down_proj._weight_scale"] == ("float32", [128, 1])

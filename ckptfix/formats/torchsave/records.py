@@ -24,7 +24,7 @@ from ...parse.format_registry import TORCH_ZIP
 from ...parse.zipdir import zip_directory
 from ...parse.unpickler import SafePickle
 from ...parse.zipdir import data_start
-from ...safety import guards, scanner
+from ...safety import guards, scanner, subclasses
 from ..base import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .meta_pickle import pickle_meta
 from .torch_io import translate_load_error, unpickling_error
@@ -86,7 +86,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
         return typed
 
     obj = _unpickle(path, data, policy or guards.torch_policy(placeholders=True), persistent_load)
-    return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs)
+    return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs, notes=subclasses.take_notes())
 
 
 def _unpickle(path: str, data: bytes, policy: Any, persistent_load: Callable[[Any], Any]) -> Any:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...core import locations
-from ...safety import guards, scanner
+from ...safety import guards, scanner, subclasses
 from ...errors import CkptfixError, ConversionError, FormatError, NeedsLocalCopy, UnsafeCheckpointError, trust_advice
 from ...safety.standins import pickle_module_for
 from ...parse.unpickler import Refused, SafePickle
@@ -43,7 +43,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
         raise
     except Exception as e:  # torch raises many types for bad files; all become FormatError
         raise translate_load_error(path, fmt, e) from None
-    return RawRead(obj=obj, format=fmt, tags=tags)
+    return RawRead(obj=obj, format=fmt, tags=tags, notes=subclasses.take_notes())
 
 
 def torch_load(source: Any, map_location: Any, trust: bool, mmap: bool = False, skip_data: bool = False,

@@ -231,9 +231,9 @@ def dequantized_row(r: dict[str, Any]) -> str:
     """``model.0.weight (fp8-block): 0.0012, 0.0003, 0.021 (ok: step bound)`` for one dequantized weight's row."""
     if r["max_abs_diff"] is None:
         return f"{shown(r['key'])} ({r['scheme']}): shape {r['shape']} vs {r['original_shape']} (DIFFERS)"
-    verdict = {True: "ok", False: "DIFFERS", None: "reported"}[r["ok"]]
+    verdict = "reported, not judged" if r["ok"] is None else f"{'ok' if r['ok'] else 'DIFFERS'}: {r['tolerance']}"
     return (f"{shown(r['key'])} ({r['scheme']}): {r['max_abs_diff']:.3g}, {r['mean_abs_diff']:.3g}, "
-            f"{r['rel_error']:.3g} ({verdict}: {r['tolerance']})")
+            f"{r['rel_error']:.3g} ({verdict})")
 
 
 def diff_text(report: Any) -> str:

@@ -210,4 +210,6 @@ def test_real_releases_pass_against_their_original(real: tuple[Any, Path], cli_r
     qfile, orig = real
     report = _verify(cli_runner, qfile.path, "--original", orig, code=0)
     rows = report["quantization"]["original"]["tensors"]
-    assert rows and all(r["ok"] is True and r["tolerance"] == "step bound" for r in rows), rows
+    judged = (None, "reported") if qfile.library in ("autoawq", "gptqmodel") else (True, "step bound")
+    assert rows and all((r["ok"], r["tolerance"]) == judged for r in rows), rows
+    assert all(r["rel_error"] < 0.2 for r in rows), rows  # 4-bit's error, not a scale lost

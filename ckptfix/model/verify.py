@@ -60,7 +60,7 @@ def verify(path: Any, model: Any = None, *args: Any, **kwargs: Any) -> VerifyRep
     does) or, without one, exist on this machine. Tied keys the file holds once pass only where the
     model ties them again after loading (:mod:`ckptfix.model.serving`). ``progress``: on stderr, a progress
     line on a terminal while the file is hashed and the values checked; elsewhere (a CI log) one line per phase as
-    it ends (``ckptfix verify: read (1.2 s)``: read, build, hash, values, crc, load, forward).
+    it ends (``ckptfix verify: read (1.2 s)``: read, build, hash, values, quantized, original, crc, load, forward).
     """
     options = VerifyOptions(*args, **kwargs)  # the options checked first
     modelled = None if model is not None else option_needing_model({f.name: getattr(options, f.name) for f in fields(options)})

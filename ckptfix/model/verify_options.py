@@ -83,7 +83,7 @@ class VerifyOptions:
     #: on stderr: a progress line on a terminal, else one line per phase as it ends (the command: unless --quiet)
     progress: bool = option(False, own_flag(("--quiet",), is_flag=True, dest="quiet", negate=True, help=(
         "Nothing on stderr but errors: no progress line on a terminal, no line per phase (read, build, hash, "
-        "values, crc, load, forward) elsewhere.")))
+        "values, quantized, original, crc, load, forward) elsewhere.")))
     structure_only: bool = option(False, own_flag(("--structure-only",), is_flag=True, help=(
         "Keys, shapes and dtypes only: reads on meta, no tensor data (no NaN/Inf check, no forward).")))
     serving_loader: str = option("torch", own_flag(("--serving-loader",), choices=("torch", "transformers"), help=(

@@ -115,8 +115,10 @@ def test_the_original_compares_each_dequantized_weight(releases: dict[str, Path]
     for r in rows.values():
         assert r["ok"] is True and r["tolerance"] == "step bound" and r["scheme"] == "fp8-block"
         assert 0 < r["mean_abs_diff"] <= r["max_abs_diff"] and 0 < r["rel_error"] < 0.1
-    text = cli_runner.invoke(cli, ["verify", str(releases["intact"]), "--original", str(releases["original"]), "--quiet"])
+    text = cli_runner.invoke(cli, ["verify", str(releases["intact"]), "--original", str(releases["original"])])
     assert "against the original" in text.stdout and "layers.0.proj.weight (fp8-block): " in text.stdout
+    phases = [line.split(": ")[1].split(" (")[0] for line in text.stderr.splitlines()]
+    assert phases == ["read", "values", "quantized", "original"]  # a line per phase, as the gate's (no hash: text)
 
 
 def test_a_scale_off_by_4x_fails_against_the_original(releases: dict[str, Path], cli_runner: Any) -> None:

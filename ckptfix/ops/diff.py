@@ -127,10 +127,11 @@ def _dequantized(report: DiffReport, a: Any, sa: Any, b: Any, sb: Any) -> tuple[
         return dict(sa), dict(sb)
     (q, packed, plain) = (qa, dict(sa), dict(sb)) if qa.groups else (qb, dict(sb), dict(sa))
     atol, rtol = report.atol or None, report.rtol or None
+    laid_out_wrong = {p.module for p in q.layout.problems}
     for group in q.groups:
         key = quantized.original_key(group, plain)
-        if key is None:
-            continue  # the other side has no weight for it: its keys stay, listed as on one side only
+        if key is None or group.module in laid_out_wrong:
+            continue  # no weight on the other side, or a broken group: its keys stay, compared as stored
         row = {"key": key, **quantized.compare(group, packed, plain[key], atol, rtol)}
         report.dequantized.append(row)
         report.max_abs_diff[key] = row["max_abs_diff"]

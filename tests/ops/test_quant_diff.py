@@ -75,3 +75,14 @@ def test_a_real_release_against_its_original(name: str, cli_runner: Any) -> None
     report = _diff(cli_runner, qfile.original, qfile.path, code=0)
     assert len(report["dequantized"]) == 7 and all(r["ok"] is True for r in report["dequantized"])
     assert report["only_a"] == report["only_b"] == [] and report["counts"]["equal"] == report["counts"]["common"] > 0
+
+
+def test_a_broken_group_compares_as_stored(files: dict[str, Path], tmp_path: Path, cli_runner: Any) -> None:
+    """A scale grid of the wrong shape is not dequantized: its weight differs as stored, its scale is on one side."""
+    sd = quantized(original())
+    sd["layers.0.proj.weight_scale_inv"] = sd["layers.0.proj.weight_scale_inv"][:1].contiguous()
+    broken = release(tmp_path / "broken", sd)
+    report = _diff(cli_runner, broken, files["original"], code=3)
+    assert [r["key"] for r in report["dequantized"]] == ["layers.1.proj.weight"]
+    assert report["only_a"] == ["layers.0.proj.weight_scale_inv"]
+    assert [r["key"] for r in report["dtype_mismatch"]] == ["layers.0.proj.weight"]

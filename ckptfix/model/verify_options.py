@@ -24,7 +24,8 @@ INPUT_SEED = 1234
 
 _CONVERT = {f.name: f for f in fields(ConvertOptions)}
 _TOLERANCE = ("bit-exact against --reference (with --dtype fp16/bf16: that dtype's default); against --golden, the "
-              "recorded-value default for the output dtype (float32: atol 1e-6, rtol 1e-5)")
+              "recorded-value default for the output dtype (float32: atol 1e-6, rtol 1e-5); against --original, the "
+              "scheme's step bound")
 
 
 def own_flag(decls: tuple[str, ...], **kwargs: Any) -> Flag:

@@ -19,6 +19,7 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.core.tensorinfo import TensorInfo
 from ckptfix.core.torch_free import ENV_SWITCH
+from tests import quant_files
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 #: the formats the torch-free path describes itself (the rest go through torch by design)
@@ -55,9 +56,10 @@ def _is_tensor(v: Any) -> bool:
 
 
 def fixture_paths() -> list[Path]:
-    """Every committed checkpoint fixture: the files by suffix, and the directories."""
+    """Every committed checkpoint fixture: the files by suffix, and the directories (not fixtures/quant/, the
+    quantized releases of tests/quant_files)."""
     return sorted(p for p in FIXTURES.iterdir() if p.suffix in (".pth", ".pt", ".ckpt", ".tar", ".safetensors")
-                  or p.is_dir() and not p.name.startswith(("_", ".")))
+                  or p.is_dir() and not p.name.startswith(("_", ".")) and p != quant_files.QUANT)
 
 
 def save_both(obj: Any, d: Path) -> Any:

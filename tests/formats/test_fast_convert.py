@@ -30,6 +30,7 @@ from ckptfix.ops.convert import steps as conversion
 from ckptfix.errors import UnsafeCheckpointError
 from ckptfix.core.torch_free import ENV_SWITCH
 from ckptfix.formats import describe, sniff
+from tests import quant_files
 from tests.compare import raw_bytes
 from tests.describe_both import DESCRIBED, PROBE, safetensors_copy, save_both
 from tests.strategies import checkpoints
@@ -128,7 +129,8 @@ def assert_same_convert(src: Path, out: Path, mp: pytest.MonkeyPatch, suffix: st
 
 def _describable_fixtures() -> list[Path]:
     return sorted(p for p in FIXTURES.iterdir() if (p.is_file() or p.is_dir() and not p.name.startswith(("_", ".")))
-                  and p.suffix != ".py" and p.name != "manifest.json" and sniff(str(p)) in DESCRIBED)
+                  and p.suffix != ".py" and p.name != "manifest.json" and p != quant_files.QUANT
+                  and sniff(str(p)) in DESCRIBED)
 
 
 @pytest.mark.parametrize("suffix,options", [(".pth", {}), (".safetensors", {}), (".pth", {"keep_extra": True}),

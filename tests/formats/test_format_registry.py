@@ -27,6 +27,7 @@ from ckptfix.core.torch_free import ENV_SWITCH, NeedsTorch
 from ckptfix.parse import format_registry as registry, zipdir
 from ckptfix.safety import scanner
 from ckptfix.safety.file_scanners import PICKLE
+from tests import quant_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +41,7 @@ def made(tmp_path_factory: pytest.TempPathFactory, fixtures_dir: Path) -> dict[s
     ckptfix.convert(src, out / "st_shards", max_shard_size="1KB")
     ckptfix.convert(src, out / "pth_shards", max_shard_size="1KB", format="pth")
     found = {formats.sniff(str(p)): p for p in sorted(fixtures_dir.iterdir()) if p.suffix != ".py"
-             and p.name != "manifest.json"}
+             and p.name != "manifest.json" and p != quant_files.QUANT}
     found.update({formats.sniff(str(p)): p for p in (out / "m.safetensors", out / "st_shards", out / "pth_shards")})
     found[registry.TORCH_ZIP] = src
     return found

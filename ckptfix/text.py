@@ -175,8 +175,13 @@ def verify_text(report: Any) -> str:
     mode += f"; serving device {report.serving_device}" if report.serving_device else ""
     mode += "; structure only: values not checked" if report.nonfinite is None else ""
     tolerated = f", {len(report.tolerated)} tolerated" if report.tolerated else ""
-    lines = [f"{'VERIFIED' if report.ok else 'FAILED'}: {report.checkpoint} against {report.model} ({mode})",
-             f"  keys: {report.fix or 'as saved'}: {report.matched}/{report.total} keys match{tolerated}"]
+    verdict = "VERIFIED" if report.ok else "FAILED"
+    if report.model is None:  # the model-free gate
+        lines = [f"{verdict}: {report.checkpoint} (no model: the file alone{mode.partition('repairs allowed')[2]})"]
+    else:
+        lines = [f"{verdict}: {report.checkpoint} against {report.model} ({mode})",
+                 f"  keys: {report.fix or 'as saved'}: {report.matched}/{report.total} keys match{tolerated}"]
+    lines += verified_quantization(report.quantization)
     if report.exact and report.devices:
         lines.append(f"  devices: {counts(report.devices)} (where {loader} puts the tensors: as saved)")
     if report.convert_command:
@@ -221,14 +226,42 @@ def verify_text(report: Any) -> str:
     return "\n".join(lines)
 
 
+def verified_quantization(quant: dict[str, Any] | None) -> list[str]:
+    """verify's quantized groups: their count per scheme, and each weight's error against ``--original``."""
+    if not quant:
+        return []
+    schemes = ", ".join(f"{name} {n}" for name, n in quant["schemes"].items())
+    lines = [f"  quantized: {quant['groups']} groups" + (f" ({schemes})" if schemes else "")]
+    original = quant.get("original")
+    if original and original["tensors"]:
+        lines.append(f"  against the original {original['path']} (max abs, mean abs, relative error):")
+        lines += [f"    {dequantized_row(r)}" for r in original["tensors"][:20]]
+        lines += [f"    … and {len(original['tensors']) - 20} more"] if len(original["tensors"]) > 20 else []
+    return lines
+
+
+def dequantized_row(r: dict[str, Any]) -> str:
+    """``model.0.weight (fp8-block): 0.0012, 0.0003, 0.021 (ok: step bound)`` for one dequantized weight's row."""
+    if r["max_abs_diff"] is None:
+        return f"{shown(r['key'])} ({r['scheme']}): shape {r['shape']} vs {r['original_shape']} (DIFFERS)"
+    verdict = "reported, not judged" if r["ok"] is None else f"{'ok' if r['ok'] else 'DIFFERS'}: {r['tolerance']}"
+    return (f"{shown(r['key'])} ({r['scheme']}): {r['max_abs_diff']:.3g}, {r['mean_abs_diff']:.3g}, "
+            f"{r['rel_error']:.3g} ({verdict})")
+
+
 def diff_text(report: Any) -> str:
     c = report.counts
-    head = "identical" if report.identical else "DIFFER"
+    head = "DIFFER" if not report.identical else "within bounds" if report.dequantized else "identical"
     tol = "exact" if not (report.atol or report.rtol) else f"atol={report.atol:g}, rtol={report.rtol:g}"
     lines = [f"{head}: {report.a} vs {report.b} ({'raw keys' if report.raw else 'single form'}, {tol})",
              f"  {c['common']} common keys: {c['equal']} equal{' within tolerance' if report.atol or report.rtol else ''}, "
              f"{c['values']} values differ, "
              f"{c['shape']} shape, {c['dtype']} dtype; {c['only_a']} only in A, {c['only_b']} only in B"]
+    if report.dequantized:
+        lines.append(f"  dequantized ({len(report.dequantized)}) against the other side's weight (max abs, mean abs, "
+                     "relative error):")
+        lines += [f"    {dequantized_row(r)}" for r in report.dequantized[:20]]
+        lines += [f"    … and {len(report.dequantized) - 20} more"] if len(report.dequantized) > 20 else []
     for name, keys in (("only in A", report.only_a), ("only in B", report.only_b)):
         if keys:
             lines.append(f"  {name} ({len(keys)}):")

@@ -113,6 +113,13 @@ def _fixture(name: str) -> Callable[[Path, Any], None]:
     return make
 
 
+def _quant_release(dst: Path, request: Any) -> None:
+    """llmcompressor's FP8 block release (fixtures/quant), its weights and config only."""
+    dst.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        shutil.copyfile(ROOT / "fixtures" / "quant" / "llmcompressor" / "fp8_block" / name, dst / name)
+
+
 def _on_s3(fixture: str, url: str) -> Callable[[Path, Any], None]:
     """The fixture uploaded to ``url`` on tests/remote_servers.py's S3 server (moto's, on 127.0.0.1; the
     ``s3_server`` fixture, which points AWS_ENDPOINT_URL and the keys at it for the run)."""
@@ -230,6 +237,9 @@ MAKERS: dict[str, Callable[[Path, Any], None]] = {
     "block fp8 release": _fp8_release,
     "ec key": _ec_key,
     "signed mypkg MLP": _signed,
+    "quant: fp8 block release": _quant_release,
+    "quant: its bf16 original": lambda dst, request: shutil.copyfile(
+        ROOT / "fixtures" / "quant" / "original" / "model.safetensors", dst),
     "on s3: mlp_ddp.pth": _on_s3("mlp_ddp.pth", "s3://my-bucket/runs/ddp_run.pth"),
     "s3 bucket: my-bucket": _bucket("my-bucket"),
     "deepspeed zero-2 bf16": _deepspeed,
@@ -337,6 +347,7 @@ LAST = {"last.ckpt": "fixture:mlp_lightning.ckpt"}
 SHARDED = {"checkpoints/epoch=2-step=3.ckpt": "lightning sharded"}
 MYPKG_FILES = {"mypkg": "mypkg"}
 DEEPSPEED = {"ckpt": "deepspeed zero-2 bf16"}
+QUANT_FILES = {"release": "quant: fp8 block release", "bf16": "dir", "bf16/model.safetensors": "quant: its bf16 original"}
 
 RECIPES: dict[str, Entry] = {
     # Set up
@@ -427,6 +438,10 @@ RECIPES: dict[str, Entry] = {
         {"release.pth": "mypkg's MLP", **MYPKG_FILES}, env_path=True, check=_golden_again),
     "ckptfix diff run.pth model.safetensors": Entry(
         {"run.pth": "fixture:mlp_ddp.pth", "model.safetensors": "mlp_ddp as safetensors"}, check=_output_has("identical")),
+    "ckptfix verify release/": Entry({"release": "quant: fp8 block release"}, check=_output_has("quantized: 7 groups")),
+    "ckptfix verify release/ --original bf16/model.safetensors": Entry(
+        QUANT_FILES, check=_output_has("(ok: step bound)")),
+    "ckptfix diff release/ bf16/model.safetensors --json": Entry(QUANT_FILES, check=_json("identical", True)),
     "ckptfix diff a.pth b.pth --raw --atol 1e-6 --json": Entry(
         {"a.pth": "fixture:mlp_single.pth", "b.pth": "mlp, noisy"},
         check=_json("identical", True)),

@@ -75,11 +75,12 @@ def inspect(path: str, all_keys: bool, select: str, trust: bool, allow: tuple[st
 @click.argument("path", type=click.Path(dir_okay=True))
 @verify_options
 @click.pass_context
-def verify(ctx: click.Context, path: str, model_spec: str, **values: Any) -> None:
-    """Check PATH against a model: keys, shapes, dtypes, NaN/Inf, tied weights, forward outputs (exit 3: failed)."""
+def verify(ctx: click.Context, path: str, model_spec: str | None, **values: Any) -> None:
+    """Check PATH against a model: keys, shapes, dtypes, NaN/Inf, tied weights, forward outputs; without --model,
+    the file alone: CRCs, NaN/Inf, every quantized group intact (exit 3: failed)."""
     from ..model.verify import verify as do_verify
 
-    report = do_verify(path, model_spec, **verify_kwargs(values))
+    report = do_verify(path, model_spec, **verify_kwargs(values, has_model=model_spec is not None))
     render(report, values["as_json"], _format_text)
     if not report.ok:
         ctx.exit(exits.FINDING)

@@ -157,18 +157,23 @@ VERIFY_MODEL_HELP = "torchvision:NAME, package.module:callable or path/to/file.p
 def verify_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """``--model``, then every :class:`~ckptfix.model.verify_options.VerifyOptions` field with a flag as its click
     option, in ``HELP_ORDER``."""
-    decorators = [model_option(VERIFY_MODEL_HELP, required=True)]
+    decorators = [model_option(VERIFY_MODEL_HELP + " Without it: the model-free gate (CRCs, NaN/Inf, quantized "
+                                                   "groups intact, --original).")]
     return _stacked(f, decorators + [_field_option(fld) for fld in verify_declared.flagged()])
 
 
-def verify_kwargs(values: dict[str, Any]) -> dict[str, Any]:
-    """``ckptfix.verify``'s keywords from the command's parameters: the options that go together checked first
-    (a usage error, exit 2), then each value parsed as its flag's ``kind`` says."""
+def verify_kwargs(values: dict[str, Any], has_model: bool = True) -> dict[str, Any]:
+    """``ckptfix.verify``'s keywords from the command's parameters: the options that go together, and without
+    ``--model`` the ones that need it, checked first (a usage error, exit 2), then each value parsed as its flag's
+    ``kind`` says."""
     declared = list(verify_declared.flagged())
     kwargs = _keywords(declared, values)
     rule = verify_declared.broken_rule(kwargs)
     if rule is not None:
         raise click.UsageError(rule.usage.format(**kwargs))
+    modelled = None if has_model else verify_declared.option_needing_model(kwargs)
+    if modelled is not None:
+        raise click.UsageError(f"{flag_of(modelled).decls[0]} needs --model")
     return _parsed(declared, kwargs)
 
 

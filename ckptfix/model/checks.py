@@ -1,117 +1,40 @@
-"""The gate: :data:`CHECKS`, the checks :func:`ckptfix.verify` runs in order over one :class:`Gate`.
+"""The gate: :data:`CHECKS`, the checks :func:`ckptfix.verify` runs in order over one gate (:mod:`.gate`).
 
 Each check is a function ``(gate, report) -> Findings``: it looks at the checkpoint as read, the model and the
 options (the :class:`Gate`), reads what the checks before it found (the report so far) and returns its own
 findings, which :func:`ckptfix.model.findings.add` puts into the report. Any failure fails the gate. A new check
-is one function here and one entry in :data:`CHECKS`.
+is one function here and one entry in :data:`CHECKS`; ``@model_free`` on it when it needs no model (it then runs
+in ``verify PATH`` without one too, on a ``FileGate``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Callable
 from typing import Any
 
 from .. import text
 from ..core.devices import storage_id
 from ..core import locations
-from ..core.progress import Phases, Progress
+from ..core.progress import Progress
 from ..core.units import shown
 from ..errors import GoldenError, LoadError, ModelSpecError, UnsafeCheckpointError
-from ..ops import api, reading
+from ..ops import api
 from ..parse.format_registry import get as format_of
-from ..reports import Checkpoint
 from ..safety import integrity, scanner, signing
-from ..statedict import metadata, repair
-from . import fixes, observe, serving
+from ..statedict import repair
+from . import fixes, observe, quant_checks, serving
 from . import forward as fwd
 from . import golden as gold
 from . import spec as models
 from .findings import Findings, VerifyReport
+from .gate import FileGate, Gate, model_free
 from .inputs import InputRecipe, resolve_input
-from .verify_options import VerifyOptions
 
 
-@dataclass
-class Gate:
-    """What the checks look at: the options, the checkpoint as read, the model, and the key repair that fits them."""
-
-    options: VerifyOptions
-    path: str  #: what was read: the path given, or the one file of a save_pretrained directory
-    #: the tensors were read with their values (not on meta): NaN/Inf checked, and the forward check runs unless
-    #: ``forward`` is off
-    with_values: bool
-    source: models.ModelSource
-    ckpt: Checkpoint
-    structure: Any  #: the model as built for the read: on meta without values
-    is_fresh: bool  #: ``structure`` is a fresh model the forward check may load into
-    target: repair.Target
-    chosen: repair.Repair
-    fit: repair.Fit
-    phase: Phases  #: ``with gate.phase("hash"):`` a line on stderr as the step ends (not on a terminal)
-
-    @property
-    def runs_forward(self) -> bool:
-        """The model is loaded (and run, with a reference or golden outputs): values read, ``forward`` on."""
-        return self.with_values and self.options.forward
-
-    @cached_property
-    def aliases(self) -> serving.Aliases:
-        """With ``exact``: the tied keys the serving loader does not return (none without)."""
-        if not self.options.exact:
-            return serving.Aliases()
-        loaded = serving.plainly_loaded(self.ckpt)
-        return serving.check_aliases(self.ckpt.state_dict, loaded, self.chosen.fn, self.target,
-                                     serving.retie_hook(self.structure), self.options.serving_loader)
-
-    @cached_property
-    def off_device(self) -> list[str]:
-        """With ``exact``: a failure line per saved device the serving code can't load on (none without)."""
-        if not self.options.exact:
-            return []
-        return serving.device_failures(self.ckpt.devices, self.options.serving_device, serving.loader(self.ckpt.format))
-
-
-def open_gate(path: Any, model: Any, options: VerifyOptions) -> Gate:
-    """Read the checkpoint (on meta with ``structure_only``) and build the model (on meta without the forward
-    check), and fit its keys to the model's."""
-    phase = Phases("verify", options.progress)
-    with_values = not options.structure_only and str(options.map_location).strip().lower() != "meta"  # meta: no values
-    source = models.ModelSource(model, options.model_args, options.dtype)
-    with phase("read"):
-        ckpt = reading.read_checkpoint(os.fspath(path), options.map_location if with_values else "meta", options.trust,
-                                       options.select, refuse=True, judged=True)
-        ckpt.require_state_dict()
-    with phase("build"):
-        structure, is_fresh = source.structure(meta=not (with_values and options.forward))
-    target = repair.describe_target(structure, float_dtype=source.dtype)
-    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
-    return Gate(options, ckpt.path, with_values, source, ckpt, structure, is_fresh, target, chosen, fit, phase)
-
-
-def first_report(gate: Gate) -> VerifyReport:
-    """The report before any check: what the read and the key repair found."""
-    ckpt, fit = gate.ckpt, gate.fit
-    return VerifyReport(
-        ok=False, checkpoint=gate.path, model=gate.source.label, fix=gate.chosen.description, missing=fit.missing,
-        unexpected=fit.unexpected, shape_mismatch=fit.shape_mismatch, dtype_mismatch=fit.dtype_mismatch,
-        nonfinite=None, forward=None, sha256=None, exact=gate.options.exact, format=ckpt.format,
-        state_dict_key=ckpt.state_dict_key, matched=gate.chosen.matched, total=gate.chosen.total,
-        non_tensor=fit.non_tensor, tolerated=fit.tolerated,
-        notes=_notes(ckpt), model_dtype=gate.source.dtype_name,
-        devices=dict(ckpt.devices), serving_device=gate.options.serving_device,
-    )
-
-
-def _notes(ckpt: Checkpoint) -> list[str]:
-    """The read's notes, less what :func:`module_metadata` reports as failures."""
-    dropped = {metadata.note(line) for line in ckpt.metadata_dropped}
-    return [n for n in ckpt.notes if n not in dropped]
-
-
-def sha256(gate: Gate, report: VerifyReport) -> Findings:
+@model_free
+def sha256(gate: FileGate, report: VerifyReport) -> Findings:
     """The file's SHA-256 (a directory has no one hash), unless neither the options nor the forward check ask."""
     if not (gate.options.checksum or gate.runs_forward):
         return Findings()
@@ -139,16 +62,20 @@ def fix_command(gate: Gate, report: VerifyReport) -> Findings:
     return Findings(fields={"convert_command": command})
 
 
-def tensor_values(gate: Gate, report: VerifyReport) -> Findings:
-    """NaN/Inf per tensor (with values only), and tied parameters that arrive as different tensors."""
+@model_free
+def tensor_values(gate: FileGate, report: VerifyReport) -> Findings:
+    """NaN/Inf per tensor (with values only; without a model each is a failure here, with one ``key_fit`` fails
+    them), and tied parameters that arrive as different tensors."""
     import torch
 
-    sd, found = gate.fit.state_dict, Findings()
+    sd, found = gate.values, Findings()
     if gate.with_values:
         with gate.phase("values"):
-            found.fields["nonfinite"] = _nonfinite(sd, list(gate.target.shapes), gate.options.progress)
+            found.fields["nonfinite"] = _nonfinite(sd, gate.value_keys, gate.options.progress)
+        if found.fields["nonfinite"] and not isinstance(gate, Gate):
+            found.failures.append(serving.named("non-finite", found.fields["nonfinite"]))
     mismatched = []
-    for group in gate.target.tied:
+    for group in gate.tied:
         present = [k for k in group if isinstance(sd.get(k), torch.Tensor)]
         views = {(storage_id(sd[k]), sd[k].storage_offset(), tuple(sd[k].shape), tuple(sd[k].stride())) for k in present}
         if len(views) <= 1:
@@ -207,7 +134,8 @@ def key_fit(gate: Gate, report: VerifyReport) -> Findings:
     return found
 
 
-def module_metadata(gate: Gate, report: VerifyReport) -> Findings:
+@model_free
+def module_metadata(gate: FileGate, report: VerifyReport) -> Findings:
     """What the state dict's ``_metadata`` holds that torch's loaders can't take (a placeholder, a version that is not
     a number, a module entry that is not a dict …): a failure per module key, with why
     (:mod:`ckptfix.statedict.metadata`). ckptfix's load, load_into and convert drop it; the file as saved keeps it."""
@@ -276,7 +204,8 @@ def devices(gate: Gate, report: VerifyReport) -> Findings:
     return Findings(failures=list(gate.off_device))
 
 
-def zip_crcs(gate: Gate, report: VerifyReport) -> Findings:
+@model_free
+def zip_crcs(gate: FileGate, report: VerifyReport) -> Findings:
     """The CRC-32 a zip stores for each member, against its bytes (with or without the forward check)."""
     if not format_of(gate.ckpt.format).zip:
         return Findings()
@@ -395,14 +324,8 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
     return net
 
 
-def model_free(check: Any) -> Any:
-    """Mark a check that needs no model: ``verify PATH`` without one runs these."""
-    check.needs_model = False
-    return check
-
-
 @model_free
-def signature(gate: Gate, report: VerifyReport) -> Findings:
+def signature(gate: FileGate, report: VerifyReport) -> Findings:
     """With ``signature``: PATH against its OpenSSF model signature, offline; each changed, missing or extra file,
     a wrong key, a renamed file fails."""
     opts = gate.options
@@ -416,5 +339,7 @@ def signature(gate: Gate, report: VerifyReport) -> Findings:
 
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
-CHECKS = (sha256, signature, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs,
-          observed_load, forward_outputs)
+CHECKS: tuple[Callable[[Any, VerifyReport], Findings], ...] = (
+    sha256, signature, served_keys, fix_command, tensor_values, key_fit, module_metadata,
+    quant_checks.quantized_groups, quant_checks.against_original,  # issue 28: quantized groups (model-free)
+    as_saved, devices, zip_crcs, observed_load, forward_outputs)

@@ -18,7 +18,7 @@ class VerifyReport:
 
     ok: bool
     checkpoint: str
-    model: str
+    model: str | None  #: the model spec; None: the model-free gate (no model given)
     fix: str | None
     missing: list[str]
     unexpected: list[str]
@@ -48,6 +48,8 @@ class VerifyReport:
     observed: dict[str, Any] | None = None
     #: with ``signature``: the OpenSSF model signature's check (``signing.SignatureCheck.to_dict``: signer, files, verdict)
     signature: dict[str, Any] | None = None
+    #: the quantized groups (:mod:`ckptfix.model.quant_checks`): counts per scheme, problems, ``--original``'s errors
+    quantization: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,18 +13,22 @@ and with ``golden`` outputs (:mod:`ckptfix.model.golden`).
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from ..ops.convert_options import takes
-from . import checks
+from . import checks, gate as gates
 from .findings import VerifyReport, add
-from .verify_options import VerifyOptions
+from .verify_options import VerifyOptions, option_needing_model, without_model_error
 
 
 @takes(VerifyOptions)
-def verify(path: Any, model: Any, *args: Any, **kwargs: Any) -> VerifyReport:
+def verify(path: Any, model: Any = None, *args: Any, **kwargs: Any) -> VerifyReport:
     """Check checkpoint ``path`` against ``model`` (an nn.Module, a spec such as
-    ``'torchvision:resnet18'`` with ``model_args``, or a factory).
+    ``'torchvision:resnet18'`` with ``model_args``, or a factory); without one (None), the model-free gate: the
+    checks that need no model (:func:`ckptfix.model.gate.model_free`: the file's hash, CRC-32s, NaN/Inf, ``_metadata``,
+    every quantized group intact and finite after dequantization, and with ``original`` each dequantized weight
+    against the unquantized one). ``exact``, ``reference``, ``golden``, the input and ``dtype`` need a model.
 
     ``forward=False`` loads and runs no model: keys, shapes, dtypes, and NaN/Inf on the values as read; with
     ``checksum=False`` too, nothing is hashed (``sha256`` is then None). ``structure_only=True`` reads on ``meta``:
@@ -56,11 +60,16 @@ def verify(path: Any, model: Any, *args: Any, **kwargs: Any) -> VerifyReport:
     does) or, without one, exist on this machine. Tied keys the file holds once pass only where the
     model ties them again after loading (:mod:`ckptfix.model.serving`). ``progress``: on stderr, a progress
     line on a terminal while the file is hashed and the values checked; elsewhere (a CI log) one line per phase as
-    it ends (``ckptfix verify: read (1.2 s)``: read, build, hash, values, crc, load, forward).
+    it ends (``ckptfix verify: read (1.2 s)``: read, build, hash, values, quantized, original, crc, load, forward).
     """
-    gate = checks.open_gate(path, model, VerifyOptions(*args, **kwargs))  # the options checked first
-    report = checks.first_report(gate)
+    options = VerifyOptions(*args, **kwargs)  # the options checked first
+    modelled = None if model is not None else option_needing_model({f.name: getattr(options, f.name) for f in fields(options)})
+    if modelled is not None:
+        raise without_model_error(modelled, getattr(options, modelled.name))
+    gate = gates.open_gate(path, model, options)
+    report = gates.first_report(gate)
     for check in checks.CHECKS:
-        add(report, check(gate, report))
+        if model is not None or not gates.needs_model(check):
+            add(report, check(gate, report))
     report.ok = not report.failures
     return report

@@ -25,7 +25,8 @@ INPUT_SEED = 1234
 
 _CONVERT = {f.name: f for f in fields(ConvertOptions)}
 _TOLERANCE = ("bit-exact against --reference (with --dtype fp16/bf16: that dtype's default); against --golden, the "
-              "recorded-value default for the output dtype (float32: atol 1e-6, rtol 1e-5)")
+              "recorded-value default for the output dtype (float32: atol 1e-6, rtol 1e-5); against --original, the "
+              "scheme's step bound")
 
 
 def own_flag(decls: tuple[str, ...], **kwargs: Any) -> Flag:
@@ -84,7 +85,7 @@ class VerifyOptions:
     #: on stderr: a progress line on a terminal, else one line per phase as it ends (the command: unless --quiet)
     progress: bool = option(False, own_flag(("--quiet",), is_flag=True, dest="quiet", negate=True, help=(
         "Nothing on stderr but errors: no progress line on a terminal, no line per phase (read, build, hash, "
-        "values, crc, load, forward) elsewhere.")))
+        "values, quantized, original, crc, load, forward) elsewhere.")))
     structure_only: bool = option(False, own_flag(("--structure-only",), is_flag=True, help=(
         "Keys, shapes and dtypes only: reads on meta, no tensor data (no NaN/Inf check, no forward).")))
     serving_loader: str = option("torch", own_flag(("--serving-loader",), choices=("torch", "transformers"), help=(
@@ -99,6 +100,9 @@ class VerifyOptions:
                                                              kind="file", help=(
         "With --signature: a certificate-signed signature, checked up to these certificates (repeatable; "
         "model_signing's certificate method).")))
+    original: Any = option(None, own_flag(("--original",), metavar="ORIGINAL", kind="path", help=(
+        "The unquantized weights: each quantized weight, dequantized, is compared with the original's (max, mean "
+        "and relative error); round-to-nearest schemes fail beyond their step bound (others: with --atol/--rtol).")))
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -108,7 +112,7 @@ class VerifyOptions:
 
 
 #: the fields' flags in ``ckptfix verify --help`` (after ``--model``); a flag not named here follows them
-HELP_ORDER = ("model_args", "exact", "serving_device", "serving_loader", "reference", "input_shape", "input_dtype",
+HELP_ORDER = ("model_args", "exact", "serving_device", "serving_loader", "reference", "original", "input_shape", "input_dtype",
               "input_range", "inputs", "golden", "record_golden", "dtype", "atol", "rtol", "forward", "structure_only",
               "signature", "public_key", "certificate_chain", "map_location", "select", "trust", "checksum", "progress")
 
@@ -175,3 +179,31 @@ def _serving_device(tag: Any) -> bool:
 def broken_rule(values: Mapping[str, Any]) -> Rule | None:
     """The first of :data:`RULES` that ``values`` (option name → value) break, or None."""
     return next((rule for rule in RULES if rule.broken(values)), None)
+
+
+#: the options that mean something only with a model: the serving loader's load, the forward check and its input,
+#: the model's dtype. Without a model (``verify PATH``, the model-free gate) each is refused.
+NEEDS_MODEL = ("exact", "reference", "golden", "record_golden", "inputs", "input_shape", "input_dtype", "input_range",
+               "dtype", "model_args")
+
+
+def option_needing_model(values: Mapping[str, Any]) -> Field | None:
+    """The first of :data:`NEEDS_MODEL` given in ``values`` (set, not its default), or None: without a model, the
+    library raises ``ModelSpecError`` and the command line stops with ``--FLAG needs --model`` (exit 2)."""
+    by_name = {f.name: f for f in fields(VerifyOptions)}
+    return next((by_name[n] for n in NEEDS_MODEL if _given(values.get(n), by_name[n].default)), None)
+
+
+def _given(value: Any, default: Any) -> bool:
+    """``value`` is set: not None, not the default, not an empty ``--arg``/``--input-shape`` (a tensor ``inputs`` is
+    never compared, only checked for None)."""
+    if value is None or value is default:
+        return False
+    return bool(value) and value != default if isinstance(value, (bool, tuple, list, dict)) else True
+
+
+def without_model_error(fld: Field, value: Any) -> ModelSpecError:
+    """The library's error for ``fld`` given without a model."""
+    flag = flag_of(fld).decls[0]
+    return ModelSpecError(f"{fld.name}={value!r} ({flag}) needs a model: pass model= (--model SPEC), or leave it "
+                          "out for the model-free gate")

@@ -27,6 +27,8 @@ CONFIG = "config.json"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 #: ``torch_dtype`` values a dequantization keeps by default (the release's compute dtype); anything else: float32
 _DEFAULT_DTYPES = ("bfloat16", "float16")
+#: a config file bigger than this is not read (a config is kilobytes; the tensors' names still name the schemes)
+_CONFIG_MAX_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,13 @@ def read_configs(path: str) -> Configs:
 
 
 def _json_object(path: str) -> dict[str, Any] | None:
+    """A JSON object read from ``path``; None where it is missing, too big for a config, or not an object."""
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
+        if os.path.getsize(path) > _CONFIG_MAX_BYTES:
+            return None
+        with open(path, "rb") as f:
+            value = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 

@@ -6,8 +6,6 @@ Shared by the verbs in :mod:`ckptfix.ops.api` and the conversion steps in :mod:`
 from __future__ import annotations
 
 import functools
-import json
-import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -20,7 +18,7 @@ from ..core.limits import collector_paused
 from ..errors import NeedsLocalCopy, SelectError
 from ..parse.format_registry import get
 from ..reports import Checkpoint, describe_value, tensor_stats
-from . import remote_read
+from . import quantized, remote_read
 
 T = TypeVar("T")
 
@@ -107,35 +105,7 @@ def summarise(path: str, fmt: str, raw: RawRead, select: str, refuse: bool,
         refs=raw.refs,
         metadata_dropped=dropped,
         no_state_dict=missing,
-        quant_config=quant_config_beside(path),
+        quant_config=quantized.read_configs(path).for_schemes(),
     )
 
 
-#: the files beside a checkpoint that say how it was quantized, in the order asked (transformers', then modelopt's)
-QUANT_CONFIG_FILES = ("config.json", "hf_quant_config.json")
-_CONFIG_MAX_BYTES = 16 * 2**20
-
-
-def quant_config_beside(path: str) -> dict[str, Any] | None:
-    """The config file in a local checkpoint's directory that holds its quantization (config.json's
-    ``quantization_config``, else modelopt's hf_quant_config.json), as plain data; None where none does (a URL:
-    not fetched). A file that isn't a JSON object is passed over: the tensors' names still name the schemes."""
-    if locations.is_remote(path):
-        return None
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    for name in QUANT_CONFIG_FILES:
-        config = _json_object(os.path.join(folder, name))
-        if config is not None and ("quantization_config" in config or "quantization" in config):
-            return config
-    return None
-
-
-def _json_object(path: str) -> dict[str, Any] | None:
-    try:
-        if os.path.getsize(path) > _CONFIG_MAX_BYTES:
-            return None
-        with open(path, "rb") as f:
-            value = json.loads(f.read())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None

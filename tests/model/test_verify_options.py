@@ -26,15 +26,17 @@ ROOT = Path(__file__).resolve().parents[2]
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
 
 #: ``ckptfix.verify``'s signature before its options were declared once: users' calls keep working as they were
+#: (issue 28: ``model`` may be left out, the model-free gate; ``original`` added at the end)
 SIGNATURE = (
-    "(path: 'Any', model: 'Any', reference: 'Any' = None, exact: 'bool' = False, forward: 'bool' = True, "
+    "(path: 'Any', model: 'Any' = None, reference: 'Any' = None, exact: 'bool' = False, forward: 'bool' = True, "
     "atol: 'float | None' = None, rtol: 'float | None' = None, input_shape: 'tuple[int, ...] | None' = None, "
     "model_args: 'dict[str, Any] | None' = None, map_location: 'Any' = 'cpu', select: 'str' = 'auto', "
     "trust: 'bool' = False, seed: 'int' = 1234, checksum: 'bool' = True, dtype: 'Any' = None, "
     "input_dtype: 'str | None' = None, input_range: 'tuple[float, float] | None' = None, inputs: 'Any' = None, "
     "golden: 'Any' = None, record_golden: 'bool' = False, serving_device: 'str | None' = None, "
     "progress: 'bool' = False, structure_only: 'bool' = False, serving_loader: 'str' = 'torch', "
-    "signature: 'Any' = None, public_key: 'Any' = None, certificate_chain: 'tuple[Any, ...]' = ()) -> 'VerifyReport'")
+    "signature: 'Any' = None, public_key: 'Any' = None, certificate_chain: 'tuple[Any, ...]' = (), original: 'Any' = None) "
+    "-> 'VerifyReport'")
 #: keywords the command line has no flag for
 LIBRARY_ONLY = {"seed"}
 
@@ -113,7 +115,7 @@ def test_the_command_passes_every_option(calls: list[Any], cli_runner: Any, tmp_
             "--reference", "r.pth", "--input-shape", "2x13", "--input-dtype", "long", "--input-range", "-1,1",
             "--golden", "g.safetensors", "--record-golden", "--dtype", "bf16", "--atol", "0.5",
             "--rtol", "0.25", "--no-forward", "--map-location", "cuda:1=cpu", "--select", "ema", "--trust", "--json",
-            "--structure-only", "--quiet", "--signature", "s.sig", "--public-key", "p.pem"]
+            "--structure-only", "--quiet", "--signature", "s.sig", "--public-key", "p.pem", "--original", "o.safetensors"]
     res = cli_runner.invoke(cli, argv)
     assert res.exit_code == 0, res.output
     ((path, model, kwargs),) = calls
@@ -123,7 +125,7 @@ def test_the_command_passes_every_option(calls: list[Any], cli_runner: Any, tmp_
                           golden="g.safetensors", record_golden=True, dtype="bf16", atol=0.5, rtol=0.25, forward=False,
                           map_location=parse_cli_map_location(("cuda:1=cpu",)), select="ema", trust=True, checksum=True,
                           progress=False, structure_only=True, serving_loader="torch", signature="s.sig",
-                          public_key="p.pem", certificate_chain=())
+                          public_key="p.pem", certificate_chain=(), original="o.safetensors")
     # --input alone (it gives the tensors that --input-shape, --input-dtype and --input-range would describe)
     assert cli_runner.invoke(cli, ["verify", "a.pth", "--model", "m:f", "--input", "i.pt"]).exit_code == 0
     assert calls[1][2]["inputs"] == "i.pt"

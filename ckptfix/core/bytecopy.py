@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -202,6 +203,56 @@ class SegmentsCrcWorker(CrcWorker):
     def close(self) -> None:
         self.ranges = []
         self._thread.join()
+
+
+class OutputCrcs:
+    """CRC-32s of ranges of the file being written (per-tensor digests), each computed on another thread as soon
+    as its bytes have landed: read back from the page cache while the next tensor is copied. A range whose bytes
+    land later (a remote source's queued copy) is added with ``landed=False`` and counted in :meth:`release`.
+
+    ``crcs = OutputCrcs(fd); …copy…; crcs.add(pos, n); …; crcs.release(); crcs.results()``."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.ranges: list[tuple[int, int]] = []
+        self.held: list[int] = []
+        self.results_: dict[int, int] = {}
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (i := self._queue.get()) is not None:
+            try:
+                self.results_[i] = crc32_range(self.fd, *self.ranges[i])
+            except BaseException as e:  # re-raised in results()
+                self.error = e
+
+    def add(self, offset: int, size: int, landed: bool = True) -> None:
+        self.ranges.append((offset, size))
+        if landed:
+            self._queue.put(len(self.ranges) - 1)
+        else:
+            self.held.append(len(self.ranges) - 1)
+
+    def release(self) -> None:
+        """The held ranges' bytes have landed (the queued copies ran)."""
+        for i in self.held:
+            self._queue.put(i)
+        self.held = []
+
+    def results(self) -> list[int]:
+        """Every range's CRC-32, in the order added."""
+        self.close()
+        if self.error is not None:
+            raise self.error
+        return [self.results_[i] for i in range(len(self.ranges))]
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from ...core.torch_free import NeedsTorch
 from ...parse.format_registry import get
 from ...safety.scanner import ensure_safe
 from ..base import RawRead, Reader, WritePlan
-from . import planner, records, torch_io, zip_describer
+from . import planner, provenance, records, torch_io, zip_describer
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
@@ -61,10 +61,20 @@ def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str 
     else ``torch.save``."""
     if refs:
         records.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
-        return []
-    return torch_io.write(obj, path)
+        notes: list[str] = []
+    else:
+        notes = torch_io.write(obj, path)
+    provenance.add(path)
+    return notes
 
 
 def plan_write(obj: Any, fmt: str, archive: str = "archive", keep_keys: bool = True) -> WritePlan:
     """A torch zip of TensorInfo values, planned without torch (:func:`.planner.plan_write`)."""
-    return planner.plan_write(obj, archive, keep_keys)
+    plan = planner.plan_write(obj, archive, keep_keys)
+
+    def write(path: str) -> list[str]:
+        notes = plan.write(path)
+        provenance.add(path)
+        return notes
+
+    return WritePlan(write)

@@ -10,6 +10,7 @@ torch's own writer does.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import BinaryIO
 
 from ...core.checksums import crc32
 from ...core import bytecopy
+from ...parse.zipdir import Directory, read_directory
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -129,3 +131,20 @@ class ZipWriter:
         else:
             self.f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
         self.f.flush()
+
+
+def append(path: str, records: Callable[[Directory], list[tuple[str, bytes]]]) -> None:
+    """Add the stored records ``records(directory)`` gives to the finished zip ``path``, where its central
+    directory was, then write the directory again with every earlier entry: ckptfix's digests and lineage,
+    added to a file ``torch.save`` or this writer wrote (torch's reader skips records it isn't asked for)."""
+    with open(path, "r+b") as f:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            directory = read_directory(buf, len(buf))
+        added = records(directory)
+        f.seek(directory.cd_offset)
+        f.truncate()
+        z = ZipWriter(f)
+        z.entries = [_Entry(e.raw_name, e.header_offset, e.file_size, e.crc) for e in directory.entries]
+        for name, data in added:
+            z.add_bytes(name, data)
+        z.close()

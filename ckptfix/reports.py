@@ -120,6 +120,8 @@ class Checkpoint:
     #: a file holding no state dict (a bare tensor, a list, a dict of plain values; ``raw`` holds it, ``state_dict``
     #: is empty): the line ``load``, ``convert``, ``verify`` and ``diff`` refuse it with (:meth:`require_state_dict`)
     no_state_dict: str | None = None
+    #: ``inspect``/``describe``: the per-tensor digests (algorithm, count) and lineage a ckptfix output records
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     def require_state_dict(self) -> None:
         """Raise SelectError where the file holds no state dict (what ``read`` and ``inspect`` show whole)."""
@@ -186,6 +188,7 @@ class Checkpoint:
             "notes": self.notes,
             **({"bytes_fetched": self.bytes_fetched} if self.bytes_fetched is not None else {}),
             **({"no_state_dict": self.no_state_dict} if self.no_state_dict is not None else {}),
+            **self.provenance,
         }
 
 

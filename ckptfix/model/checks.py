@@ -284,6 +284,14 @@ def zip_crcs(gate: Gate, report: VerifyReport) -> Findings:
         return Findings(failures=integrity.crc_failures(gate.path, gate.ckpt.format))
 
 
+def tensor_digests(gate: Gate, report: VerifyReport) -> Findings:
+    """Model-free: the per-tensor digests a ckptfix output records, against its bytes, naming each tensor that
+    doesn't match (docs/digests.md); a file that records none, or a URL, has nothing to check."""
+    if locations.is_remote(gate.path):
+        return Findings()
+    return Findings(failures=integrity.digest_failures(gate.path, gate.ckpt.format))
+
+
 def forward_outputs(gate: Gate, report: VerifyReport) -> Findings:
     """With values, where the file loads: the forward check (:func:`_run_forward`); else a note of why not."""
     o = gate.options
@@ -397,5 +405,6 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
 
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
-CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs, observed_load,
+CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs,
+          tensor_digests, observed_load,
           forward_outputs)

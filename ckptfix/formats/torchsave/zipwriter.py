@@ -32,6 +32,7 @@ class _Entry:
     offset: int
     size: int
     crc: int
+    flags: int = 0  # (torch.save's records have data descriptors: bit 3, kept when the directory is rewritten)
 
 
 class ZipWriter:
@@ -50,7 +51,7 @@ class ZipWriter:
         pad = (-(self.pos + fixed + 4)) % ALIGN
         extra += struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
         n = _U32 if zip64 else size
-        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, *_DOS_DATE, crc, n, n,
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, e.flags, 0, *_DOS_DATE, crc, n, n,
                            len(name), len(extra))
         return head + name + extra
 
@@ -117,7 +118,7 @@ class ZipWriter:
                 extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.offset)
             size = _U32 if zip64 else e.size
             off = _U32 if zip64 else e.offset
-            rec = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if zip64 else 20, 0, 0, *_DOS_DATE,
+            rec = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if zip64 else 20, e.flags, 0, *_DOS_DATE,
                               e.crc, size, size, len(e.name), len(extra), 0, 0, 0, 0, off)
             self.f.write(rec + e.name + extra)
             self.pos += len(rec) + len(e.name) + len(extra)
@@ -144,7 +145,7 @@ def append(path: str, records: Callable[[Directory], list[tuple[str, bytes]]]) -
         f.seek(directory.cd_offset)
         f.truncate()
         z = ZipWriter(f)
-        z.entries = [_Entry(e.raw_name, e.header_offset, e.file_size, e.crc) for e in directory.entries]
+        z.entries = [_Entry(e.raw_name, e.header_offset, e.file_size, e.crc, e.flags) for e in directory.entries]
         for name, data in added:
             z.add_bytes(name, data)
         z.close()

@@ -51,7 +51,7 @@ class ZipWriter:
         pad = (-(self.pos + fixed + 4)) % ALIGN
         extra += struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
         n = _U32 if zip64 else size
-        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, e.flags, 0, *_DOS_DATE, crc, n, n,
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, *_DOS_DATE, crc, n, n,
                            len(name), len(extra))
         return head + name + extra
 

@@ -6,7 +6,7 @@ corruption detection at copy speed, not tamper-evidence (a signature's job). saf
 ``data_offsets`` range. torch zip: the record ``<archive>/.ckptfix/digests.json`` = ``{"algorithm": "crc32",
 "storages": {key: "8 hex digits"}, "tensors": {name: key}}`` over each ``data/KEY`` record (a tensor is a view of
 its storage). Lineage (``ckptfix.lineage``, ``.ckptfix/lineage.json``): the ckptfix version, the transform and the
-source's identity, set for a write by :func:`recording`.
+source's identity, set for a write by :func:`recording`. A DCP directory: both in the sidecar ``ckptfix.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ DIGESTS_KEY = "ckptfix.digests"  #: safetensors ``__metadata__`` keys
 LINEAGE_KEY = "ckptfix.lineage"
 DIGESTS_RECORD = ".ckptfix/digests.json"  #: torch zip records, under the archive's folder
 LINEAGE_RECORD = ".ckptfix/lineage.json"
+SIDECAR = "ckptfix.json"  #: a DCP directory's, whose files hold no place for either
 _WORKERS = 4
 
 _lineage: ContextVar[str | None] = ContextVar("ckptfix_lineage", default=None)
@@ -56,6 +57,14 @@ def storages_entry(crcs: dict[str, int], tensors: dict[str, str]) -> bytes:
     """A torch zip's ``.ckptfix/digests.json``: ``{storage key: CRC-32}`` and ``{tensor name: storage key}``."""
     return compact({"algorithm": ALGORITHM, "storages": {k: hex8(v) for k, v in crcs.items()},
                     "tensors": tensors}).encode("utf-8")
+
+
+def sidecar_entry(items: list[tuple[str, str, int, int, int]], lineage: str | None) -> bytes:
+    """A DCP directory's ``ckptfix.json``: ``{"digests": {"algorithm", "items": [[name, file, offset, length,
+    CRC-32], …]}, "lineage": …}``, one item per storage item of its metadata (a tensor's chunk: ``fqn@offsets``)."""
+    entry = {"algorithm": ALGORITHM, "items": [[n, f, o, k, hex8(c)] for n, f, o, k, c in items]}
+    return (compact({"digests": entry, **({"lineage": json.loads(lineage)} if lineage is not None else {})})
+            + "\n").encode("utf-8")
 
 
 @contextmanager
@@ -170,6 +179,26 @@ def _torch_zip(path: str) -> Recorded:
     return found
 
 
+def _dcp(path: str) -> Recorded:
+    sidecar = os.path.join(path, SIDECAR)
+    if not os.path.isfile(sidecar):
+        return Recorded(None, None)
+    with open(sidecar, "rb") as f:
+        whole = _json(path, SIDECAR, f.read())
+    entry, lineage = whole.get("digests"), whole.get("lineage")
+    if not isinstance(entry, dict) or not isinstance(entry.get("items"), list):
+        raise FormatError(f"{path}: its {SIDECAR} has no digests object with items")
+    _algorithm(path, entry, SIDECAR)
+    found = []
+    for item in entry["items"]:
+        if not (isinstance(item, list) and len(item) == 5 and type(item[0]) is str and type(item[2]) is int
+                and type(item[3]) is int and item[2] >= 0 and item[3] >= 0):
+            raise FormatError(f"{path}: its {SIDECAR} holds a malformed item: {str(item)[:80]}")
+        member = checkpoint_dirs.member_path(path, item[1], sidecar, "file")
+        found.append(Digest((item[0],), member, item[2], item[3], _crc(path, item[4], f"the digest of {item[0]!r}")))
+    return Recorded(found, lineage if isinstance(lineage, dict) else None)
+
+
 def read(path: str, fmt: str) -> Recorded:
     """The digests and lineage ``path`` (a safetensors file or torch zip, or a sharded directory of them: every
     shard's) records; FormatError where they are malformed."""
@@ -186,6 +215,8 @@ def read(path: str, fmt: str) -> Recorded:
                         shards[0].lineage if shards else None)
     if fmt == "safetensors":
         return _safetensors(path)
+    if fmt == "dcp" and not locations.is_remote(path):
+        return _dcp(path)
     if spec.zip and fmt == "torch-zip":
         return _torch_zip(path)
     return Recorded(None, None)

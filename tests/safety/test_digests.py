@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptfix
 from ckptfix.cli.commands import cli
@@ -32,6 +33,7 @@ KINDS = [
     ("safetensors cast", "out.safetensors", {"dtype": "bf16"}, "1"),
     ("sharded safetensors", "shards", {"max_shard_size": 40}, "1"),
     ("sharded pth", "shards", {"max_shard_size": 40, "format": "pth"}, "0"),
+    ("dcp", "dcp", {"format": "dcp"}, "1"),
 ]
 
 
@@ -59,7 +61,7 @@ def outputs(source: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 def _files(path: Path) -> list[Path]:
-    return sorted(p for p in path.iterdir() if p.suffix != ".json") if path.is_dir() else [path]
+    return sorted(p for p in path.iterdir() if p.suffix != ".json") if path.is_dir() else [path]  # (DCP's sidecar too)
 
 
 @pytest.mark.parametrize("kind", [k[0] for k in KINDS])
@@ -76,7 +78,12 @@ def test_every_output_records_digests_and_plain_loaders_take_it(kind: str, outpu
     want = {k.removeprefix("module."): v for k, v in torch.load(source, weights_only=True).items()}
     got: dict[str, Any] = {}
     for f in _files(path):
-        if f.suffix == ".safetensors":
+        if f.name == "__0_0.distcp":  # DCP: torch's own converter
+            dcp_to_torch_save(path, path.parent / "plain.pth")
+            got.update(torch.load(path.parent / "plain.pth", weights_only=True))
+        elif f.suffix == ".distcp" or f.name == ".metadata":
+            continue
+        elif f.suffix == ".safetensors":
             got.update(load_file(f))
         else:
             plain, mapped = torch.load(f, weights_only=True), torch.load(f, weights_only=True, mmap=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ... import __version__
 from ...core import locations
+from ...parse import checkpoint_dirs, format_registry as registry
 from ...safety import integrity
 from ..convert_options import ConvertOptions, flag_of
 
@@ -23,7 +24,7 @@ _NOT_TRANSFORMS = frozenset({"map_location", "hash", "force", "progress", "trust
 def of(req: Any) -> dict[str, Any]:
     """The lineage of the convert ``req`` (a ``steps.Request``): the same request of the same source is the
     same dict, key for key."""
-    return {"ckptfix": __version__, "transform": transform(req), "source": source(req.src, req.checksums)}
+    return {"ckptfix": __version__, "transform": transform(req), "source": source(req.src, req.fmt_in, req.checksums)}
 
 
 def transform(options: ConvertOptions) -> str:
@@ -42,11 +43,16 @@ def transform(options: ConvertOptions) -> str:
     return " ".join(parts)
 
 
-def source(src: str, hashed: bool) -> dict[str, Any]:
-    """``src``'s identity: its name, size and SHA-256 (``hashed``, a local file) or validator."""
+def source(src: str, fmt: str, hashed: bool) -> dict[str, Any]:
+    """``src``'s identity: its name, size and SHA-256 (``hashed``, a local file) or validator (a remote directory:
+    its index's; none for one without)."""
     name = src.rstrip("/").rsplit("/", 1)[-1]
     if locations.is_remote(src):
-        opened = locations.open_source(src)
+        spec = registry.get(fmt)
+        one = checkpoint_dirs.find_index(src) if spec.index_name else None if spec.directory_output else src
+        if one is None:
+            return {"name": name}
+        opened = locations.open_source(one)
         validator = opened.validator
         return {"name": name, "size": opened.size, **({"validator": str(validator)} if validator is not None else {})}
     st = os.stat(src)

@@ -109,9 +109,9 @@ def load(
     """The model's state dict with wrapper segments normalised to ``to`` (default: none).
 
     ``rename`` takes ``'REGEX=REPLACEMENT'`` rules (full match, in order); ``dtype`` casts
-    floating-point tensors (fp32/fp16/bf16), never integer or bool buffers. A file that records per-tensor digests
-    (ckptfix's outputs, docs/digests.md) is checked against them, a mismatch a FormatError naming the tensor;
-    ``check_digests=False`` skips that.
+    floating-point tensors (fp32/fp16/bf16), never integer or bool buffers. ``check_digests=True``: a file that
+    records per-tensor digests (ckptfix's outputs, docs/digests.md) is checked against them first, a mismatch a
+    FormatError naming the tensor.
 
     ``path`` may be a URL, read as :func:`read` reads one. Its ``_metadata`` comes back as torch's loaders take it
     (:mod:`ckptfix.statedict.metadata`): whatever else it held is dropped with a UserWarning naming each part.
@@ -120,7 +120,7 @@ def load(
     """
     ckpt = read(path, map_location=map_location, trust=trust, select=select, allow=allow)
     ckpt.require_state_dict()
-    if check_digests:  # (a file ckptfix wrote: each tensor's bytes against its recorded digest)
+    if check_digests:  # (a file ckptfix wrote: each tensor's bytes against its recorded digest, on request)
         digests.check(ckpt.path, ckpt.format)
     if ckpt.metadata_dropped:
         warnings.warn(f"{ckpt.path}: " + "; ".join(map(metadata.note, ckpt.metadata_dropped)), UserWarning, stacklevel=2)
@@ -180,9 +180,9 @@ def load_into(model: Any, path: Any, *args: Any, **options: Any) -> LoadReport:
 
     NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's ``nonfinite``;
     the check is fused into the copy, ``check_values=False`` skips it); with ``strict_values=True`` they
-    raise LoadError and nothing is loaded. A file that records per-tensor digests (ckptfix's outputs) is
-    checked against them first: a mismatch raises FormatError naming the tensor, nothing loaded
-    (``check_digests=False`` skips it).
+    raise LoadError and nothing is loaded. With ``check_digests=True``, a file that records per-tensor digests
+    (ckptfix's outputs) is checked against them first: a mismatch raises FormatError naming the tensor, nothing
+    loaded.
 
     ``path`` may be a URL (as :func:`read` takes one): each tensor's bytes are fetched once, before the model is
     touched, and a DTensor rank fetches only its own shards' ranges; ``LoadReport.bytes_fetched`` counts them.

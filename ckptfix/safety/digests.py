@@ -271,7 +271,7 @@ def check(path: str, fmt: str) -> None:
     lines = failures(path, fmt)
     if lines:
         raise FormatError("; ".join(lines[:5]) + (f"; … (+{len(lines) - 5} more)" if len(lines) > 5 else "")
-                          + "; nothing was loaded (check_digests=False loads it anyway)")
+                          + "; nothing was loaded")
 
 
 def provenance(path: str, fmt: str) -> dict[str, Any]:

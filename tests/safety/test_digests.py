@@ -138,16 +138,17 @@ def test_verify_passes_an_intact_output(outputs: dict[str, Path], cli_runner: An
     assert res.exit_code == 0, res.output
 
 
-def test_load_and_load_into_refuse_damage_and_the_option_skips_the_check(damaged: Path) -> None:
+def test_load_and_load_into_refuse_damage_when_checking(damaged: Path) -> None:
+    """On request (``check_digests=True``): refused, the model unchanged; without, the damaged values load."""
     with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight' does not match"):
-        ckptfix.load(damaged)
+        ckptfix.load(damaged, check_digests=True)
     model = torch.nn.Linear(3, 4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight'.*nothing was loaded"):
-        ckptfix.load_into(model, damaged)
+        ckptfix.load_into(model, damaged, check_digests=True)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert "weight" in ckptfix.load(damaged, check_digests=False)
-    ckptfix.load_into(model, damaged, check_digests=False)
+    assert "weight" in ckptfix.load(damaged)
+    ckptfix.load_into(model, damaged)
     assert not torch.equal(before["weight"], model.weight.detach())
 
 

@@ -216,7 +216,7 @@ class OutputCrcs:
         self.fd = fd
         self.ranges: list[tuple[int, int]] = []
         self.held: list[int] = []
-        self.results_: dict[int, int] = {}
+        self._found: dict[int, int] = {}
         self.error: BaseException | None = None
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -225,7 +225,7 @@ class OutputCrcs:
     def _run(self) -> None:
         while (i := self._queue.get()) is not None:
             try:
-                self.results_[i] = crc32_range(self.fd, *self.ranges[i])
+                self._found[i] = crc32_range(self.fd, *self.ranges[i])
             except BaseException as e:  # re-raised in results()
                 self.error = e
 
@@ -247,7 +247,7 @@ class OutputCrcs:
         self.close()
         if self.error is not None:
             raise self.error
-        return [self.results_[i] for i in range(len(self.ranges))]
+        return [self._found[i] for i in range(len(self.ranges))]
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -96,7 +96,7 @@ class Digest:
 
 
 @dataclass
-class Recorded:
+class FileDigests:
     """What a file records: its digests (None: none) and lineage (None: none)."""
 
     digests: list[Digest] | None
@@ -127,7 +127,7 @@ def _algorithm(path: str, entry: dict, what: str) -> None:
                           f"doesn't know (it checks {ALGORITHM})")
 
 
-def _safetensors(path: str) -> Recorded:
+def _safetensors(path: str) -> FileDigests:
     start, header, meta = read_header(path)
     entry = _json(path, f"{DIGESTS_KEY!r} metadata", meta.get(DIGESTS_KEY))
     digests = None
@@ -139,14 +139,14 @@ def _safetensors(path: str) -> Recorded:
         digests = [Digest((k,), path, start + header[k]["data_offsets"][0],
                           header[k]["data_offsets"][1] - header[k]["data_offsets"][0], _crc(path, v, f"the digest of {k!r}"))
                    for k, v in tensors.items()]
-    return Recorded(digests, _json(path, f"{LINEAGE_KEY!r} metadata", meta.get(LINEAGE_KEY)))
+    return FileDigests(digests, _json(path, f"{LINEAGE_KEY!r} metadata", meta.get(LINEAGE_KEY)))
 
 
-def _torch_zip(path: str) -> Recorded:
+def _torch_zip(path: str) -> FileDigests:
     try:
         directory = zip_directory(path)
     except ZipFormatError:
-        return Recorded(None, None)
+        return FileDigests(None, None)
     root = directory.root
     entries = {e.name: e for e in directory.entries}
     with locations.open_buffer(path) as buf:
@@ -158,7 +158,7 @@ def _torch_zip(path: str) -> Recorded:
             return bytes(buf[start : start + e.file_size])
 
         entry = _json(path, DIGESTS_RECORD, record(DIGESTS_RECORD))
-        found = Recorded(None, _json(path, LINEAGE_RECORD, record(LINEAGE_RECORD)))
+        found = FileDigests(None, _json(path, LINEAGE_RECORD, record(LINEAGE_RECORD)))
         if entry is None:
             return found
         _algorithm(path, entry, DIGESTS_RECORD)
@@ -179,10 +179,10 @@ def _torch_zip(path: str) -> Recorded:
     return found
 
 
-def _dcp(path: str) -> Recorded:
+def _dcp(path: str) -> FileDigests:
     sidecar = os.path.join(path, SIDECAR)
     if not os.path.isfile(sidecar):
-        return Recorded(None, None)
+        return FileDigests(None, None)
     with open(sidecar, "rb") as f:
         whole = _json(path, SIDECAR, f.read())
     entry, lineage = whole.get("digests"), whole.get("lineage")
@@ -196,22 +196,22 @@ def _dcp(path: str) -> Recorded:
             raise FormatError(f"{path}: its {SIDECAR} holds a malformed item: {str(item)[:80]}")
         member = checkpoint_dirs.member_path(path, item[1], sidecar, "file")
         found.append(Digest((item[0],), member, item[2], item[3], _crc(path, item[4], f"the digest of {item[0]!r}")))
-    return Recorded(found, lineage if isinstance(lineage, dict) else None)
+    return FileDigests(found, lineage if isinstance(lineage, dict) else None)
 
 
-def read(path: str, fmt: str) -> Recorded:
+def read(path: str, fmt: str) -> FileDigests:
     """The digests and lineage ``path`` (a safetensors file or torch zip, or a sharded directory of them: every
     shard's) records; FormatError where they are malformed."""
     spec = format_of(fmt)
     if spec.index_name is not None:
         index = checkpoint_dirs.find_index(path)
         if index is None:
-            return Recorded(None, None)
+            return FileDigests(None, None)
         root = os.path.dirname(os.path.abspath(index)) if not locations.is_remote(index) else index.rsplit("/", 1)[0]
         shards = [read(checkpoint_dirs.member_path(root, s, index), str(spec.shard_format))
                   for s in dict.fromkeys(checkpoint_dirs.load_index(index).values())]
         every = [d for s in shards if s.digests is not None for d in s.digests]
-        return Recorded(every if shards and all(s.digests is not None for s in shards) else None,
+        return FileDigests(every if shards and all(s.digests is not None for s in shards) else None,
                         shards[0].lineage if shards else None)
     if fmt == "safetensors":
         return _safetensors(path)
@@ -219,7 +219,7 @@ def read(path: str, fmt: str) -> Recorded:
         return _dcp(path)
     if spec.zip and fmt == "torch-zip":
         return _torch_zip(path)
-    return Recorded(None, None)
+    return FileDigests(None, None)
 
 
 # -- checking ----------------------------------------------------------------------------------------------

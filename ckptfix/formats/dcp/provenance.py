@@ -21,8 +21,8 @@ def add(directory: str) -> None:
         for index, info in storage.items():
             if info.relative_path not in fds:
                 fds[info.relative_path] = os.open(os.path.join(directory, info.relative_path), os.O_RDONLY)
-            at = ",".join(map(str, index.offset))
-            name = index.fqn if not any(index.offset) else f"{index.fqn}@{at}"
+            offset = tuple(index.offset or ())  # (None: a value that is not a tensor, stored whole)
+            name = f"{index.fqn}@{','.join(map(str, offset))}" if any(offset) else index.fqn
             crc = crc32_range(fds[info.relative_path], info.offset, info.length)
             items.append((name, info.relative_path, info.offset, info.length, crc))
     finally:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from . import locations
 from ..errors import FormatError
+from .checksums import crc32
 from .positional import ByteSource, crc32_range
 from .rangecopy import Batch, Span
 
@@ -205,6 +206,20 @@ class SegmentsCrcWorker(CrcWorker):
         self._thread.join()
 
 
+_SMALL = 2**20
+
+
+def crc32_at(fd: int, offset: int, size: int) -> int:
+    """The CRC-32 of a file range: a small one read with one ``pread`` (no mapping set up per tensor, which 20,000
+    small tensors would feel), a large one through a mapping (:func:`crc32_range`)."""
+    if size > _SMALL:
+        return crc32_range(fd, offset, size)
+    data = os.pread(fd, size, offset)
+    if len(data) < size:
+        raise OSError(5, "short read while computing CRC-32")
+    return crc32(data)
+
+
 class OutputCrcs:
     """CRC-32s of ranges of the file being written (per-tensor digests), each computed on another thread as soon
     as its bytes have landed: read back from the page cache while the next tensor is copied. A range whose bytes
@@ -225,7 +240,7 @@ class OutputCrcs:
     def _run(self) -> None:
         while (i := self._queue.get()) is not None:
             try:
-                self._found[i] = crc32_range(self.fd, *self.ranges[i])
+                self._found[i] = crc32_at(self.fd, *self.ranges[i])
             except BaseException as e:  # re-raised in results()
                 self.error = e
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core import locations
-from ..core.positional import crc32_range
+from ..core.bytecopy import crc32_at
 from ..errors import FormatError
 from ..parse import checkpoint_dirs
 from ..parse.format_registry import get as format_of
@@ -235,7 +235,7 @@ def mismatches(digests: list[Digest]) -> list[tuple[Digest, int]]:
 
         def crc(d: Digest) -> int:
             try:
-                return crc32_range(fds[d.path], d.offset, d.size)
+                return crc32_at(fds[d.path], d.offset, d.size)
             except OSError:
                 return -1  # the file ends before the range: it was truncated
 

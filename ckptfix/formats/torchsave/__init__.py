@@ -60,21 +60,14 @@ def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str 
     """A torch zip: records copied from their source file when ``refs`` (a structure read) says where,
     else ``torch.save``."""
     if refs:
-        records.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
-        notes: list[str] = []
-    else:
-        notes = torch_io.write(obj, path)
-    provenance.add(path)
+        names = records.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
+        provenance.add(path, names)
+        return []
+    notes = torch_io.write(obj, path)
+    provenance.add(path)  # (the tensors' storage keys read back from the file: torch.save chose them)
     return notes
 
 
 def plan_write(obj: Any, fmt: str, archive: str = "archive", keep_keys: bool = True) -> WritePlan:
     """A torch zip of TensorInfo values, planned without torch (:func:`.planner.plan_write`)."""
-    plan = planner.plan_write(obj, archive, keep_keys)
-
-    def write(path: str) -> list[str]:
-        notes = plan.write(path)
-        provenance.add(path)
-        return notes
-
-    return WritePlan(write)
+    return planner.plan_write(obj, archive, keep_keys)

@@ -4,6 +4,7 @@ views) and ``.ckptfix/lineage.json`` (:mod:`ckptfix.safety.digests`), which ``to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ...core.tensorinfo import TensorInfo
@@ -14,11 +15,11 @@ from ...safety import digests
 from . import zip_describer, zipwriter
 
 
-def add(path: str) -> None:
+def add(path: str, names: dict[str, str] | None = None) -> None:
     """Append the digest record (and the lineage of the current write) to the finished torch zip ``path``. The
-    CRC-32s are the ones its writer computed while copying (the zip's own); the tensor names come from its
-    ``data.pkl``, read without torch."""
-    names = _tensor_keys(path)
+    CRC-32s are the ones its writer computed while copying (the zip's own); ``names``: each tensor's storage key
+    as the writer gave it (:func:`tensor_keys`), else read from the file's ``data.pkl`` (``torch.save``'s)."""
+    names = _described_keys(path) if names is None else names
 
     def records(directory: Directory) -> list[tuple[str, bytes]]:
         root = directory.root
@@ -33,20 +34,27 @@ def add(path: str) -> None:
     zipwriter.append(path, records)
 
 
-def _tensor_keys(path: str) -> dict[str, str]:
-    """Each tensor's name (its keys from the top of the object, dotted) → its storage's record key; {} where
-    ckptfix's describer can't read the pickle (the digests then name storages only)."""
+def _described_keys(path: str) -> dict[str, str]:
+    """:func:`tensor_keys` of the file as ckptfix's describer reads it; {} where it can't (the digests then name
+    storages only)."""
     try:
         obj = zip_describer.read_torch_zip(path).obj
     except (NeedsTorch, CkptfixError):
         return {}
+    return tensor_keys(obj, lambda x: x.storage.key if type(x) is TensorInfo else None)
+
+
+def tensor_keys(obj: Any, key_of: Callable[[Any], str | None]) -> dict[str, str]:
+    """Each tensor's name (its keys from the top of ``obj``, dotted) → its storage's record key, ``key_of(value)``
+    (None: not a tensor)."""
     found: dict[str, str] = {}
     stack: list[tuple[str, Any]] = [("", obj)]
     seen: set[int] = set()
     while stack:
         name, x = stack.pop()
-        if type(x) is TensorInfo:
-            found.setdefault(name, x.storage.key)
+        key = key_of(x)
+        if key is not None:
+            found.setdefault(name, key)
         elif isinstance(x, (dict, list, tuple)) and id(x) not in seen:
             seen.add(id(x))
             items = x.items() if isinstance(x, dict) else enumerate(x)

@@ -27,6 +27,7 @@ from ...parse.zipdir import data_start
 from ...safety import guards, scanner
 from ..base import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .meta_pickle import pickle_meta
+from .provenance import tensor_keys
 from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 
@@ -165,14 +166,20 @@ def write_structure(
     dst: str,
     location: Callable[[str], str],
     archive: str = "archive",
-) -> int:
-    """Write ``obj`` (tensors on meta, storages in ``refs``) as a torch zip; returns data bytes copied.
+) -> dict[str, str]:
+    """Write ``obj`` (tensors on meta, storages in ``refs``) as a torch zip; returns each tensor's storage key
+    (:func:`.provenance.tensor_keys`: the digests name tensors by it).
 
     ``location`` maps each saved device tag to the tag written. Records keep their source keys
     when they come from a torch zip, so only storages still referenced are copied.
     """
-    data, order = pickle_meta(obj, refs, location)
-    return write_archive(data, order, dst, archive)
+    import torch
+
+    data, order, key_of = pickle_meta(obj, refs, location)
+    write_archive(data, order, dst, archive)
+    strided = torch.strided  # (a sparse tensor's storages are named by their keys alone)
+    return tensor_keys(obj, lambda x: key_of.get(storage_id(x)) if isinstance(x, torch.Tensor) and x.layout == strided
+                       else None)
 
 
 def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str, archive: str = "archive") -> int:

@@ -60,8 +60,7 @@ def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str 
     """A torch zip: records copied from their source file when ``refs`` (a structure read) says where,
     else ``torch.save``."""
     if refs:
-        names = records.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
-        provenance.add(path, names)
+        records.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
         return []
     notes = torch_io.write(obj, path)
     provenance.add(path)  # (the tensors' storage keys read back from the file: torch.save chose them)

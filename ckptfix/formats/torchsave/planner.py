@@ -38,8 +38,7 @@ def plan_write(obj: Any, archive: str = "archive", keep_keys: bool = True) -> Wr
     names = provenance.tensor_keys(obj, lambda x: key_of.get(id(x.storage)) if type(x) is TensorInfo else None)
 
     def write_zip(path: str) -> list[str]:
-        write_archive(data, order, path, archive)
-        provenance.add(path, names)
+        write_archive(data, order, path, archive, names)
         return []
 
     return WritePlan(write_zip)

@@ -10,28 +10,27 @@ from typing import Any
 from ...core.tensorinfo import TensorInfo
 from ...core.torch_free import NeedsTorch
 from ...errors import CkptfixError
-from ...parse.zipdir import Directory
 from ...safety import digests
 from . import zip_describer, zipwriter
 
 
-def add(path: str, names: dict[str, str] | None = None) -> None:
-    """Append the digest record (and the lineage of the current write) to the finished torch zip ``path``. The
-    CRC-32s are the ones its writer computed while copying (the zip's own); ``names``: each tensor's storage key
-    as the writer gave it (:func:`tensor_keys`), else read from the file's ``data.pkl`` (``torch.save``'s)."""
-    names = _described_keys(path) if names is None else names
+def records(archive: str, crcs: dict[str, int], names: dict[str, str]) -> list[tuple[str, bytes]]:
+    """The digest record (from the zip's own CRC-32s, ``{record name: CRC-32}``, and each tensor's storage key)
+    and the lineage record of the current write, for the zip whose folder is ``archive``."""
+    prefix = f"{archive}/data/"
+    storages = {name[len(prefix):]: crc for name, crc in crcs.items() if name.startswith(prefix)}
+    out = [(f"{archive}/{digests.DIGESTS_RECORD}", digests.storages_entry(storages, names))]
+    lineage = digests.lineage()
+    if lineage is not None:
+        out.append((f"{archive}/{digests.LINEAGE_RECORD}", lineage.encode("utf-8")))
+    return out
 
-    def records(directory: Directory) -> list[tuple[str, bytes]]:
-        root = directory.root
-        prefix = f"{root}/data/"
-        crcs = {e.name[len(prefix):]: e.crc for e in directory.entries if e.name.startswith(prefix)}
-        out = [(f"{root}/{digests.DIGESTS_RECORD}", digests.storages_entry(crcs, names))]
-        lineage = digests.lineage()
-        if lineage is not None:
-            out.append((f"{root}/{digests.LINEAGE_RECORD}", lineage.encode("utf-8")))
-        return out
 
-    zipwriter.append(path, records)
+def add(path: str) -> None:
+    """Append :func:`records` to the finished ``torch.save`` file ``path``, the tensors' storage keys read back from
+    its ``data.pkl`` (torch chose them)."""
+    names = _described_keys(path)
+    zipwriter.append(path, lambda crcs: records(next(iter(crcs)).split("/", 1)[0], crcs, names))
 
 
 def _described_keys(path: str) -> dict[str, str]:

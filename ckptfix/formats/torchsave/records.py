@@ -27,6 +27,7 @@ from ...parse.zipdir import data_start
 from ...safety import guards, scanner
 from ..base import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .meta_pickle import pickle_meta
+from . import provenance
 from .provenance import tensor_keys
 from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
@@ -166,9 +167,8 @@ def write_structure(
     dst: str,
     location: Callable[[str], str],
     archive: str = "archive",
-) -> dict[str, str]:
-    """Write ``obj`` (tensors on meta, storages in ``refs``) as a torch zip; returns each tensor's storage key
-    (:func:`.provenance.tensor_keys`: the digests name tensors by it).
+) -> int:
+    """Write ``obj`` (tensors on meta, storages in ``refs``) as a torch zip; returns data bytes copied.
 
     ``location`` maps each saved device tag to the tag written. Records keep their source keys
     when they come from a torch zip, so only storages still referenced are copied.
@@ -176,15 +176,17 @@ def write_structure(
     import torch
 
     data, order, key_of = pickle_meta(obj, refs, location)
-    write_archive(data, order, dst, archive)
     strided = torch.strided  # (a sparse tensor's storages are named by their keys alone)
-    return tensor_keys(obj, lambda x: key_of.get(storage_id(x)) if isinstance(x, torch.Tensor) and x.layout == strided
-                       else None)
+    names = tensor_keys(obj, lambda x: key_of.get(storage_id(x)) if isinstance(x, torch.Tensor) and x.layout == strided
+                        else None)
+    return write_archive(data, order, dst, archive, names)
 
 
-def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str, archive: str = "archive") -> int:
+def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str, archive: str = "archive",
+                  names: dict[str, str] | None = None) -> int:
     """A torch zip at ``dst``: ``data_pkl`` and, for each ``(key, ref)`` of ``order``, record ``data/KEY``
-    copied from the ref's byte range (in the kernel) or computed (CastRef, PiecedRef); returns bytes copied."""
+    copied from the ref's byte range (in the kernel) or computed (CastRef, PiecedRef), then ckptfix's digest and
+    lineage records (:mod:`.provenance`; ``names``: each tensor's storage key); returns bytes copied."""
     archive = "".join(c if c.isalnum() or c in "_-" else "_" for c in archive) or "archive"
     copied = 0
     with Sources() as sources:
@@ -216,6 +218,8 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
                 check.verify()  # (runs the queued remote copies first)
                 z.add_bytes(f"{archive}/version", b"3\n")
                 z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
+                for name, data in provenance.records(archive, z.crcs(), names or {}):
+                    z.add_bytes(name, data)
                 z.close()
         finally:
             crcs.close()

@@ -18,7 +18,7 @@ from typing import BinaryIO
 
 from ...core.checksums import crc32
 from ...core import bytecopy
-from ...parse.zipdir import Directory, read_directory
+from ...parse.zipdir import read_directory
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -103,13 +103,18 @@ class ZipWriter:
             self.pending.append((entry, crc))
         self.f.seek(self.pos)
 
-    def close(self) -> None:
-        for entry, crc in self.pending:  # the CRC-32s computed while copying, into the local headers
+    def crcs(self) -> dict[str, int]:
+        """Every record's CRC-32 by name, those computed while copying put into their local headers first."""
+        for entry, crc in self.pending:
             entry.crc = crc()
             self.f.seek(entry.offset + 14)
             self.f.write(struct.pack("<I", entry.crc))
         self.pending.clear()
         self.f.seek(self.pos)
+        return {e.name.decode("utf-8"): e.crc for e in self.entries}
+
+    def close(self) -> None:
+        self.crcs()
         cd_start = self.pos
         for e in self.entries:
             zip64 = e.size >= _U32 or e.offset >= _U32
@@ -134,18 +139,17 @@ class ZipWriter:
         self.f.flush()
 
 
-def append(path: str, records: Callable[[Directory], list[tuple[str, bytes]]]) -> None:
-    """Add the stored records ``records(directory)`` gives to the finished zip ``path``, where its central
-    directory was, then write the directory again with every earlier entry: ckptfix's digests and lineage,
-    added to a file ``torch.save`` or this writer wrote (torch's reader skips records it isn't asked for)."""
+def append(path: str, records: Callable[[dict[str, int]], list[tuple[str, bytes]]]) -> None:
+    """Add the stored records ``records({name: CRC-32})`` gives to the finished zip ``path``, where its central
+    directory was, then write the directory again with every earlier entry: ckptfix's digests and lineage, added
+    to a file ``torch.save`` wrote (torch's reader skips records it isn't asked for)."""
     with open(path, "r+b") as f:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             directory = read_directory(buf, len(buf))
-        added = records(directory)
         f.seek(directory.cd_offset)
         f.truncate()
         z = ZipWriter(f)
         z.entries = [_Entry(e.raw_name, e.header_offset, e.file_size, e.crc, e.flags) for e in directory.entries]
-        for name, data in added:
+        for name, data in records(z.crcs()):
             z.add_bytes(name, data)
         z.close()

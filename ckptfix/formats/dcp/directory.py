@@ -29,7 +29,7 @@ from ...safety import digests
 from ...safety.dcp_policy import METADATA, load_metadata
 from ..base import PiecedRef, RawRead, Reader
 from .chunks import Chunks, Scratch, TensorRef, aligned, tensor_nbytes, whole
-from . import provenance
+from . import sidecar
 from .lightning import with_meta
 # what a DCP output consists of (FileSystemWriter, single_file_per_rank): all that --force replaces
 DIR_OUTPUT = DirOutput("DCP", re.compile(r"\.metadata|__\d+_\d+\.distcp|" + re.escape(digests.SIDECAR)), METADATA)
@@ -160,7 +160,7 @@ def write(state_dict: Any, dst_dir: str, force: bool = False, key: str | None = 
             dcp.save({key: state_dict} if key else state_dict, storage_writer=writer, no_dist=True)
         except CheckpointException as e:
             raise _unwrap(e) from None
-        provenance.add(tmp)
+        sidecar.add(tmp)
     notes.append(f"written under {key!r}: load with torch.distributed.checkpoint.load({{{key!r}: sd}}, …)" if key
                  else "written with the state dict's keys at the top level")
     return notes

@@ -24,7 +24,7 @@ from ...core.torch_free import NeedsTorch
 from ...core.torch_tables import DTYPE_ITEMSIZE
 from ..base import StorageRef, WritePlan
 from .zip_describer import dtype as DtypeToken
-from . import provenance
+from . import digest_records
 from .records import write_archive
 from .torch_globals import (DTYPES, REBUILD_PARAMETER, REBUILD_TENSOR, REBUILD_TENSOR_V3, STORAGE_CLASS,
                             UNTYPED_STORAGE, marker, to_torch)
@@ -35,7 +35,7 @@ def plan_write(obj: Any, archive: str = "archive", keep_keys: bool = True) -> Wr
     reproduces). ``keep_keys``: the source's records are named by key (a torch zip), which the output keeps
     as the torch path does."""
     data, order, key_of = pickle_structure(obj, keep_keys)
-    names = provenance.tensor_keys(obj, lambda x: key_of.get(id(x.storage)) if type(x) is TensorInfo else None)
+    names = digest_records.tensor_keys(obj, lambda x: key_of.get(id(x.storage)) if type(x) is TensorInfo else None)
 
     def write_zip(path: str) -> list[str]:
         write_archive(data, order, path, archive, names)

@@ -27,8 +27,8 @@ from ...parse.zipdir import data_start
 from ...safety import guards, scanner
 from ..base import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .meta_pickle import pickle_meta
-from . import provenance
-from .provenance import tensor_keys
+from . import digest_records
+from .digest_records import tensor_keys
 from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 
@@ -186,7 +186,7 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
                   names: dict[str, str] | None = None) -> int:
     """A torch zip at ``dst``: ``data_pkl`` and, for each ``(key, ref)`` of ``order``, record ``data/KEY``
     copied from the ref's byte range (in the kernel) or computed (CastRef, PiecedRef), then ckptfix's digest and
-    lineage records (:mod:`.provenance`; ``names``: each tensor's storage key); returns bytes copied."""
+    lineage records (:mod:`.digest_records`; ``names``: each tensor's storage key); returns bytes copied."""
     archive = "".join(c if c.isalnum() or c in "_-" else "_" for c in archive) or "archive"
     copied = 0
     with Sources() as sources:
@@ -218,7 +218,7 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
                 check.verify()  # (runs the queued remote copies first)
                 z.add_bytes(f"{archive}/version", b"3\n")
                 z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
-                for name, data in provenance.records(archive, z.crcs(), names or {}):
+                for name, data in digest_records.records(archive, z.crcs(), names or {}):
                     z.add_bytes(name, data)
                 z.close()
         finally:

@@ -124,6 +124,8 @@ class Checkpoint:
     no_state_dict: str | None = None
     #: the config beside the file that holds its quantization (config.json / hf_quant_config.json), or None
     quant_config: dict[str, Any] | None = field(default=None, repr=False)
+    #: ``inspect``/``describe``: the per-tensor digests (algorithm, count) and lineage a ckptfix output records
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     def require_state_dict(self) -> None:
         """Raise SelectError where the file holds no state dict (what ``read`` and ``inspect`` show whole)."""
@@ -198,6 +200,7 @@ class Checkpoint:
             **({"no_state_dict": self.no_state_dict} if self.no_state_dict is not None else {}),
             **({"quantization": quantization_dict(self.quantization, self.quant_config)}
                if self.quantization is not None else {}),
+            **self.provenance,
         }
 
 

@@ -56,6 +56,7 @@ def inspect_text(info: dict[str, Any], all_keys: bool = False, head: int = 5) ->
     ]
     if info.get("bytes_fetched") is not None:
         rows.append(("fetched", f"{human_size(info['bytes_fetched'])} ({info['bytes_fetched']:,} bytes, headers only)"))
+    rows += _provenance_rows(info)
     if info["extra"]:
         rows.append(("other entries", listed([f"{shown(k)}: {v}" for k, v in info["extra"].items()], SHOWN_ITEMS, "; ")))
     if info["non_tensor_keys"]:
@@ -111,6 +112,22 @@ def quantization_lines(q: dict[str, Any], most: int = 10) -> list[str]:
         lines.append(f"  unknown: {few([shown(k) for k in q['unknown']], most)} (float8 or packed integers beside a "
                      "scale no scheme knows)")
     return lines
+
+
+def _provenance_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """``digests`` and ``lineage`` rows, where the file records them (docs/digests.md)."""
+    rows = []
+    found = info.get("digests")
+    if found is not None:
+        rows.append(("digests", shown(found["error"]) if "error" in found else
+                     f"{found['algorithm']}, {found['tensors']} tensors (verify checks them)"))
+    lineage = info.get("lineage")
+    if lineage is not None:
+        source = lineage.get("source") if isinstance(lineage.get("source"), dict) else {}
+        ident = ", ".join(f"{k} {shown(str(v))}" for k, v in source.items())
+        rows.append(("lineage", f"ckptfix {shown(str(lineage.get('ckptfix')))}: "
+                     f"{shown(str(lineage.get('transform') or '(no flags)'))} from {ident}"))
+    return rows
 
 
 def convert_text(report: Any) -> str:

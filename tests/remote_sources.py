@@ -5,6 +5,7 @@ server sent of its files, the HTTP server's failure switches, and the comparison
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import zlib
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 import ckptfix
 from ckptfix import errors
 from ckptfix.parse.zipdir import zip_directory
+from ckptfix.safety import digests
 from tests.file_server import FileServer
 from tests.hub_server import REPO, HubServer
 from tests.remote_servers import S3Server
@@ -178,14 +180,23 @@ def remote(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Remo
 
 def masked(path: Path) -> bytes:
     """A file's bytes; a torch zip's ``.data/serialization_id`` (random per save, as torch.save's) and its CRC-32
-    zeroed, so two converts of the same source compare byte for byte."""
+    zeroed, so two converts of the same source compare byte for byte; the lineage left out (it names the source:
+    a URL's identity is not its local copy's) — a safetensors header without it, a torch zip up to its record."""
     data = open(path, "rb").read()
     if not data.startswith(b"PK"):
-        return data
-    entry = next(e for e in zip_directory(str(path)).entries if e.name.endswith(".data/serialization_id"))
+        if not path.name.endswith(".safetensors"):
+            return data
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8 : 8 + n])
+        header["__metadata__"].pop(digests.LINEAGE_KEY)
+        return json.dumps(header, separators=(",", ":")).encode() + data[8 + n :]
+    entries = zip_directory(str(path)).entries
+    entry = next(e for e in entries if e.name.endswith(".data/serialization_id"))
     start = data.index(entry.name.encode()) + len(entry.name)  # (the local header's name; its data follows the extra)
     sid = data[start:].split(b"PK", 1)[0][-entry.file_size:]
     assert zlib.crc32(sid) == entry.crc
+    lineage = next(e for e in entries if e.name.endswith(digests.LINEAGE_RECORD))
+    data = data[: lineage.header_offset]
     return data.replace(sid, b"0" * len(sid)).replace(struct.pack("<I", entry.crc), b"\0" * 4)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 from . import locations
 from ..errors import FormatError
+from .checksums import crc32
 from .positional import ByteSource, crc32_range
 from .rangecopy import Batch, Span
 
@@ -202,6 +204,70 @@ class SegmentsCrcWorker(CrcWorker):
     def close(self) -> None:
         self.ranges = []
         self._thread.join()
+
+
+_SMALL = 2**20
+
+
+def crc32_at(fd: int, offset: int, size: int) -> int:
+    """The CRC-32 of a file range: a small one read with one ``pread`` (no mapping set up per tensor, which 20,000
+    small tensors would feel), a large one through a mapping (:func:`crc32_range`)."""
+    if size > _SMALL:
+        return crc32_range(fd, offset, size)
+    data = os.pread(fd, size, offset)
+    if len(data) < size:
+        raise OSError(5, "short read while computing CRC-32")
+    return crc32(data)
+
+
+class OutputCrcs:
+    """CRC-32s of ranges of the file being written (per-tensor digests), each computed on another thread as soon
+    as its bytes have landed: read back from the page cache while the next tensor is copied. A range whose bytes
+    land later (a remote source's queued copy) is added with ``landed=False`` and counted in :meth:`release`.
+
+    ``crcs = OutputCrcs(fd); …copy…; crcs.add(pos, n); …; crcs.release(); crcs.results()``."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.ranges: list[tuple[int, int]] = []
+        self.held: list[int] = []
+        self._found: dict[int, int] = {}
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (i := self._queue.get()) is not None:
+            try:
+                self._found[i] = crc32_at(self.fd, *self.ranges[i])
+            except BaseException as e:  # re-raised in results()
+                self.error = e
+
+    def add(self, offset: int, size: int, landed: bool = True) -> None:
+        self.ranges.append((offset, size))
+        if landed:
+            self._queue.put(len(self.ranges) - 1)
+        else:
+            self.held.append(len(self.ranges) - 1)
+
+    def release(self) -> None:
+        """The held ranges' bytes have landed (the queued copies ran)."""
+        for i in self.held:
+            self._queue.put(i)
+        self.held = []
+
+    def results(self) -> list[int]:
+        """Every range's CRC-32, in the order added."""
+        self.close()
+        if self.error is not None:
+            raise self.error
+        return [self._found[i] for i in range(len(self.ranges))]
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ state dict's ``_metadata``. ckptfix's reader restores all three; other readers i
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from ..core.torch_free import NeedsTorch
 from ..core.units import dtype_name
 from ..errors import ConversionError
 from ..parse.format_registry import SAFETENSORS
+from ..safety import digests
 from ..parse.safetensors_header import (DTYPES, META_KEY, PACKED, assemble, ckptfix_meta, header_shape, read_header,
                                          torch_shape)
 from .base import (CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, check_expansion, contiguous_strides,
@@ -168,9 +170,18 @@ def encode_header(state_dict: Any, tensors: list[tuple[str, Any]], aliases: dict
                 )
         except (TypeError, ValueError):
             notes.append("_metadata dropped: it holds values JSON can't represent")
-    header["__metadata__"] = {"format": "pt", META_KEY: json.dumps(extra, separators=(",", ":"))}
+    header["__metadata__"] = {"format": "pt", META_KEY: json.dumps(extra, separators=(",", ":")),
+                              **_provenance([key for key, _t in tensors])}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     return raw + b" " * (-len(raw) % 8)
+
+
+def _provenance(names: list[str]) -> dict[str, str]:
+    """The digests entry, every CRC-32 a placeholder (:func:`write_file` fills them in once the bytes are
+    written), and the lineage of the current write (:mod:`ckptfix.safety.digests`)."""
+    lineage = digests.lineage()
+    return {digests.DIGESTS_KEY: digests.tensors_entry(dict.fromkeys(names, 0)),
+            **({digests.LINEAGE_KEY: lineage} if lineage is not None else {})}
 
 
 def _versions_that_matter(meta: Any, keys: Any) -> list[str]:
@@ -195,28 +206,47 @@ def _versions_that_matter(meta: Any, keys: Any) -> list[str]:
     return found[:5] + ([f"… (+{len(found) - 5} more)"] if len(found) > 5 else [])
 
 
-def write_file(path: str, header: bytes, body: Callable[[int, bytecopy.Sources, int], int]) -> None:
-    """The file: its header, then ``body(out_fd, sources, pos) -> end`` writes the data from ``pos``
+Body = Callable[[int, bytecopy.Sources, int, bytecopy.OutputCrcs], int]
+
+
+def write_file(path: str, header: bytes, names: list[str], body: Body) -> None:
+    """The file: its header, then ``body(out_fd, sources, pos, crcs) -> end`` writes the data from ``pos``
     (``sources(path)`` opens each source file once: a descriptor, or a URL's queued copies, run by the body's
-    ``CrcCheck.verify``); the file ends at ``end``. Both writers use it."""
-    with bytecopy.Sources() as sources, open(path, "wb") as f:
+    ``CrcCheck.verify``) and adds each tensor's range to ``crcs`` as it lands; the file ends at ``end``. The
+    tensors' CRC-32s (``names``, in the header's order) then replace the digests' placeholders in the header.
+    Both writers use it."""
+    with bytecopy.Sources() as sources, open(path, "w+b") as f:  # (read too: the CRC-32s read back)
         f.write(struct.pack("<Q", len(header)) + header)
         f.flush()
-        end = body(f.fileno(), sources, 8 + len(header))
+        crcs = bytecopy.OutputCrcs(f.fileno())
+        try:
+            end = body(f.fileno(), sources, 8 + len(header), crcs)
+            crcs.release()
+            found = crcs.results()
+        finally:
+            crcs.close()
         f.seek(end)
         f.truncate(end)
+        placeholder, final = (_escaped(digests.tensors_entry(dict(zip(names, c)))) for c in ([0] * len(names), found))
+        at = header.index(placeholder)
+        os.pwrite(f.fileno(), final, 8 + at)
+
+
+def _escaped(value: str) -> bytes:
+    """``value`` as it appears inside the header's JSON (a string, escaped as json.dumps escapes it)."""
+    return json.dumps(value).encode("utf-8")[1:-1]
 
 
 def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: dict) -> None:
     import torch
 
-    def body(out: int, source_fd: bytecopy.Sources, pos: int) -> int:
+    def body(out: int, source_fd: bytecopy.Sources, pos: int, crcs: bytecopy.OutputCrcs) -> int:
         with bytecopy.CrcCheck((source_record(refs.get(storage_id(t))) for _key, t in tensors), source_fd) as check:
-            pos = copy(out, source_fd, pos)
+            pos = copy(out, source_fd, pos, crcs)
             check.verify()  # (runs the queued remote copies first)
         return pos
 
-    def copy(out: int, source_fd: bytecopy.Sources, pos: int) -> int:
+    def copy(out: int, source_fd: bytecopy.Sources, pos: int, crcs: bytecopy.OutputCrcs) -> int:
         for _key, t in tensors:
             n = t.numel() * t.element_size()
             ref = refs.get(storage_id(t))
@@ -224,7 +254,9 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
             if segments is not None and ref is not None and t.is_contiguous() and t.storage_offset() == 0 \
                     and n == ref.nbytes:
                 # a tensor in chunks: copied chunk after chunk
-                bytecopy.copy_segments([(source_fd(src), offset, k) for src, offset, k in segments], out, pos)
+                sources = [(source_fd(src), offset, k) for src, offset, k in segments]
+                bytecopy.copy_segments(sources, out, pos)
+                crcs.add(pos, n, landed=not any(isinstance(src, bytecopy.RemoteFile) for src, _o, _k in sources))
                 pos += n
                 continue
             if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
@@ -234,7 +266,9 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
                     ref.materialize().untyped_storage(), t.storage_offset(), t.shape, t.stride()), None
             bits = any(math_bits(t))  # a conjugate or negative view: its values are not its stored bytes
             if ref is not None and t.is_contiguous() and not bits:
-                bytecopy.copy_range(source_fd(ref.path), out, ref.offset + t.storage_offset() * t.element_size(), pos, n)
+                src = source_fd(ref.path)
+                bytecopy.copy_range(src, out, ref.offset + t.storage_offset() * t.element_size(), pos, n)
+                crcs.add(pos, n, landed=not isinstance(src, bytecopy.RemoteFile))
             else:
                 if ref is not None:  # a view of a storage still in the source file, not its bytes as they are
                     t = view_like(stored_bytes(ref), t)
@@ -243,10 +277,11 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
                     flat = flat.clone(memory_format=torch.contiguous_format)
                 data = flat.view(torch.uint8).numpy()
                 bytecopy.write_all(out, memoryview(data), pos)
+                crcs.add(pos, n)
             pos += n
         return pos
 
-    write_file(path, header, body)
+    write_file(path, header, [key for key, _t in tensors], body)
 
 
 # -- without torch ------------------------------------------------------------------------------------
@@ -285,17 +320,18 @@ def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorI
 
 
 def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
-    def body(out: int, source_fd: bytecopy.Sources, pos: int) -> int:
+    def body(out: int, source_fd: bytecopy.Sources, pos: int, crcs: bytecopy.OutputCrcs) -> int:
         with bytecopy.CrcCheck((t.storage.record for _key, t in tensors), source_fd) as check:
             for _key, t in tensors:
                 st = t.storage
-                bytecopy.copy_range(source_fd(st.path), out, st.offset + t.storage_offset * t.element_size(), pos,
-                                   t.nbytes)
+                src = source_fd(st.path)
+                bytecopy.copy_range(src, out, st.offset + t.storage_offset * t.element_size(), pos, t.nbytes)
+                crcs.add(pos, t.nbytes, landed=not isinstance(src, bytecopy.RemoteFile))
                 pos += t.nbytes
             check.verify()
         return pos
 
-    write_file(path, header, body)
+    write_file(path, header, [key for key, _t in tensors], body)
 
 
 def recorded_members(path: str, fmt: str, select: str | None, part_members: Any) -> list[Any]:

@@ -213,6 +213,15 @@ def zip_crcs(gate: FileGate, report: VerifyReport) -> Findings:
         return Findings(failures=integrity.crc_failures(gate.path, gate.ckpt.format))
 
 
+@model_free
+def tensor_digests(gate: FileGate, report: VerifyReport) -> Findings:
+    """Model-free: the per-tensor digests a ckptfix output records, against its bytes, naming each tensor that
+    doesn't match (docs/digests.md); a file that records none, or a URL, has nothing to check."""
+    if locations.is_remote(gate.path):
+        return Findings()
+    return Findings(failures=integrity.digest_failures(gate.path, gate.ckpt.format))
+
+
 def forward_outputs(gate: Gate, report: VerifyReport) -> Findings:
     """With values, where the file loads: the forward check (:func:`_run_forward`); else a note of why not."""
     o = gate.options
@@ -342,4 +351,4 @@ def signature(gate: FileGate, report: VerifyReport) -> Findings:
 CHECKS: tuple[Callable[[Any, VerifyReport], Findings], ...] = (
     sha256, signature, served_keys, fix_command, tensor_values, key_fit, module_metadata,
     quant_checks.quantized_groups, quant_checks.against_original,  # issue 28: quantized groups (model-free)
-    as_saved, devices, zip_crcs, observed_load, forward_outputs)
+    as_saved, devices, zip_crcs, tensor_digests, observed_load, forward_outputs)

@@ -1,6 +1,7 @@
-"""Integrity: whether a file is the one that was written — its SHA-256 and the CRC-32s a zip stores for
-each member (signatures: :mod:`ckptfix.safety.signing`). The hashing primitive is :func:`ckptfix.core.atomic.sha256_file`;
-this module says what a report records and what counts as a finding.
+"""Integrity: whether a file is the one that was written — its SHA-256, the CRC-32s a zip stores for
+each member, and the per-tensor digests ckptfix's outputs record (:mod:`.digests`; signatures: :mod:`.signing`).
+The hashing primitive is :func:`ckptfix.core.atomic.sha256_file`; this module says what a report records and what
+counts as a finding.
 
 >>> file_sha256("model.safetensors")          # doctest: +SKIP
 '4dddd5d4…'
@@ -12,8 +13,9 @@ import os
 
 from ..core.atomic import sha256_file
 from ..core.progress import Progress
+from ..errors import FormatError
 from ..parse.format_registry import get as format_of
-from . import scanner
+from . import digests, scanner
 
 
 def file_sha256(path: str, progress: str | None = None) -> str | None:
@@ -38,3 +40,12 @@ def crc_failures(path: str, fmt: str) -> list[str]:
     return [f"integrity: {f.where}: its CRC-32 does not match its bytes: the file was damaged or altered after "
             "it was written (a truncated copy, a bad download or disk); copy or download it again from the original"
             for f in report.findings if f.kind == "crc-mismatch"]
+
+
+def digest_failures(path: str, fmt: str) -> list[str]:
+    """One line per tensor whose bytes don't match the digest a ckptfix output records for it (a safetensors file,
+    a torch zip, each shard of a sharded checkpoint); none where the file records none. Reads every digested byte."""
+    try:
+        return digests.failures(path, fmt)
+    except FormatError as e:  # malformed digests: the file was altered, or not written by ckptfix
+        return [f"integrity: {e}"]

@@ -97,7 +97,7 @@ def test_structure_read_touches_no_tensor_data(fsdp2_copy: Path) -> None:
 def test_write_round_trips_through_torch_dcp_load(fixtures_dir: Path, tmp_path: Path, key: str | None) -> None:
     sd = torch.load(fixtures_dir / "mlp_single.pth", weights_only=True)
     dcp.write(sd, str(tmp_path / "out"), key=key)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".metadata", "__0_0.distcp", "ckptfix.json"]
     fresh = OrderedDict((k, torch.zeros_like(v)) for k, v in sd.items())
     torch_load_dcp({key: fresh} if key else fresh, tmp_path / "out")
     assert_same(fresh, sd)

@@ -25,12 +25,14 @@ from ...core.atomic import DirOutput, atomic_dir
 from ...core.devices import storage_id
 from ...errors import CkptfixError, ConversionError, FormatError
 from ...parse.format_registry import DCP
+from ...safety import digests
 from ...safety.dcp_policy import METADATA, load_metadata
 from ..base import PiecedRef, RawRead, Reader
 from .chunks import Chunks, Scratch, TensorRef, aligned, tensor_nbytes, whole
+from . import sidecar
 from .lightning import with_meta
 # what a DCP output consists of (FileSystemWriter, single_file_per_rank): all that --force replaces
-DIR_OUTPUT = DirOutput("DCP", re.compile(r"\.metadata|__\d+_\d+\.distcp"), METADATA)
+DIR_OUTPUT = DirOutput("DCP", re.compile(r"\.metadata|__\d+_\d+\.distcp|" + re.escape(digests.SIDECAR)), METADATA)
 
 
 def read(path: str, plan: Any, trust: bool, read_meta: Reader) -> RawRead:
@@ -158,6 +160,7 @@ def write(state_dict: Any, dst_dir: str, force: bool = False, key: str | None = 
             dcp.save({key: state_dict} if key else state_dict, storage_writer=writer, no_dist=True)
         except CheckpointException as e:
             raise _unwrap(e) from None
+        sidecar.add(tmp)
     notes.append(f"written under {key!r}: load with torch.distributed.checkpoint.load({{{key!r}: sd}}, …)" if key
                  else "written with the state dict's keys at the top level")
     return notes

@@ -2,8 +2,9 @@
 torch's own loader with ckptfix's restricted unpickler (``torch_io``), or record by record without loading
 tensor data (``records``), or described without torch (``zip_describer``); written by ``torch.save``, by copying
 records (``records``, ``zipwriter``; ``data.pkl`` for tensors on meta by ``meta_pickle``), or without torch
-(``planner``, torch's globals stood in by ``torch_globals``). This module is the family's interface: the verbs
-:mod:`ckptfix.formats` dispatches to.
+(``planner``, torch's globals stood in by ``torch_globals``); every output with ckptfix's digest and lineage
+records (``digest_records``). This module is the family's interface: the verbs :mod:`ckptfix.formats` dispatches
+to.
 
 May import: the layers below :mod:`ckptfix.formats`, its shared types (:mod:`ckptfix.formats.base`) and sibling families.
 """
@@ -18,7 +19,7 @@ from ...core.torch_free import NeedsTorch
 from ...parse.format_registry import get
 from ...safety.scanner import ensure_safe
 from ..base import RawRead, Reader, WritePlan
-from . import planner, records, torch_io, zip_describer
+from . import digest_records, planner, records, torch_io, zip_describer
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
@@ -62,7 +63,9 @@ def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str 
     if refs:
         records.write_structure(obj, refs, path, location=lambda _tag: "cpu", archive=archive)
         return []
-    return torch_io.write(obj, path)
+    notes = torch_io.write(obj, path)
+    digest_records.add(path)  # (the tensors' storage keys read back from the file: torch.save chose them)
+    return notes
 
 
 def plan_write(obj: Any, fmt: str, archive: str = "archive", keep_keys: bool = True) -> WritePlan:

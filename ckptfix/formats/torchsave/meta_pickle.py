@@ -54,15 +54,17 @@ class _Uses:
 Records = list[tuple[str, StorageRef]]
 
 
-def pickle_meta(obj: Any, refs: dict[int, StorageRef], location: Callable[[str], str]) -> tuple[bytes, Records]:
-    """``data.pkl`` for ``obj`` and the records it names, ``[(key, StorageRef), …]`` in first-use order. Pickled
-    once, and again with one class per storage where some storage turned out to be referenced under two dtypes."""
+def pickle_meta(obj: Any, refs: dict[int, StorageRef],
+                location: Callable[[str], str]) -> tuple[bytes, Records, dict[int, str]]:
+    """``data.pkl`` for ``obj``, the records it names, ``[(key, StorageRef), …]`` in first-use order, and each
+    storage's key (by storage id). Pickled once, and again with one class per storage where some storage turned
+    out to be referenced under two dtypes."""
     uses = _Uses()
-    data, order = _pickle(obj, refs, location, {}, uses)
+    found = _pickle(obj, refs, location, {}, uses)
     classes = uses.classes()
     if classes:
-        data, order = _pickle(obj, refs, location, classes, _Uses())
-    return data, order
+        found = _pickle(obj, refs, location, classes, _Uses())
+    return found
 
 
 class _Ids:
@@ -108,7 +110,7 @@ class _Ids:
 
 
 def _pickle(obj: Any, refs: dict[int, StorageRef], location: Callable[[str], str], classes: dict[int, Any],
-            uses: _Uses) -> tuple[bytes, Records]:
+            uses: _Uses) -> tuple[bytes, Records, dict[int, str]]:
     import torch
 
     ids = _Ids(refs, location, uses)
@@ -135,7 +137,7 @@ def _pickle(obj: Any, refs: dict[int, StorageRef], location: Callable[[str], str
 
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(obj)
-    return buf.getvalue(), ids.order
+    return buf.getvalue(), ids.order, ids.key_of
 
 
 def _reduce_strided(t: Any, shared_as: Any) -> tuple:

@@ -24,6 +24,7 @@ from ...core.torch_free import NeedsTorch
 from ...core.torch_tables import DTYPE_ITEMSIZE
 from ..base import StorageRef, WritePlan
 from .zip_describer import dtype as DtypeToken
+from . import digest_records
 from .records import write_archive
 from .torch_globals import (DTYPES, REBUILD_PARAMETER, REBUILD_TENSOR, REBUILD_TENSOR_V3, STORAGE_CLASS,
                             UNTYPED_STORAGE, marker, to_torch)
@@ -33,10 +34,11 @@ def plan_write(obj: Any, archive: str = "archive", keep_keys: bool = True) -> Wr
     """Plan writing ``obj`` as a torch zip (NeedsTorch, nothing written, for what only torch's writer
     reproduces). ``keep_keys``: the source's records are named by key (a torch zip), which the output keeps
     as the torch path does."""
-    data, order = pickle_structure(obj, keep_keys)
+    data, order, key_of = pickle_structure(obj, keep_keys)
+    names = digest_records.tensor_keys(obj, lambda x: key_of.get(id(x.storage)) if type(x) is TensorInfo else None)
 
     def write_zip(path: str) -> list[str]:
-        write_archive(data, order, path, archive)
+        write_archive(data, order, path, archive, names)
         return []
 
     return WritePlan(write_zip)
@@ -179,8 +181,9 @@ def _check_plain(obj: Any) -> bool:
     return dtypes
 
 
-def pickle_structure(obj: Any, keep_keys: bool) -> tuple[bytes, list[tuple[str, StorageRef]]]:
-    """``data.pkl`` for ``obj`` and the records it names, ``[(key, StorageRef), …]``: pickled by Python's
+def pickle_structure(obj: Any, keep_keys: bool) -> tuple[bytes, list[tuple[str, StorageRef]], dict[int, str]]:
+    """``data.pkl`` for ``obj``, the records it names, ``[(key, StorageRef), …]``, and each storage's key (by the id
+    of its StorageInfo): pickled by Python's
     C pickler (its pure-Python one where a dtype value needs it) with stand-ins for torch's globals,
     which are then rewritten to torch's names."""
     pickler = _PyPickler if _check_plain(obj) else _Pickler
@@ -192,6 +195,6 @@ def pickle_structure(obj: Any, keep_keys: bool) -> tuple[bytes, list[tuple[str, 
         records, buf = _Records(keep_keys, shared), io.BytesIO()
         pickler(buf, records).dump(obj)
     try:
-        return to_torch(buf.getvalue()), records.order
+        return to_torch(buf.getvalue()), records.order, records.key_of
     except ValueError as e:  # the marker where _unmarked can't see it: torch's writer, not a broken file
         raise NeedsTorch(str(e)) from None

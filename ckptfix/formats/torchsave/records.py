@@ -27,6 +27,8 @@ from ...parse.zipdir import data_start
 from ...safety import guards, scanner, subclasses
 from ..base import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .meta_pickle import pickle_meta
+from . import digest_records
+from .digest_records import tensor_keys
 from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 
@@ -171,13 +173,20 @@ def write_structure(
     ``location`` maps each saved device tag to the tag written. Records keep their source keys
     when they come from a torch zip, so only storages still referenced are copied.
     """
-    data, order = pickle_meta(obj, refs, location)
-    return write_archive(data, order, dst, archive)
+    import torch
+
+    data, order, key_of = pickle_meta(obj, refs, location)
+    strided = torch.strided  # (a sparse tensor's storages are named by their keys alone)
+    names = tensor_keys(obj, lambda x: key_of.get(storage_id(x)) if isinstance(x, torch.Tensor) and x.layout == strided
+                        else None)
+    return write_archive(data, order, dst, archive, names)
 
 
-def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str, archive: str = "archive") -> int:
+def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str, archive: str = "archive",
+                  names: dict[str, str] | None = None) -> int:
     """A torch zip at ``dst``: ``data_pkl`` and, for each ``(key, ref)`` of ``order``, record ``data/KEY``
-    copied from the ref's byte range (in the kernel) or computed (CastRef, PiecedRef); returns bytes copied."""
+    copied from the ref's byte range (in the kernel) or computed (CastRef, PiecedRef), then ckptfix's digest and
+    lineage records (:mod:`.digest_records`; ``names``: each tensor's storage key); returns bytes copied."""
     archive = "".join(c if c.isalnum() or c in "_-" else "_" for c in archive) or "archive"
     copied = 0
     with Sources() as sources:
@@ -209,6 +218,8 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
                 check.verify()  # (runs the queued remote copies first)
                 z.add_bytes(f"{archive}/version", b"3\n")
                 z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
+                for name, data in digest_records.records(archive, z.crcs(), names or {}):
+                    z.add_bytes(name, data)
                 z.close()
         finally:
             crcs.close()

@@ -10,6 +10,7 @@ torch's own writer does.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import BinaryIO
 
 from ...core.checksums import crc32
 from ...core import bytecopy
+from ...parse.zipdir import read_directory
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -30,6 +32,7 @@ class _Entry:
     offset: int
     size: int
     crc: int
+    flags: int = 0  # (torch.save's records have data descriptors: bit 3, kept when the directory is rewritten)
 
 
 class ZipWriter:
@@ -100,13 +103,18 @@ class ZipWriter:
             self.pending.append((entry, crc))
         self.f.seek(self.pos)
 
-    def close(self) -> None:
-        for entry, crc in self.pending:  # the CRC-32s computed while copying, into the local headers
+    def crcs(self) -> dict[str, int]:
+        """Every record's CRC-32 by name, those computed while copying put into their local headers first."""
+        for entry, crc in self.pending:
             entry.crc = crc()
             self.f.seek(entry.offset + 14)
             self.f.write(struct.pack("<I", entry.crc))
         self.pending.clear()
         self.f.seek(self.pos)
+        return {e.name.decode("utf-8"): e.crc for e in self.entries}
+
+    def close(self) -> None:
+        self.crcs()
         cd_start = self.pos
         for e in self.entries:
             zip64 = e.size >= _U32 or e.offset >= _U32
@@ -115,7 +123,7 @@ class ZipWriter:
                 extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.offset)
             size = _U32 if zip64 else e.size
             off = _U32 if zip64 else e.offset
-            rec = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if zip64 else 20, 0, 0, *_DOS_DATE,
+            rec = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if zip64 else 20, e.flags, 0, *_DOS_DATE,
                               e.crc, size, size, len(e.name), len(extra), 0, 0, 0, 0, off)
             self.f.write(rec + e.name + extra)
             self.pos += len(rec) + len(e.name) + len(extra)
@@ -129,3 +137,19 @@ class ZipWriter:
         else:
             self.f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
         self.f.flush()
+
+
+def append(path: str, records: Callable[[dict[str, int]], list[tuple[str, bytes]]]) -> None:
+    """Add the stored records ``records({name: CRC-32})`` gives to the finished zip ``path``, where its central
+    directory was, then write the directory again with every earlier entry: ckptfix's digests and lineage, added
+    to a file ``torch.save`` wrote (torch's reader skips records it isn't asked for)."""
+    with open(path, "r+b") as f:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            directory = read_directory(buf, len(buf))
+        f.seek(directory.cd_offset)
+        f.truncate()
+        z = ZipWriter(f)
+        z.entries = [_Entry(e.raw_name, e.header_offset, e.file_size, e.crc, e.flags) for e in directory.entries]
+        for name, data in records(z.crcs()):
+            z.add_bytes(name, data)
+        z.close()

@@ -33,13 +33,13 @@ from ...errors import ConversionError, DeviceError, WrapperError
 from ...core.limits import collector_paused
 from ...core.progress import Progress, peak_rss_bytes
 from ...core.units import few, parse_size
-from . import quant, remote_convert
+from . import lineage, quant, remote_convert
 from ..convert_options import ConvertOptions
 from ..quantized import Configs, read_configs
 from ..reading import read_checkpoint, structure_first, summarise
 from ...parse import format_registry as registry, inert
 from ...reports import Checkpoint, ConvertReport, tensor_stats
-from ...safety import integrity, signing
+from ...safety import digests, signing
 from ...safety.standins import contains_stand_ins
 from ...core.tensorinfo import TensorInfo
 
@@ -387,6 +387,12 @@ def _write_output(req: Request, obj: Any, refs: dict | None, final: _Finalizer) 
 # -- the whole conversion ------------------------------------------------------------------------------
 
 def run(req: Request, start: float) -> ConvertReport:
+    """:func:`convert`, every output it writes recording the convert's lineage."""
+    with digests.recording(lineage.of(req)):
+        return convert(req, start)
+
+
+def convert(req: Request, start: float) -> ConvertReport:
     """Read, normalise, write and report; the torch-free path first where the request allows it."""
     with collector_paused():
         ckpt, mode = plan_read(req)
@@ -449,7 +455,7 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         bytes_written=final.size if locations.is_remote(dst) else _size_on_disk(dst),
         seconds=round(time.perf_counter() - start, 3),
         peak_rss=peak_rss_bytes(),
-        sha256_in=integrity.file_sha256(req.src) if req.checksums else None,
+        sha256_in=lineage.source_sha256(req.src) if req.checksums else None,
         sha256_out=final.sha256 if req.checksums else None,
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,

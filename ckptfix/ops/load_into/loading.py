@@ -33,6 +33,7 @@ from ...formats import safetensors as _safetensors  # noqa: F401  (the families 
 from ...formats.base import source_record
 from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
 from ...reports import LoadReport
+from ...safety import digests
 from ...statedict import repair
 from . import dequant, modelwalk, shards
 from ..reading import read_checkpoint, structure_first
@@ -76,6 +77,9 @@ class LoadOptions:
     check_values: bool = True
     assign: bool | None = None
     dequantize: bool = False
+    #: the per-tensor digests a ckptfix output records, checked before anything is loaded (``load`` takes it too).
+    #: On request: one more CRC-32 pass over every byte, beyond issue 29's bounds on the load (docs/digests.md)
+    check_digests: bool = False
 
 
 def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
@@ -93,6 +97,8 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
             target = repair.describe_target(model, state_dict=model_walk.state_dict,
                                             module_names=model_walk.module_names)
             ckpt, chosen, fit, sources = _read_fitted(path, o, target, reader, model_walk.state_dict)
+            if o.check_digests:
+                digests.check(ckpt.path, ckpt.format)
             plan = _plan(model_walk, fit.state_dict, sources, plan_devices, o.assign)
             if o.strict_values:
                 _check_records(plan, sources, distributed)

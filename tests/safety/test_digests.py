@@ -1,0 +1,185 @@
+"""Per-tensor digests and lineage in every output ``convert`` writes (docs/digests.md): present, named, taken
+unchanged by the plain loaders, checked by ``verify`` (exit 3 naming the tensor), ``load`` and ``load_into``
+(refused, the model unchanged; ``check_digests=False`` skips the check); lineage deterministic, shown by ``inspect``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import ckptfix
+from ckptfix.cli.commands import cli
+from ckptfix.core.torch_free import ENV_SWITCH
+from ckptfix.formats import sniff
+from ckptfix.safety import digests
+
+LINEAR = ["--model", "torch.nn:Linear", "--arg", "in_features=3", "--arg", "out_features=4", "--no-forward"]
+
+#: every output kind convert writes: (name, destination, convert options, torch-free switch)
+KINDS = [
+    ("pth torch-free", "out.pth", {}, "1"),
+    ("pth streamed", "out.pth", {}, "0"),
+    ("pth torch.save", "out.pth", {"trust": True}, "1"),
+    ("pth cast", "out.pth", {"dtype": "fp16"}, "1"),
+    ("safetensors torch-free", "out.safetensors", {}, "1"),
+    ("safetensors torch", "out.safetensors", {}, "0"),
+    ("safetensors cast", "out.safetensors", {"dtype": "bf16"}, "1"),
+    ("sharded safetensors", "shards", {"max_shard_size": 40}, "1"),
+    ("sharded pth", "shards", {"max_shard_size": 40, "format": "pth"}, "0"),
+    ("dcp", "dcp", {"format": "dcp"}, "1"),
+]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A torch.save'd nn.Linear(3, 4) state dict plus a tied alias, and a buffer (``module.`` wrapped)."""
+    torch.manual_seed(0)
+    sd = {f"module.{k}": v for k, v in torch.nn.Linear(3, 4).state_dict().items()}
+    path = tmp_path_factory.mktemp("digests") / "src.pth"
+    torch.save(sd, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def outputs(source: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each kind of output, converted once."""
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, dst, options, torch_free in KINDS:
+            mp.setenv(ENV_SWITCH, torch_free)
+            path = tmp_path_factory.mktemp(name.replace(" ", "_").replace(".", "_")) / dst
+            ckptfix.convert(source, path, **options)
+            out[name] = path
+    return out
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.suffix != ".json") if path.is_dir() else [path]  # (DCP's sidecar too)
+
+
+@pytest.mark.parametrize("kind", [k[0] for k in KINDS])
+def test_every_output_records_digests_and_plain_loaders_take_it(kind: str, outputs: dict[str, Path],
+                                                                  source: Path) -> None:
+    path = outputs[kind]
+    _, fmt = ckptfix.formats.resolve(str(path))
+    recorded = digests.read(str(path), fmt)
+    assert recorded.digests is not None
+    assert sorted(n for d in recorded.digests for n in d.names) == ["bias", "weight"]
+    assert digests.failures(str(path), fmt) == []
+    assert ckptfix.scan(path).ok  # the records added are accounted for, as torch's own are
+    assert recorded.lineage is not None and recorded.lineage["source"]["name"] == "src.pth"
+    want = {k.removeprefix("module."): v for k, v in torch.load(source, weights_only=True).items()}
+    got: dict[str, Any] = {}
+    for f in _files(path):
+        if f.name == "__0_0.distcp":  # DCP: torch's own converter
+            dcp_to_torch_save(path, path.parent / "plain.pth")
+            got.update(torch.load(path.parent / "plain.pth", weights_only=True))
+        elif f.suffix == ".distcp" or f.name == ".metadata":
+            continue
+        elif f.suffix == ".safetensors":
+            got.update(load_file(f))
+        else:
+            plain, mapped = torch.load(f, weights_only=True), torch.load(f, weights_only=True, mmap=True)
+            assert plain.keys() == mapped.keys() and all(torch.equal(plain[k], mapped[k]) for k in plain)
+            got.update(plain)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want)
+
+
+def test_tied_tensors_share_a_digest(tmp_path: Path) -> None:
+    w = torch.arange(6.0).reshape(2, 3)
+    torch.save({"emb": w, "head": w, "b": torch.ones(2)}, tmp_path / "tied.pth")
+    for dst in ("o.pth", "o.safetensors"):
+        ckptfix.convert(tmp_path / "tied.pth", tmp_path / dst)
+        found = digests.read(str(tmp_path / dst), sniff(str(tmp_path / dst)))
+        assert found.digests is not None
+        names = {n: d.crc for d in found.digests for n in d.names}
+        assert names["emb"] == names.get("head", names["emb"])  # one record (pth) or an alias of it (safetensors)
+    pth = digests.read(str(tmp_path / "o.pth"), "torch-zip").digests
+    assert pth is not None and [d.names for d in pth if "emb" in d.names] == [("emb", "head")]
+
+
+def _flip(path: Path, tensor: str) -> None:
+    """Flip one byte in the middle of ``tensor``'s stored bytes."""
+    found = digests.read(str(path), sniff(str(path))).digests
+    assert found is not None
+    d = next(d for d in found if tensor in d.names)
+    with open(path, "r+b") as f:
+        f.seek(d.offset + d.size // 2)
+        byte = f.read(1)
+        f.seek(d.offset + d.size // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.fixture
+def damaged(outputs: dict[str, Path], tmp_path: Path) -> Path:
+    path = tmp_path / "damaged.safetensors"
+    path.write_bytes(outputs["safetensors torch-free"].read_bytes())
+    _flip(path, "weight")
+    return path
+
+
+def test_verify_names_the_damaged_tensor(damaged: Path, cli_runner: Any) -> None:
+    res = cli_runner.invoke(cli, ["verify", str(damaged), *LINEAR, "--json"])
+    assert res.exit_code == 3, res.output
+    failures = json.loads(res.stdout)["failures"]
+    assert len(failures) == 1 and "tensor 'weight' does not match its recorded digest" in failures[0]
+
+
+def test_verify_passes_an_intact_output(outputs: dict[str, Path], cli_runner: Any) -> None:
+    res = cli_runner.invoke(cli, ["verify", str(outputs["safetensors torch"]), *LINEAR])
+    assert res.exit_code == 0, res.output
+
+
+def test_load_and_load_into_refuse_damage_when_checking(damaged: Path) -> None:
+    """On request (``check_digests=True``): refused, the model unchanged; without, the damaged values load."""
+    with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight' does not match"):
+        ckptfix.load(damaged, check_digests=True)
+    model = torch.nn.Linear(3, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight'.*nothing was loaded"):
+        ckptfix.load_into(model, damaged, check_digests=True)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert "weight" in ckptfix.load(damaged)
+    ckptfix.load_into(model, damaged)
+    assert not torch.equal(before["weight"], model.weight.detach())
+
+
+def test_a_damaged_pth_names_its_tensor(outputs: dict[str, Path], tmp_path: Path) -> None:
+    path = tmp_path / "damaged.pth"
+    path.write_bytes(outputs["pth torch-free"].read_bytes())
+    _flip(path, "bias")
+    lines = digests.failures(str(path), "torch-zip")
+    assert len(lines) == 1 and "tensor 'bias' does not match" in lines[0]
+
+
+def test_lineage_is_deterministic(source: Path, tmp_path: Path) -> None:
+    def lineage(dst: str, **options: Any) -> Any:
+        ckptfix.convert(source, tmp_path / dst, force=True, **options)
+        return digests.read(str(tmp_path / dst), sniff(str(tmp_path / dst))).lineage
+
+    first = lineage("a.safetensors", to="ddp")
+    assert (tmp_path / "a.safetensors").read_bytes() == (lineage("b.safetensors", to="ddp") and
+                                                         (tmp_path / "b.safetensors").read_bytes())
+    assert first == lineage("c.pth", to="ddp")
+    assert first["transform"] == "--to ddp" and first["ckptfix"] == ckptfix.__version__
+    assert lineage("d.safetensors", to="ddp", checksums=True)["source"]["sha256"] == ckptfix.convert(
+        source, tmp_path / "e.safetensors", to="ddp", checksums=True).sha256_in
+    os.utime(source, ns=(1, 1))  # a touched source is another source
+    assert lineage("a.safetensors", to="ddp")["source"]["mtime_ns"] == 1
+
+
+def test_inspect_shows_digests_and_lineage(outputs: dict[str, Path], cli_runner: Any) -> None:
+    path = str(outputs["pth torch-free"])
+    text = cli_runner.invoke(cli, ["inspect", path]).output
+    assert "digests:        crc32, 2 tensors" in text and "lineage:        ckptfix" in text
+    info = json.loads(cli_runner.invoke(cli, ["inspect", path, "--json"]).stdout)
+    assert info["digests"] == {"algorithm": "crc32", "tensors": 2}
+    assert info["lineage"]["source"]["name"] == "src.pth"

@@ -24,7 +24,8 @@ from ..ops import api, reading
 from ..parse.format_registry import get as format_of
 from ..reports import Checkpoint
 from ..safety import integrity, scanner
-from ..statedict import metadata, repair
+from ..parse import inert
+from ..statedict import metadata, repair, weights_only
 from . import fixes, observe, serving
 from . import forward as fwd
 from . import golden as gold
@@ -214,6 +215,17 @@ def module_metadata(gate: Gate, report: VerifyReport) -> Findings:
     return Findings(failures=[f"state dict {line}" for line in gate.ckpt.metadata_dropped])
 
 
+def unsafe_globals(gate: Gate, report: VerifyReport) -> Findings:
+    """Globals outside the allow-list anywhere in the file (read as inert placeholders, never imported): a finding in
+    every mode, named with where (:mod:`ckptfix.statedict.weights_only`); ckptfix's own load still takes the weights."""
+    found = inert.find(gate.ckpt.raw)
+    if not found:
+        return Findings()
+    return Findings(failures=[f"unsafe: the file holds {weights_only.described(found)}, globals outside the allow-list "
+                              "(read as inert placeholders, never imported or called): torch.load(weights_only=True) "
+                              "refuses the file, torch.load(weights_only=False) would import and call them"])
+
+
 def as_saved(gate: Gate, report: VerifyReport) -> Findings:
     """With ``exact``: why the serving loader — ``torch.load(PATH, weights_only=True)`` or
     ``safetensors.torch.load_file(PATH)`` — then ``load_state_dict(…, strict=True)`` would not take the file as is."""
@@ -224,7 +236,12 @@ def as_saved(gate: Gate, report: VerifyReport) -> Findings:
     if not serving.has_loader(ckpt.format):
         what = "directory" if os.path.isdir(ckpt.path) else "file"
         out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
-    if ckpt.state_dict_key is not None:
+    beside = weights_only.refused(ckpt.extra) if ckpt.state_dict_key is not None else []
+    if beside and not report_unsafe(report):  # torch raises before it returns anything: that is the reason
+        out.append(f"exact: torch.load(weights_only=True) refuses the file: beside the state dict it holds "
+                   f"{weights_only.described(beside)} (the server would need add_safe_globals([{weights_only.globals_named(beside)}]); "
+                   "or write the state dict alone: the convert line)")
+    elif ckpt.state_dict_key is not None and not beside:
         out.append(f"exact: torch.load returns a dict with the state dict under {ckpt.state_dict_key!r}, not the state dict")
     as_loaded = serving.plainly_loaded(ckpt)
     plain = repair.check_fit(as_loaded, gate.target, fill=False)
@@ -241,6 +258,11 @@ def as_saved(gate: Gate, report: VerifyReport) -> Findings:
         out.append(f"exact: {len(plain.dtype_mismatch)} dtypes differ from the model's ({', '.join(kinds)}): "
                    + serving.shown(_keys(plain.dtype_mismatch)))
     return Findings(failures=out)
+
+
+def report_unsafe(report: VerifyReport) -> bool:
+    """Has :func:`unsafe_globals` failed the gate already?"""
+    return any(f.startswith("unsafe: ") for f in report.failures)
 
 
 def observed_load(gate: Gate, report: VerifyReport) -> Findings:
@@ -397,5 +419,5 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
 
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
-CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, as_saved, devices, zip_crcs, observed_load,
+CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, unsafe_globals, as_saved, devices, zip_crcs, observed_load,
           forward_outputs)

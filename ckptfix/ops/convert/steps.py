@@ -21,7 +21,7 @@ from typing import Any
 
 from ... import formats
 from ...formats.base import CastRef, source_record
-from ...statedict import locate, ties, transforms, wrappers
+from ...statedict import locate, ties, transforms, weights_only, wrappers
 from ...core import locations
 from ...core.bytecopy import CrcCheck
 from ...core.atomic import hashed_name, sha256_file
@@ -67,10 +67,7 @@ def validate(src: str, dst: str, options: ConvertOptions) -> Request:
         raise ConversionError("map_location='meta' reads no tensor data; convert needs real tensors")
     if options.dtype is not None:
         transforms.parse_dtype(options.dtype)
-    if options.untie and not _stores_aliases(fmt_out):
-        raise ConversionError(f"{dst}: --untie is for safetensors output, which stores a tied tensor once; a "
-                              f"{fmt_out} output keeps tied tensors as torch.save does (torch.load restores each "
-                              "key): drop --untie")
+    ties.check_request(dst, fmt_out, _stores_aliases(fmt_out), options.untie, options.compact_ties)
     return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan, **vars(options))
 
 
@@ -240,6 +237,7 @@ class Output:
     notes: list[str]
     cast: Any
     kept: bool
+    untied: bool = False  #: tied tensors stored under each key: more bytes written than read
 
 
 def transform(req: Request, ckpt: Checkpoint) -> Output:
@@ -247,10 +245,10 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
     if req.keep_extra and req.strip_prefix is not None:
         locate.check_resumable(ckpt.raw, ckpt.state_dict_key, ckpt.state_dict, req.strip_prefix, req.src)
     sd, notes = normalise_keys(ckpt, req.to, req.strip_prefix, req.add_prefix, req.rename, req.by_order)
-    if req.untie:
+    untied: list[str] = []
+    if _stores_aliases(req.fmt_out) and not req.compact_ties:  # every tied name stored: load_file returns each
         sd, untied = ties.untie_aliases(sd, ckpt.refs)
-        notes.append(f"--untie: {len(untied)} tied tensor(s) stored under their own keys"
-                     + (": " + ", ".join(untied[:20]) if untied else ""))
+        notes += ties.untie_notes(untied, req.untie)
     cast = None
     if req.dtype is not None:
         sd, cast = transforms.cast_floating(sd, req.dtype, req.allow_overflow)
@@ -264,7 +262,9 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
             f"{req.src}: holds {', '.join(held)}, read as inert placeholders (never imported), which can't be "
             "written back under their own names; " + ("drop --keep-extra to write the state dict alone" if kept else
                                                        "drop --allow for them, or remove them from the state dict"))
-    return Output(sd, obj, notes, cast, kept)
+    if kept and not registry.get(req.fmt_out).directory_output:  # (a DCP directory's loader takes objects)
+        weights_only.refuse_writing(req.src, req.dst, ckpt.extra, req.allow)
+    return Output(sd, obj, notes, cast, kept, bool(untied))
 
 
 # -- writing -------------------------------------------------------------------------------------------
@@ -295,12 +295,12 @@ def write_torch_free(req: Request, ckpt: Checkpoint, out: Output, final: _Finali
     if req.shard_size is not None:
         if not all(type(v) is TensorInfo for v in out.obj.values()):
             raise NeedsTorch("a value that is not a tensor")  # torch's path gives its error
-        with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
+        with Progress(_nbytes_out(ckpt, out), ckpt.stats.num_tensors, enabled=req.progress):
             return formats.write_sharded(out.obj, req.dst, req.fmt_out, req.shard_size, force=req.force,
                                          torch_free=True, keep_keys=keep_keys)
     plan = formats.plan_write(out.obj, req.fmt_out, archive=_archive_name(req.dst), keep_keys=keep_keys)
     notes: list[str] = []
-    with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
+    with Progress(_nbytes_out(ckpt, out), ckpt.stats.num_tensors, enabled=req.progress):
         with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
             written = plan.write(tmp)
     return notes + written
@@ -318,7 +318,7 @@ def _archive_name(dst: str) -> str:
 
 
 def _nbytes_out(ckpt: Checkpoint, out: Output) -> int:
-    return tensor_stats(out.state_dict, {}).nbytes if out.cast is not None else ckpt.stats.nbytes
+    return tensor_stats(out.state_dict, {}).nbytes if out.cast is not None or out.untied else ckpt.stats.nbytes
 
 
 def _with_casts(refs: dict, cast: Any) -> dict:

@@ -52,6 +52,7 @@ class Gate:
     chosen: repair.Repair
     fit: repair.Fit
     phase: Phases  #: ``with gate.phase("hash"):`` a line on stderr as the step ends (not on a terminal)
+    digest: integrity.HashAlongside | None = None  #: the file's SHA-256, computed while it was read
 
     @property
     def runs_forward(self) -> bool:
@@ -81,6 +82,8 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> Gate:
     phase = Phases("verify", options.progress)
     with_values = not options.structure_only and str(options.map_location).strip().lower() != "meta"  # meta: no values
     source = models.ModelSource(model, options.model_args, options.dtype)
+    hashed = options.checksum or (with_values and options.forward)  # (what the sha256 check asks for)
+    digest = integrity.HashAlongside(os.fspath(path)) if hashed and not locations.is_remote(os.fspath(path)) else None
     with phase("read"):
         ckpt = reading.read_checkpoint(os.fspath(path), options.map_location if with_values else "meta", options.trust,
                                        options.select, refuse=True, judged=True)
@@ -89,7 +92,7 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> Gate:
         structure, is_fresh = source.structure(meta=not (with_values and options.forward))
     target = repair.describe_target(structure, float_dtype=source.dtype)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
-    return Gate(options, ckpt.path, with_values, source, ckpt, structure, is_fresh, target, chosen, fit, phase)
+    return Gate(options, ckpt.path, with_values, source, ckpt, structure, is_fresh, target, chosen, fit, phase, digest)
 
 
 def first_report(gate: Gate) -> VerifyReport:
@@ -116,8 +119,9 @@ def sha256(gate: Gate, report: VerifyReport) -> Findings:
     """The file's SHA-256 (a directory has no one hash), unless neither the options nor the forward check ask."""
     if not (gate.options.checksum or gate.runs_forward):
         return Findings()
-    with gate.phase("hash"):
-        digest = integrity.file_sha256(gate.path, "verify" if gate.options.progress else None)
+    with gate.phase("hash"):  # the thread that hashed while the file was read; else (a directory's file) now
+        digest = gate.digest.result() if gate.digest is not None else None
+        digest = digest or integrity.file_sha256(gate.path, "verify" if gate.options.progress else None)
     return Findings(fields={"sha256": digest})
 
 

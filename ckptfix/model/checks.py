@@ -272,18 +272,20 @@ def report_unsafe(report: VerifyReport) -> bool:
 def observed_load(gate: Gate, report: VerifyReport) -> Findings:
     """With ``exact``: the serving loader's own verdict on the file as saved, run in a child process
     (:mod:`ckptfix.model.observe`), and every tensor it returned against ckptfix's read, bit for bit."""
-    if not gate.options.exact or not serving.has_loader(gate.ckpt.format) or locations.is_remote(gate.path):
+    if not gate.options.exact or not serving.has_loader(gate.ckpt.format):
         return Findings()
     if gate.options.serving_loader == "transformers" and importlib.util.find_spec("transformers") is None:
         raise ModelSpecError("--serving-loader transformers (serving_loader='transformers'): transformers is not "
                              "installed here; pip install transformers, or observe the plain load (--serving-loader torch)")
-    if not gate.options.trust:  # the static scan first: a file whose pickles name code never reaches the loader
-        try:
-            scanner.ensure_safe(gate.path, gate.ckpt.format)
-        except UnsafeCheckpointError as e:
-            return Findings(failures=[f"exact: not handed to the serving loader: {e}"])
-    obs = observe.observe(gate.path, gate.ckpt.format, gate.source.model, gate.options, dict(gate.ckpt.devices),
-                          gate.ckpt.state_dict_key)
+    with observe.local_copy(gate.path, gate.ckpt.format) as local:  # a URL: fetched once, deleted after
+        if not gate.options.trust:  # the static scan first: a file whose pickles name code never reaches the loader
+            try:
+                scanner.ensure_safe(local, gate.ckpt.format)
+            except UnsafeCheckpointError as e:
+                return Findings(failures=[f"exact: not handed to the serving loader: {str(e).replace(local, gate.path)}"])
+        obs = observe.observe(local, gate.ckpt.format, gate.source.model, gate.options, dict(gate.ckpt.devices),
+                              gate.ckpt.state_dict_key)
+    obs.error = obs.error.replace(local, gate.path) if obs.error else obs.error  # (a URL's temp copy: named as the URL)
     found = Findings(notes=list(obs.notes), fields={"observed": obs.to_dict()})
     if obs.error is not None:
         where = {"process": "", "build": "building the model: ", "load": "the load: ",
@@ -292,8 +294,9 @@ def observed_load(gate: Gate, report: VerifyReport) -> Findings:
                               + serving.loader_hint(obs, gate.aliases))
     differ = observe.read_differs(obs, serving.plainly_loaded(gate.ckpt), gate.with_values) if obs.digests else []
     if differ:
-        found.failures.append(f"exact: ckptfix's read and {obs.call.split(' + ')[0]} part: {'; '.join(differ)} "
-                              "(a ckptfix reader bug: please report it)")
+        why = ("the file changed at the URL between the two reads, or a ckptfix reader bug" if locations.is_remote(gate.path)
+               else "a ckptfix reader bug: please report it")
+        found.failures.append(f"exact: ckptfix's read and {obs.call.split(' + ')[0]} part: {'; '.join(differ)} ({why})")
     return found
 
 

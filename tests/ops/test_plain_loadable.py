@@ -129,19 +129,20 @@ def _same(got: Any, want: Any) -> bool:
     return a.numel() == 0 or bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
 
 
-def _check(src: Path, tmp: Path) -> list[str]:
-    """Each output format: converted or refused in one line, and what was written loaded plainly, as read."""
+def _check(src: Path, tmp: Path) -> dict[str, Any]:
+    """Each output format: converted or refused in one line, and what was written loaded plainly, as read; the
+    reports of what was written, by output."""
     try:
         want = ckptfix.read(src)
     except ckptfix.errors.CkptfixError:
-        return []  # not a file ckptfix reads
+        return {}  # not a file ckptfix reads
     if want.stats.nbytes > TOO_BIG:
-        return []
-    written = []
+        return {}
+    written = {}
     for name in OUTPUTS:
         out = tmp / name
         try:
-            _convert(src, out)
+            report = _convert(src, out)
         except ckptfix.errors.CkptfixError as e:  # refused, in one line (a bug would be another exception)
             assert "a bug in ckptfix" not in str(e) and "\n" not in str(e), (src, name, str(e))
             continue
@@ -150,7 +151,7 @@ def _check(src: Path, tmp: Path) -> list[str]:
         assert set(got) >= set(tensors), (src, name, sorted(set(tensors) - set(got)))
         bad = [k for k, v in tensors.items() if not _same(got[k], v)]
         assert not bad, (src, name, bad)
-        written.append(name)
+        written[name] = report
     return written
 
 
@@ -166,3 +167,5 @@ def test_every_issue_26_case_converts_to_what_its_plain_loader_takes(name: str, 
         pytest.skip("transformers is not installed")
     written = _check(made[name], tmp_path)
     assert {"out.pth", "out.safetensors"} <= set(written), written  # the weights always convert
+    if "metadata" in name:  # what the weights-only loader refuses in _metadata: dropped, with a note naming it
+        assert any(n.startswith("_metadata[''][") and n.endswith("; dropped") for n in written["out.pth"].notes)

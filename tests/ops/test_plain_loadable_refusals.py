@@ -35,24 +35,30 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "os-system": {"state_dict": sd, "hook": {"run": _Evil()}}, "plain": {"state_dict": sd, "epoch": 3}}
     for name, obj in made.items():
         torch.save(obj, d / f"{name}.pth")
+    in_metadata = torch.nn.Linear(3, 2).state_dict()
+    in_metadata._metadata[""]["args"] = argparse.Namespace(lr=0.1)  # type: ignore[attr-defined]
+    torch.save(in_metadata, d / "metadata.pth")
+    made["metadata"] = {}
     (d / "spec.py").write_text(SPEC_PY)
     return {name: d / f"{name}.pth" for name in made} | {"spec": d / "spec.py"}
 
 
-@pytest.mark.parametrize("name, says", [("namespace", "args (argparse.Namespace)"),
-                                        ("os-system", "hook.run (posix.system)"), ("plain", None)])
+@pytest.mark.parametrize("name, says", [("namespace", "beside the state dict it holds args (argparse.Namespace)"),
+                                        ("os-system", "beside the state dict it holds hook.run (posix.system)"),
+                                        ("metadata", "in _metadata['']['args']: an argparse.Namespace"), ("plain", None)])
 def test_load_into_warns_naming_what_the_plain_loader_refuses(name: str, says: str | None, files: dict[str, Path]) -> None:
     model = torch.nn.Linear(3, 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckptfix.load_into(model, files[name])
     lines = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-    assert torch.equal(model.weight, torch.load(files["plain"], weights_only=True)["state_dict"]["weight"])
+    if name != "metadata":
+        assert torch.equal(model.weight, torch.load(files["plain"], weights_only=True)["state_dict"]["weight"])
     if says is None:
         assert not [line for line in lines if "weights_only=True) refuses" in line]
     else:
         assert [line for line in lines if "torch.load(PATH, weights_only=True) refuses this file" in line
-                and line.endswith(f"beside the state dict it holds {says}")], lines
+                and line.endswith(says)], lines
 
 
 def test_keep_extra_refuses_what_the_plain_loader_refuses_in_one_line(files: dict[str, Path], tmp_path: Path,

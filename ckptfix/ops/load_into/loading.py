@@ -33,7 +33,7 @@ from ...formats import safetensors as _safetensors  # noqa: F401  (the families 
 from ...formats.base import source_record
 from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
 from ...reports import LoadReport
-from ...statedict import repair, weights_only
+from ...statedict import metadata, repair, weights_only
 from . import modelwalk, shards
 from ..reading import read_checkpoint, structure_first
 from ..sources import Sources, damaged
@@ -108,10 +108,11 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
         fetched = session.bytes_fetched if session.remote else None
     notes = list(ckpt.notes)
     beside = weights_only.refused(ckpt.extra)
-    if beside:  # the weights are safe to take; the file as a whole is not what a plain load takes
+    held = ([f"beside the state dict it holds {weights_only.described(beside)}"] if beside else []) + [
+        f"in {line}" for line in metadata.objects(ckpt.metadata_dropped)]
+    if held:  # the weights are safe to take; the file as a whole is not what a plain load takes
         warnings.warn(f"{ckpt.path}: the weights were loaded, but torch.load(PATH, weights_only=True) refuses this "
-                      f"file: beside the state dict it holds {weights_only.described(beside)}", UserWarning,
-                      stacklevel=3)
+                      f"file: {'; '.join(held)}", UserWarning, stacklevel=3)
     if nonfinite:
         warnings.warn(f"{ckpt.path}: {_values(nonfinite)} (loaded; strict_values=True refuses them)", UserWarning,
                       stacklevel=3)

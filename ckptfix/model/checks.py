@@ -242,8 +242,9 @@ def as_saved(gate: Gate, report: VerifyReport) -> Findings:
         out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
     beside = weights_only.refused(ckpt.extra) if ckpt.state_dict_key is not None else []
     if beside and not report_unsafe(report):  # torch raises before it returns anything: that is the reason
+        needs = weights_only.globals_named(beside)
         out.append(f"exact: torch.load(weights_only=True) refuses the file: beside the state dict it holds "
-                   f"{weights_only.described(beside)} (the server would need add_safe_globals([{weights_only.globals_named(beside)}]); "
+                   f"{weights_only.described(beside)} (the server would need add_safe_globals([{needs}]); "
                    "or write the state dict alone: the convert line)")
     elif ckpt.state_dict_key is not None and not beside:
         out.append(f"exact: torch.load returns a dict with the state dict under {ckpt.state_dict_key!r}, not the state dict")
@@ -426,5 +427,5 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
 
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
-CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, unsafe_globals, as_saved, devices, zip_crcs, observed_load,
-          forward_outputs)
+CHECKS = (sha256, served_keys, fix_command, tensor_values, key_fit, module_metadata, unsafe_globals, as_saved, devices,
+          zip_crcs, observed_load, forward_outputs)

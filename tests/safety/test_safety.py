@@ -99,7 +99,8 @@ def test_keep_extra_round_trip_keeps_allowed_objects(tmp_path: Path) -> None:
     extras = training_extras()
     torch.save({"model": {"module.fc.weight": torch.randn(2, 3)}, **extras}, src)
     with pytest.raises(ckptfix.errors.ConversionError, match=r"--keep-extra would write args \(argparse.Namespace\), "
-                       r"args.output \(pathlib.PosixPath\), epoch \(numpy.int64\).*torch.load\(PATH, weights_only=True\) refuses"):
+                       r"args.output \(pathlib.PosixPath\), epoch \(numpy.int64\).*"
+                       r"torch.load\(PATH, weights_only=True\) refuses"):
         ckptfix.convert(src, dst, keep_extra=True)  # the plain loader refuses them: named, with their keys
     assert not dst.exists()
     ckptfix.convert(src, dst, keep_extra=True, allow=RESUMES_WITH)  # the resuming code allows them

@@ -102,6 +102,8 @@ def test_verify_of_a_file_the_read_refuses_is_a_finding(tmp_path: Path, files: d
     torch.save({"weight": _Evil(), "bias": torch.zeros(2)}, tmp_path / "inside.pth")
     res = cli_runner.invoke(cli, ["verify", str(tmp_path / "inside.pth"), "--model", f"{files['spec']}:lin", "--quiet"])
     assert res.exit_code == 3 and "posix.system" in res.stderr and res.stderr.startswith("Error: ")
+    res = cli_runner.invoke(cli, ["verify", str(tmp_path / "inside.pth"), "--model", f"{files['spec']}:lin", "--json"])
+    assert json.loads(res.stdout) | {"error": None} == {"error": None, "error_type": "UnsafeCheckpointError", "exit_code": 3}
     assert cli_runner.invoke(cli, ["convert", str(tmp_path / "inside.pth"), str(tmp_path / "o.pth")]).exit_code == 1
 
 

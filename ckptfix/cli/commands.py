@@ -83,7 +83,9 @@ def verify(ctx: click.Context, path: str, model_spec: str, **values: Any) -> Non
 
     try:
         report = do_verify(path, model_spec, **verify_kwargs(values))
-    except UnsafeCheckpointError as e:  # a file refused for what it would run: a finding, as scan's (load: exit 1)
+    except UnsafeCheckpointError as e:  # PATH refused for what it would run: a finding, as scan's (convert: exit 1)
+        if not e.finding:
+            raise
         exits.fail(ctx, str(e), e, exits.FINDING)
     render(report, values["as_json"], _format_text)
     if not report.ok:

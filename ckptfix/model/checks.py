@@ -85,8 +85,12 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> Gate:
     hashed = options.checksum or (with_values and options.forward)  # (what the sha256 check asks for)
     digest = integrity.HashAlongside(os.fspath(path)) if hashed and not locations.is_remote(os.fspath(path)) else None
     with phase("read"):
-        ckpt = reading.read_checkpoint(os.fspath(path), options.map_location if with_values else "meta", options.trust,
-                                       options.select, refuse=True, judged=True)
+        try:
+            ckpt = reading.read_checkpoint(os.fspath(path), options.map_location if with_values else "meta",
+                                           options.trust, options.select, refuse=True, judged=True)
+        except UnsafeCheckpointError as e:
+            e.finding = True  # the file judged is unsafe: a finding (an --input's or --reference's is an error)
+            raise
         ckpt.require_state_dict()
     with phase("build"):
         structure, is_fresh = source.structure(meta=not (with_values and options.forward))

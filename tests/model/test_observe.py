@@ -30,7 +30,7 @@ def _verdict(path: Path, spec: str, **options: Any) -> tuple[int, str]:
     try:
         report = ckptfix.verify(path, spec, exact=True, **options)
     except ckptfix.errors.UnsafeCheckpointError as e:
-        return 3, str(e)
+        return (3 if e.finding else 1), str(e)
     except ckptfix.errors.CkptfixError as e:
         return 1, str(e)
     return (0, "") if report.ok else (3, " | ".join(report.failures))

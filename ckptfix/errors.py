@@ -52,6 +52,9 @@ class MissingFileError(FormatError, FileNotFoundError):
 class UnsafeCheckpointError(CkptfixError):
     """Loading the file would need globals outside the allow-list (code could run); pass trust."""
 
+    #: the checkpoint ``verify`` judges was refused (not its --input or --reference): the CLI's exit 3, a finding
+    finding = False
+
     def __init__(self, message: str, globals_: list[str] | None = None):
         super().__init__(message)
         self.globals = list(globals_ or [])

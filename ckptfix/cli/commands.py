@@ -21,7 +21,7 @@ from .output import render
 
 @click.group(cls=exits.Group, context_settings={"help_option_names": ["-h", "--help"]},
              epilog="Exit codes: 0 ok, 1 error (one 'Error:' line; CKPTFIX_DEBUG=1 shows the traceback), "
-                    "2 usage, 3 a finding (verify failed, diff differs, scan found unsafe content); "
+                    "2 usage, 3 a finding (verify failed or found unsafe content, diff differs, scan found unsafe content); "
                     "130, 143, 129 interrupted by SIGINT, SIGTERM, SIGHUP (temp output removed).")
 @click.version_option(__version__, prog_name="ckptfix")
 def cli() -> None:
@@ -80,7 +80,14 @@ def verify(ctx: click.Context, path: str, model_spec: str | None, **values: Any)
     the file alone: CRCs, NaN/Inf, every quantized group intact (exit 3: failed)."""
     from ..model.verify import verify as do_verify
 
-    report = do_verify(path, model_spec, **verify_kwargs(values, has_model=model_spec is not None))
+    from ..errors import UnsafeCheckpointError
+
+    try:
+        report = do_verify(path, model_spec, **verify_kwargs(values, has_model=model_spec is not None))
+    except UnsafeCheckpointError as e:  # PATH refused for what it would run: a finding, as scan's (convert: exit 1)
+        if not e.finding:
+            raise
+        exits.fail(ctx, str(e), e, exits.FINDING)
     render(report, values["as_json"], _format_text)
     if not report.ok:
         ctx.exit(exits.FINDING)

@@ -1,6 +1,7 @@
 """Exit codes, and how a failure becomes one ``Error:`` line (and, with ``--json``, one JSON object).
 
-0 ok, 1 error, 2 usage (click's), 3 a finding (verify failed, diff differs, scan found unsafe content);
+0 ok, 1 error, 2 usage (click's), 3 a finding (verify failed or found unsafe content, diff differs, scan found
+unsafe content);
 128+N after signal N (temp output removed), 141 when the reader of stdout went away. ``CKPTFIX_DEBUG=1``
 shows the traceback.
 """
@@ -72,18 +73,18 @@ class Group(click.Group):
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-            _fail(ctx, message, e, code)
+            fail(ctx, message, e, code)
         except BrokenPipeError:  # the reader (e.g. `| head`) closed the pipe: stop quietly, like cat
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             ctx.exit(BROKEN_PIPE)
         except CkptfixError as e:
-            _fail(ctx, str(e), e)
+            fail(ctx, str(e), e)
         except Exception as e:  # the CLI's edge: no traceback for users
-            _fail(ctx, f"unexpected {type(e).__name__}: {e} (a bug in ckptfix; CKPTFIX_DEBUG=1 shows the traceback)", e)
+            fail(ctx, f"unexpected {type(e).__name__}: {e} (a bug in ckptfix; CKPTFIX_DEBUG=1 shows the traceback)", e)
 
 
-def _fail(ctx: click.Context, message: str, exc: BaseException, code: int = ERROR) -> None:
+def fail(ctx: click.Context, message: str, exc: BaseException, code: int = ERROR) -> None:
     """One ``Error:`` line on stderr (and the JSON object with --json), then exit ``code``."""
     _report(ctx, message, exc, code)
     ctx.exit(code)

@@ -22,8 +22,9 @@ from ..core.units import shown
 from ..errors import GoldenError, LoadError, ModelSpecError, UnsafeCheckpointError
 from ..ops import api
 from ..parse.format_registry import get as format_of
+from ..parse import inert
 from ..safety import integrity, scanner, signing
-from ..statedict import repair
+from ..statedict import repair, weights_only
 from . import fixes, observe, quant_checks, serving
 from . import forward as fwd
 from . import golden as gold
@@ -38,8 +39,9 @@ def sha256(gate: FileGate, report: VerifyReport) -> Findings:
     """The file's SHA-256 (a directory has no one hash), unless neither the options nor the forward check ask."""
     if not (gate.options.checksum or gate.runs_forward):
         return Findings()
-    with gate.phase("hash"):
-        digest = integrity.file_sha256(gate.path, "verify" if gate.options.progress else None)
+    with gate.phase("hash"):  # the thread that hashed while the file was read; else (a directory's file) now
+        digest = gate.digest.result() if gate.digest is not None else None
+        digest = digest or integrity.file_sha256(gate.path, "verify" if gate.options.progress else None)
     return Findings(fields={"sha256": digest})
 
 
@@ -142,6 +144,18 @@ def module_metadata(gate: FileGate, report: VerifyReport) -> Findings:
     return Findings(failures=[f"state dict {line}" for line in gate.ckpt.metadata_dropped])
 
 
+@model_free
+def unsafe_globals(gate: FileGate, report: VerifyReport) -> Findings:
+    """Globals outside the allow-list anywhere in the file (read as inert placeholders, never imported): a finding in
+    every mode, named with where (:mod:`ckptfix.statedict.weights_only`); ckptfix's own load still takes the weights."""
+    found = inert.find(gate.ckpt.raw)
+    if not found:
+        return Findings()
+    return Findings(failures=[f"unsafe: the file holds {weights_only.described(found)}, globals outside the allow-list "
+                              "(read as inert placeholders, never imported or called): torch.load(weights_only=True) "
+                              "refuses the file, torch.load(weights_only=False) would import and call them"])
+
+
 def as_saved(gate: Gate, report: VerifyReport) -> Findings:
     """With ``exact``: why the serving loader — ``torch.load(PATH, weights_only=True)`` or
     ``safetensors.torch.load_file(PATH)`` — then ``load_state_dict(…, strict=True)`` would not take the file as is."""
@@ -152,7 +166,13 @@ def as_saved(gate: Gate, report: VerifyReport) -> Findings:
     if not serving.has_loader(ckpt.format):
         what = "directory" if os.path.isdir(ckpt.path) else "file"
         out.append(f"exact: neither torch.load nor safetensors.torch.load_file reads a {ckpt.format} {what}")
-    if ckpt.state_dict_key is not None:
+    beside = weights_only.refused(ckpt.extra) if ckpt.state_dict_key is not None else []
+    if beside and not report_unsafe(report):  # torch raises before it returns anything: that is the reason
+        needs = weights_only.globals_named(beside)
+        out.append(f"exact: torch.load(weights_only=True) refuses the file: beside the state dict it holds "
+                   f"{weights_only.described(beside)} (the server would need add_safe_globals([{needs}]); "
+                   "or write the state dict alone: the convert line)")
+    elif ckpt.state_dict_key is not None and not beside:
         out.append(f"exact: torch.load returns a dict with the state dict under {ckpt.state_dict_key!r}, not the state dict")
     as_loaded = serving.plainly_loaded(ckpt)
     plain = repair.check_fit(as_loaded, gate.target, fill=False)
@@ -171,21 +191,28 @@ def as_saved(gate: Gate, report: VerifyReport) -> Findings:
     return Findings(failures=out)
 
 
+def report_unsafe(report: VerifyReport) -> bool:
+    """Has :func:`unsafe_globals` failed the gate already?"""
+    return any(f.startswith("unsafe: ") for f in report.failures)
+
+
 def observed_load(gate: Gate, report: VerifyReport) -> Findings:
     """With ``exact``: the serving loader's own verdict on the file as saved, run in a child process
     (:mod:`ckptfix.model.observe`), and every tensor it returned against ckptfix's read, bit for bit."""
-    if not gate.options.exact or not serving.has_loader(gate.ckpt.format) or locations.is_remote(gate.path):
+    if not gate.options.exact or not serving.has_loader(gate.ckpt.format):
         return Findings()
     if gate.options.serving_loader == "transformers" and importlib.util.find_spec("transformers") is None:
         raise ModelSpecError("--serving-loader transformers (serving_loader='transformers'): transformers is not "
                              "installed here; pip install transformers, or observe the plain load (--serving-loader torch)")
-    if not gate.options.trust:  # the static scan first: a file whose pickles name code never reaches the loader
-        try:
-            scanner.ensure_safe(gate.path, gate.ckpt.format)
-        except UnsafeCheckpointError as e:
-            return Findings(failures=[f"exact: not handed to the serving loader: {e}"])
-    obs = observe.observe(gate.path, gate.ckpt.format, gate.source.model, gate.options, dict(gate.ckpt.devices),
-                          gate.ckpt.state_dict_key)
+    with observe.local_copy(gate.path, gate.ckpt.format) as local:  # a URL: fetched once, deleted after
+        if not gate.options.trust:  # the static scan first: a file whose pickles name code never reaches the loader
+            try:
+                scanner.ensure_safe(local, gate.ckpt.format)
+            except UnsafeCheckpointError as e:
+                return Findings(failures=[f"exact: not handed to the serving loader: {str(e).replace(local, gate.path)}"])
+        obs = observe.observe(local, gate.ckpt.format, gate.source.model, gate.options, dict(gate.ckpt.devices),
+                              gate.ckpt.state_dict_key)
+    obs.error = obs.error.replace(local, gate.path) if obs.error else obs.error  # (a URL's temp copy: named as the URL)
     found = Findings(notes=list(obs.notes), fields={"observed": obs.to_dict()})
     if obs.error is not None:
         where = {"process": "", "build": "building the model: ", "load": "the load: ",
@@ -194,8 +221,9 @@ def observed_load(gate: Gate, report: VerifyReport) -> Findings:
                               + serving.loader_hint(obs, gate.aliases))
     differ = observe.read_differs(obs, serving.plainly_loaded(gate.ckpt), gate.with_values) if obs.digests else []
     if differ:
-        found.failures.append(f"exact: ckptfix's read and {obs.call.split(' + ')[0]} part: {'; '.join(differ)} "
-                              "(a ckptfix reader bug: please report it)")
+        why = ("the file changed at the URL between the two reads, or a ckptfix reader bug" if locations.is_remote(gate.path)
+               else "a ckptfix reader bug: please report it")
+        found.failures.append(f"exact: ckptfix's read and {obs.call.split(' + ')[0]} part: {'; '.join(differ)} ({why})")
     return found
 
 
@@ -349,6 +377,6 @@ def signature(gate: FileGate, report: VerifyReport) -> Findings:
 #: the gate's checks, run in this order: each adds its findings after the earlier ones' (failures, warnings,
 #: notes read in this order); a later check may read what an earlier one found (``key_fit`` the ``tensor_values``)
 CHECKS: tuple[Callable[[Any, VerifyReport], Findings], ...] = (
-    sha256, signature, served_keys, fix_command, tensor_values, key_fit, module_metadata,
+    sha256, signature, served_keys, fix_command, tensor_values, key_fit, module_metadata, unsafe_globals,
     quant_checks.quantized_groups, quant_checks.against_original,  # issue 28: quantized groups (model-free)
     as_saved, devices, zip_crcs, tensor_digests, observed_load, forward_outputs)

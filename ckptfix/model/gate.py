@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypeVar
 
+from ..core import locations
 from ..core.progress import Phases
+from ..errors import UnsafeCheckpointError
 from ..ops import quant_compare, reading
 from ..reports import Checkpoint
+from ..safety import integrity
 from ..statedict import metadata, repair
 from . import serving
 from . import spec as models
@@ -35,6 +38,8 @@ class FileGate:
     with_values: bool
     ckpt: Checkpoint
     phase: Phases  #: ``with gate.phase("hash"):`` a line on stderr as the step ends (not on a terminal)
+    #: the file's SHA-256, computed on a thread while it was read (None: not asked for, a URL, or a directory)
+    digest: integrity.HashAlongside | None = field(default=None, kw_only=True)
 
     @property
     def runs_forward(self) -> bool:
@@ -129,18 +134,25 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> FileGate:
     check) and fit its keys to the model's."""
     phase = Phases("verify", options.progress)
     with_values = not options.structure_only and str(options.map_location).strip().lower() != "meta"  # meta: no values
+    hashed = options.checksum or (model is not None and with_values and options.forward)  # (what sha256 asks for)
+    digest = integrity.HashAlongside(os.fspath(path)) if hashed and not locations.is_remote(os.fspath(path)) else None
     with phase("read"):
-        ckpt = reading.read_checkpoint(os.fspath(path), options.map_location if with_values else "meta", options.trust,
-                                       options.select, refuse=True, judged=True)
+        try:
+            ckpt = reading.read_checkpoint(os.fspath(path), options.map_location if with_values else "meta",
+                                           options.trust, options.select, refuse=True, judged=True)
+        except UnsafeCheckpointError as e:
+            e.finding = True  # the file judged is unsafe: a finding (an --input's or --reference's is an error)
+            raise
         ckpt.require_state_dict()
     if model is None:
-        return FileGate(options, ckpt.path, with_values, ckpt, phase)
+        return FileGate(options, ckpt.path, with_values, ckpt, phase, digest=digest)
     source = models.ModelSource(model, options.model_args, options.dtype)
     with phase("build"):
         structure, is_fresh = source.structure(meta=not (with_values and options.forward))
     target = repair.describe_target(structure, float_dtype=source.dtype)
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
-    return Gate(options, ckpt.path, with_values, ckpt, phase, source, structure, is_fresh, target, chosen, fit)
+    return Gate(options, ckpt.path, with_values, ckpt, phase, source, structure, is_fresh, target, chosen, fit,
+                digest=digest)
 
 
 def first_report(gate: FileGate) -> VerifyReport:

@@ -38,10 +38,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
+from ..core import locations
 from ..core.devices import available_devices
 from ..core.units import shown
+from ..errors import NeedsLocalCopy
 from ..formats.sharded import load_index
 from ..parse.format_registry import get as format_of
 from . import serving
@@ -95,6 +98,33 @@ def serving_call(fmt: str, loader: str, serving_device: str | None) -> str:
 def _load_file(spec: Any) -> bool:
     """Whether the registry says safetensors' ``load_file`` serves the format (else ``torch.load``)."""
     return (spec.exact_loader or "").startswith("safetensors.")
+
+
+#: bytes of a URL fetched per window into the local copy the loader is observed on
+FETCH_WINDOW = 64 << 20
+
+
+@contextlib.contextmanager
+def local_copy(path: str, fmt: str) -> Iterator[str]:
+    """What the serving loader is observed on: a local path as it is; a URL's file fetched once (ranged, each
+    fetch checked against the source's validator) into a private temp directory, deleted after — the static
+    scan runs on those bytes, and the loader's tensors are compared with ckptfix's read of the URL, so a file
+    changed between the two reads is a finding. A sharded directory at a URL needs a local copy."""
+    if not locations.is_remote(path):
+        yield path
+        return
+    if format_of(fmt).index_name:
+        raise NeedsLocalCopy(path, "observing the serving loader on a sharded directory (verify --exact)",
+                             "it fetches one file; download the directory, or verify each shard's file")
+    with locations.session(), tempfile.TemporaryDirectory(prefix="ckptfix-observe-") as tmp:  # mode 0700
+        source = locations.open_source(path)
+        local = os.path.join(tmp, os.path.basename(path.rstrip("/")) or "checkpoint")
+        with open(local, "wb") as f:
+            for offset in range(0, source.size, FETCH_WINDOW):
+                buf = bytearray(min(FETCH_WINDOW, source.size - offset))
+                source.read_into(offset, memoryview(buf))
+                f.write(buf)
+        yield local
 
 
 def shards(path: str, fmt: str) -> list[str]:

@@ -93,8 +93,13 @@ class ConvertOptions:
     by_order: Any = option(None, Flag(("--by-order",), is_flag=True,
                                       help="Give the tensors --model's key names by position (counts and shapes must agree)."))
     untie: bool = option(False, Flag(("--untie",), is_flag=True,
-                                     help="Store each tied tensor under every key it has (safetensors output: "
-                                          "safetensors.torch.load_file then returns every key)."))
+                                     help="Store each tied tensor under every key it has: the default for safetensors "
+                                          "output (the flag kept for scripts that name it)."))
+    compact_ties: bool = option(False, Flag(("--compact-ties",), is_flag=True,
+                                            help="Safetensors output: store a tied tensor once, its other keys as "
+                                                 "aliases that only ckptfix's reader restores (transformers' "
+                                                 "from_pretrained re-ties tie_word_embeddings' head itself; plain "
+                                                 "load_file returns one key of the tie)."))
     dtype: str | None = option(None, Flag(("--dtype",), choices=DTYPES,
                                           help="Cast floating-point tensors (never integer or bool buffers)."))
     allow_overflow: bool = option(False, Flag(("--allow-overflow",), is_flag=True,
@@ -123,7 +128,8 @@ class ConvertOptions:
     allow: tuple[str, ...] | list[str] = option((), Flag(
         ("--allow",), multiple=True, metavar="MODULE.NAME",
         help="Take this global as inert data inside the state dict too (never imported or called); outside it, "
-             "globals beyond the allow-list are inert placeholders anyway. Repeatable."))
+             "globals beyond the allow-list are inert placeholders anyway. With --keep-extra: write objects of this "
+             "class that torch.load(weights_only=True) refuses (the loader resuming from DST allows it). Repeatable."))
     #: SRC's and DST's SHA-256 in the report. The command line has no flag of its own for it: --json turns it on.
     checksums: bool = option(False, replace(JSON, help="Print one JSON object on stdout; it includes SRC's and DST's "
                                                        "SHA-256 (sha256_in, sha256_out), which reads both files once more."))

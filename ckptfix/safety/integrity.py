@@ -1,7 +1,8 @@
 """Integrity: whether a file is the one that was written — its SHA-256, the CRC-32s a zip stores for
 each member, and the per-tensor digests ckptfix's outputs record (:mod:`.digests`; signatures: :mod:`.signing`).
 The hashing primitive is :func:`ckptfix.core.atomic.sha256_file`; this module says what a report records and what
-counts as a finding.
+counts as a finding. ``verify`` hashes on a thread while it reads the file (:class:`HashAlongside`): the digest
+costs no pass of its own.
 
 >>> file_sha256("model.safetensors")          # doctest: +SKIP
 '4dddd5d4…'
@@ -10,6 +11,7 @@ counts as a finding.
 from __future__ import annotations
 
 import os
+import threading
 
 from ..core.atomic import sha256_file
 from ..core.progress import Progress
@@ -27,6 +29,37 @@ def file_sha256(path: str, progress: str | None = None) -> str | None:
         digest = sha256_file(path, bar.advance)
         bar.tensor_done()
     return digest
+
+
+class HashAlongside:
+    """``path``'s SHA-256 computed on a thread while the caller reads the same file (``verify``'s read of the values):
+    hashlib releases the GIL, and the two go over the same pages, so the hash costs no pass of its own.
+
+    >>> with HashAlongside(path) as digest: read(path)           # doctest: +SKIP
+    >>> digest.result()   # joins the thread: the hex digest, None where ``path`` is no one local file
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._digest: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckptfix-sha256", daemon=True)
+        if os.path.isfile(path):
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._digest = sha256_file(self.path)
+        except BaseException as e:  # raised again where the digest is asked for
+            self._error = e
+
+    def result(self) -> str | None:
+        """The digest (None for a directory or a URL): waits for the thread; its error, if any, raised here."""
+        if self._thread.ident is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._digest
 
 
 def crc_failures(path: str, fmt: str) -> list[str]:

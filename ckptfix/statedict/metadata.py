@@ -25,6 +25,8 @@ from ..parse import inert
 VERSION = "version"  # every module: ``local_metadata.get("version")`` compared with an int
 SPECTRAL_NORM = "spectral_norm"  # torch.nn.utils.spectral_norm: ``{"weight.version": 1}``, each compared with an int
 LOAD_TIME = "assign_to_params_buffers"  # set by load_state_dict(assign=…) as it loads; state_dict() never writes it
+#: why an object is dropped: what the weights-only loader refuses (a placeholder, a Namespace, a numpy scalar …)
+NOT_PLAIN = "not plain data (None, bool, numbers, str, and lists and dicts of them)"
 #: nesting deeper than this is not plain data (a module's entry holds flat values)
 MAX_DEPTH = 32
 _SHOWN = 120  # characters of a key or value shown in a line
@@ -59,6 +61,12 @@ def clean_metadata(md: Any) -> tuple[Any, list[str], bool]:
             kept[path] = kept_entry
             lines += entry_lines
     return (md if not lines else kept), lines, False
+
+
+def objects(lines: list[str]) -> list[str]:
+    """Of :func:`clean_metadata`'s lines, those dropping an object (what makes the weights-only loader refuse
+    the file as saved: ``load_into`` warns of them), each as where and what: ``_metadata['']['x']: an argparse.Namespace``."""
+    return [line[: -len(NOT_PLAIN) - 2] for line in lines if line.endswith(NOT_PLAIN)]
 
 
 def note(line: str) -> str:
@@ -102,7 +110,7 @@ def _clean_entry(where: str, entry: dict) -> tuple[dict, list[str]]:
                 isinstance(k, str) and _is_version(v) for k, v in value.items())):
             why = f"{_kind(value)}, not a dict of versions: spectral_norm's load hook compares each with an int"
         elif not _is_plain(value):
-            why = f"{_kind(value)}, not plain data (None, bool, numbers, str, and lists and dicts of them)"
+            why = f"{_kind(value)}, {NOT_PLAIN}"
         if why is None:
             kept[name] = value
         else:

@@ -1,8 +1,9 @@
 """Tied tensors: keys holding the same view of one storage, and giving each key a storage of its own.
 
-``convert --untie`` uses it: safetensors stores a tied tensor once (the other keys as aliases only ckptfix's
-reader restores), so ``safetensors.torch.load_file`` returns one key of the tie; an untied state dict is
-written once per key.
+``convert`` to safetensors uses it by default (``--untie`` names the default): a state dict untied here is written
+once per key, so ``safetensors.torch.load_file`` + a strict ``load_state_dict`` take the output. ``--compact-ties``
+keeps the compact form instead: each tie stored once, the other keys as aliases only ckptfix's reader restores
+(transformers' ``from_pretrained`` re-ties a ``tie_word_embeddings`` head itself; plain ``load_file`` returns one key).
 """
 
 from __future__ import annotations
@@ -14,6 +15,33 @@ from typing import Any
 
 from ..core.devices import storage_id
 from ..core.tensorinfo import TensorInfo, is_tensor, math_bits
+from ..core.units import few
+from ..errors import ConversionError
+
+
+def check_request(dst: str, fmt_out: str, stores_aliases: bool, untie: bool, compact: bool) -> None:
+    """``--untie`` and ``--compact-ties`` name how a safetensors output stores ties: refused together, and for an
+    output that keeps torch's shared storage (a ``.pth``: ``torch.load`` restores every key)."""
+    if untie and compact:
+        raise ConversionError(f"{dst}: --untie (every tied name stored, the default) and --compact-ties (each tie "
+                              "stored once) contradict each other: pass one")
+    flag = "--untie" if untie else "--compact-ties" if compact else None
+    if flag is not None and not stores_aliases:
+        raise ConversionError(f"{dst}: {flag} is for safetensors output, which would store a tied tensor once; a "
+                              f"{fmt_out} output keeps tied tensors as torch.save does (torch.load restores each "
+                              f"key): drop {flag}")
+
+
+def untie_notes(untied: list[str], named: bool) -> list[str]:
+    """The report's line about the tied keys stored under their own names (always with ``--untie`` named)."""
+    if named:
+        return [f"--untie: {len(untied)} tied tensor(s) stored under their own keys"
+                + (": " + ", ".join(untied[:20]) if untied else "")]
+    if not untied:
+        return []
+    return [f"tied: {len(untied)} tensor(s) stored under their own keys too, so safetensors.torch.load_file returns "
+            f"every key: {few(untied)} (--compact-ties stores each tie once, as aliases only ckptfix's reader "
+            "and transformers' re-tying restore)"]
 
 
 def untie_aliases(state_dict: Mapping[str, Any], refs: dict | None = None) -> tuple[OrderedDict, list[str]]:

@@ -59,8 +59,8 @@ def generated(tmp_path_factory: pytest.TempPathFactory, train: Any) -> Path:
     tied = OrderedDict(sd)
     tied["head.weight"] = tied["fc.weight"]  # written once, restored as ckptfix's alias
     torch.save(tied, out / "tied.pth")
-    ckptfix.convert(out / "tied.pth", out / "tied.safetensors")
-    ckptfix.convert(out / "tied.pth", out / "tied_sharded", max_shard_size="10MB")
+    ckptfix.convert(out / "tied.pth", out / "tied.safetensors", compact_ties=True)
+    ckptfix.convert(out / "tied.pth", out / "tied_sharded", max_shard_size="10MB", compact_ties=True)
     return out
 
 

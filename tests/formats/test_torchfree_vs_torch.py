@@ -313,11 +313,11 @@ def test_random_checkpoints_read_as_torch_reads_them(obj: Any, tmp_path_factory:
 
 
 def test_safetensors_aliases_are_the_stored_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ckptfix writes a tied weight once and records the other key as an alias: the library sees one tensor,
+    """With --compact-ties ckptfix writes a tied weight once and records the other key as an alias: the library sees one tensor,
     the torch-free reader both keys, on the one stored tensor's bytes."""
     w = torch.randn(4, 3)
     torch.save(OrderedDict([("embed.weight", w), ("head.weight", w), ("head.bias", torch.zeros(4))]), tmp_path / "t.pth")
-    ckptfix.convert(tmp_path / "t.pth", tmp_path / "t.safetensors")
+    ckptfix.convert(tmp_path / "t.pth", tmp_path / "t.safetensors", compact_ties=True)
     assert verdict(tmp_path / "t.safetensors", monkeypatch) == DESCRIBED
     ours, theirs = torch_free(tmp_path / "t.safetensors")[1], safetensors_load(tmp_path / "t.safetensors")
     assert theirs is not None and len(theirs) == 2 and list(ours) == ["embed.weight", "head.weight", "head.bias"]

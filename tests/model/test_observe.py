@@ -27,9 +27,11 @@ FIXTURES = sorted(p.name for p in (ROOT / "fixtures").iterdir() if p.suffix in (
 
 
 def _verdict(path: Path, spec: str, **options: Any) -> tuple[int, str]:
-    """What ``verify --exact`` exits with (0 ok, 3 a finding, 1 an error) and why."""
+    """What ``verify --exact`` exits with (0 ok, 3 a finding — a file refused as unsafe too —, 1 an error) and why."""
     try:
         report = ckptfix.verify(path, spec, exact=True, **options)
+    except ckptfix.errors.UnsafeCheckpointError as e:
+        return (3 if e.finding else 1), str(e)
     except ckptfix.errors.CkptfixError as e:
         return 1, str(e)
     return (0, "") if report.ok else (3, " | ".join(report.failures))
@@ -102,13 +104,13 @@ def test_malformed_files_never_pass_exact(name: str, tmp_path: Path) -> None:
 
 
 def test_payloads_are_refused_before_any_loader_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The static scan refuses every code-running file (exit 1); the loader's process never sees one."""
+    """The static scan refuses every code-running file (a finding: exit 3); the loader's process never sees one."""
     observed: list[str] = []
     monkeypatch.setattr(observe, "observe", lambda path, *a: observed.append(path))
     cases = adversarial.build_corpus(tmp_path / "corpus")
     for case in cases:
         code, why = _verdict(case.path, MLP_SPEC)
-        assert code == 1 and why, (case.name, code)
+        assert code == 3 and why, (case.name, code)
     assert observed == [] and not [c.canary for c in cases if c.canary.exists()]
 
 

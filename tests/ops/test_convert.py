@@ -155,7 +155,7 @@ def test_tied_weights_round_trip_through_safetensors(tmp_path: Path) -> None:
 
     src = tmp_path / "tied.pth"
     torch.save(Tied().state_dict(), src)
-    report = ckptfix.convert(src, tmp_path / "tied.safetensors")
+    report = ckptfix.convert(src, tmp_path / "tied.safetensors", compact_ties=True)
     assert any("out.weight -> emb.weight" in n for n in report.notes)
     raw = load_file(tmp_path / "tied.safetensors")
     assert list(raw) == ["emb.weight"]  # written once: plain safetensors refuses shared tensors

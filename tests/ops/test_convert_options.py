@@ -82,8 +82,8 @@ def test_the_command_passes_every_option(calls: list[dict[str, Any]], cli_runner
     assert isinstance(kwargs.pop("by_order"), torch.nn.Module)
     assert kwargs == dict(to="ddp", map_location=parse_cli_map_location(("cuda:1=cpu",)), select="ema", keep_extra=True,
                           strip_prefix="s", add_prefix="p", format="pth", max_shard_size="5GB", rename=("a=b", "c=d"),
-                          untie=True, dtype="bf16", allow_overflow=True, dequantize=True, cast_unknown_quantized=True,
-                          hash=True, force=True, progress=False, trust=True,
+                          untie=True, compact_ties=False, dtype="bf16", allow_overflow=True, dequantize=True,
+                          cast_unknown_quantized=True, hash=True, force=True, progress=False, trust=True,
                           allow=("myproj.Config", "myproj.Mode"), checksums=True, sign="key.pem")
     assert sorted(kwargs) == sorted(set(KEYWORDS) - {"by_order"})
 

@@ -148,7 +148,7 @@ def test_safetensors_aliases_never_override_or_contradict(aliases: dict, says: s
 def test_written_aliases_record_shape_and_dtype(tmp_path: Path) -> None:
     w = torch.randn(3, 2)
     torch.save({"enc.weight": w, "dec.weight": w}, tmp_path / "tied.pth")
-    ckptfix.convert(tmp_path / "tied.pth", tmp_path / "tied.safetensors")
+    ckptfix.convert(tmp_path / "tied.pth", tmp_path / "tied.safetensors", compact_ties=True)
     from safetensors import safe_open
 
     with safe_open(tmp_path / "tied.safetensors", "pt") as f:

@@ -59,6 +59,13 @@ def training_extras() -> dict[str, Any]:
     }
 
 
+#: the classes of :func:`training_extras` torch.load(weights_only=True) refuses (what the resuming code must allow)
+RESUMES_WITH = ("argparse.Namespace", "pathlib.PosixPath", "numpy.int64", "numpy.float32", "numpy.float64",
+                "numpy.dtypes.Float16DType", "numpy.dtypes.Float32DType", "datetime.datetime", "datetime.date",
+                "datetime.time", "datetime.timedelta", "torch.torch_version.TorchVersion", "collections.deque",
+                "collections.defaultdict")
+
+
 def assert_same(a: Any, b: Any) -> None:
     assert type(a) is type(b), (a, b)
     if isinstance(a, argparse.Namespace):
@@ -91,7 +98,12 @@ def test_keep_extra_round_trip_keeps_allowed_objects(tmp_path: Path) -> None:
     src, dst = tmp_path / "ckpt.pth", tmp_path / "out.pth"
     extras = training_extras()
     torch.save({"model": {"module.fc.weight": torch.randn(2, 3)}, **extras}, src)
-    ckptfix.convert(src, dst, keep_extra=True)
+    with pytest.raises(ckptfix.errors.ConversionError, match=r"--keep-extra would write args \(argparse.Namespace\), "
+                       r"args.output \(pathlib.PosixPath\), epoch \(numpy.int64\).*"
+                       r"torch.load\(PATH, weights_only=True\) refuses"):
+        ckptfix.convert(src, dst, keep_extra=True)  # the plain loader refuses them: named, with their keys
+    assert not dst.exists()
+    ckptfix.convert(src, dst, keep_extra=True, allow=RESUMES_WITH)  # the resuming code allows them
     ckpt = ckptfix.read(dst)
     assert list(ckpt.state_dict) == ["fc.weight"]
     for key, value in extras.items():

@@ -46,6 +46,9 @@ class Layout:
     select: str = "auto"
     trust: bool = False
     strip: str | None = None  # the framework's attribute prefix, stripped with --strip-prefix
+    #: what the framework's resume allows beside the weights that torch.load(weights_only=True) refuses: --allow'd
+    #: for --keep-extra (without them the write is refused: the test of that is in tests/ops/test_plain_loadable.py)
+    resumes_with: tuple[str, ...] = ()
 
     @property
     def key(self) -> str | None:
@@ -61,11 +64,13 @@ class Layout:
         return "ema_output" if self.select == "state_dict_ema" else "output"
 
 
+MMENGINE_RESUMES_WITH = ("mmengine.logging.history_buffer.HistoryBuffer", "numpy.ndarray", "builtins.getattr",
+                         "numpy.float64")
 LAYOUTS = {
     "lightning": Layout("mlp_lightning.ckpt", "lightning", strip="model."),
-    "timm": Layout("mlp_timm.pth.tar", "timm"),
-    "timm_ema": Layout("mlp_timm.pth.tar", "timm", select="state_dict_ema"),
-    "mmengine": Layout("mlp_mmengine.pth", "mmengine"),
+    "timm": Layout("mlp_timm.pth.tar", "timm", resumes_with=("argparse.Namespace",)),
+    "timm_ema": Layout("mlp_timm.pth.tar", "timm", select="state_dict_ema", resumes_with=("argparse.Namespace",)),
+    "mmengine": Layout("mlp_mmengine.pth", "mmengine", resumes_with=MMENGINE_RESUMES_WITH),
     "torchscript": Layout("mlp_torchscript.pt", "torchscript", trust=True),
     "train_ckpt": Layout("mlp_train_ckpt.pth", "train_ckpt"),
 }
@@ -111,8 +116,9 @@ def _read_output(path: Path) -> dict[str, torch.Tensor]:
 
 def _convert(fixtures_dir: Path, layout: Layout, dst: Path, **kw: Any) -> Any:
     strip = None if kw.get("keep_extra") else layout.strip  # a resumable checkpoint keeps the framework prefix
+    allow = layout.resumes_with if kw.get("keep_extra") else ()
     return ckptfix.convert(fixtures_dir / layout.file, dst, select=layout.select, trust=layout.trust,
-                           strip_prefix=strip, **kw)
+                           strip_prefix=strip, allow=allow, **kw)
 
 
 @pytest.mark.parametrize("to, fmt", [("single", "pth"), ("single", "safetensors"), ("ddp", "pth")])
@@ -378,7 +384,8 @@ def test_mmengine_keep_extra_writes_history_buffer_back(streamed: bool, tmp_path
     input does; reading the output with ckptfix gives the same numpy arrays."""
     src, dst = fixtures_dir / "mlp_mmengine.pth", tmp_path / "out.pth"
     # a map_location callable makes convert load the tensors (and write with torch.save)
-    report = ckptfix.convert(src, dst, keep_extra=True, map_location="cpu" if streamed else (lambda s, loc: s))
+    report = ckptfix.convert(src, dst, keep_extra=True, map_location="cpu" if streamed else (lambda s, loc: s),
+                             allow=MMENGINE_RESUMES_WITH)
     assert report.streamed == streamed
     names = _globals(dst)
     assert "mmengine.logging.history_buffer HistoryBuffer" in names and "__builtin__ getattr" in names

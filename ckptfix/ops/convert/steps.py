@@ -22,7 +22,7 @@ from typing import Any
 
 from ... import formats
 from ...formats.base import CastRef, source_record
-from ...statedict import locate, ties, transforms, wrappers
+from ...statedict import locate, ties, transforms, weights_only, wrappers
 from ...core import locations
 from ...core.bytecopy import CrcCheck
 from ...core.atomic import hashed_name
@@ -73,10 +73,7 @@ def validate(src: str, dst: str, options: ConvertOptions) -> Request:
         raise ConversionError("map_location='meta' reads no tensor data; convert needs real tensors")
     if options.dtype is not None:
         transforms.parse_dtype(options.dtype)
-    if options.untie and not _stores_aliases(fmt_out):
-        raise ConversionError(f"{dst}: --untie is for safetensors output, which stores a tied tensor once; a "
-                              f"{fmt_out} output keeps tied tensors as torch.save does (torch.load restores each "
-                              "key): drop --untie")
+    ties.check_request(dst, fmt_out, _stores_aliases(fmt_out), options.untie, options.compact_ties)
     configs = read_configs(src) if options.dtype is not None or options.dequantize else Configs()
     return Request(src=src, dst=dst, fmt_in=fmt_in, fmt_out=fmt_out, shard_size=shard_size, plan=plan,
                    configs=configs, **vars(options))
@@ -262,6 +259,7 @@ class Output:
     renamed: int  # keys the renames changed (before a dequantization drops any)
     dequantized: bool = False
     quantized: dict[str, Any] | None = None
+    untied: bool = False  #: tied tensors stored under each key: more bytes written than read
 
 
 def transform(req: Request, ckpt: Checkpoint) -> Output:
@@ -269,10 +267,10 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
     if req.keep_extra and req.strip_prefix is not None:
         locate.check_resumable(ckpt.raw, ckpt.state_dict_key, ckpt.state_dict, req.strip_prefix, req.src)
     sd, notes = normalise_keys(ckpt, req.to, req.strip_prefix, req.add_prefix, req.rename, req.by_order)
-    if req.untie:
+    untied: list[str] = []
+    if _stores_aliases(req.fmt_out) and not req.compact_ties:  # every tied name stored: load_file returns each
         sd, untied = ties.untie_aliases(sd, ckpt.refs)
-        notes.append(f"--untie: {len(untied)} tied tensor(s) stored under their own keys"
-                     + (": " + ", ".join(untied[:20]) if untied else ""))
+        notes += ties.untie_notes(untied, req.untie)
     cast, renamed = None, sum(1 for a, b in zip(ckpt.state_dict.keys(), sd.keys()) if a != b)
     groups = quant.apply(req, sd)  # quantized groups: kept as stored by a cast, or dequantized
     sd = groups.state_dict
@@ -289,7 +287,9 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
             f"{req.src}: holds {', '.join(held)}, read as inert placeholders (never imported), which can't be "
             "written back under their own names; " + ("drop --keep-extra to write the state dict alone" if kept else
                                                        "drop --allow for them, or remove them from the state dict"))
-    return Output(sd, obj, notes, cast, kept, renamed, groups.dequantized, groups.summary)
+    if kept and not registry.get(req.fmt_out).directory_output:  # (a DCP directory's loader takes objects)
+        weights_only.refuse_writing(req.src, req.dst, ckpt.extra, req.allow)
+    return Output(sd, obj, notes, cast, kept, renamed, groups.dequantized, groups.summary, bool(untied))
 
 
 # -- writing -------------------------------------------------------------------------------------------
@@ -327,12 +327,12 @@ def write_torch_free(req: Request, ckpt: Checkpoint, out: Output, final: _Finali
     if req.shard_size is not None:
         if not all(type(v) is TensorInfo for v in out.obj.values()):
             raise NeedsTorch("a value that is not a tensor")  # torch's path gives its error
-        with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
+        with Progress(_nbytes_out(ckpt, out), ckpt.stats.num_tensors, enabled=req.progress):
             return formats.write_sharded(out.obj, req.dst, req.fmt_out, req.shard_size, force=req.force,
                                          torch_free=True, keep_keys=keep_keys)
     plan = formats.plan_write(out.obj, req.fmt_out, archive=_archive_name(req.dst), keep_keys=keep_keys)
     notes: list[str] = []
-    with Progress(ckpt.stats.nbytes, ckpt.stats.num_tensors, enabled=req.progress):
+    with Progress(_nbytes_out(ckpt, out), ckpt.stats.num_tensors, enabled=req.progress):
         with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
             written = plan.write(tmp)
             final.written(tmp)
@@ -351,7 +351,8 @@ def _archive_name(dst: str) -> str:
 
 
 def _nbytes_out(ckpt: Checkpoint, out: Output) -> int:
-    return tensor_stats(out.state_dict, {}).nbytes if out.cast is not None or out.dequantized else ckpt.stats.nbytes
+    changed = out.cast is not None or out.dequantized or out.untied
+    return tensor_stats(out.state_dict, {}).nbytes if changed else ckpt.stats.nbytes
 
 
 def _with_casts(refs: dict, cast: Any) -> dict:

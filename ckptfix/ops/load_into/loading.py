@@ -34,7 +34,7 @@ from ...formats.base import source_record
 from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
 from ...reports import LoadReport
 from ...safety import digests
-from ...statedict import repair
+from ...statedict import metadata, repair, weights_only
 from . import dequant, modelwalk, shards
 from ..reading import read_checkpoint, structure_first
 from ..sources import Sources, damaged
@@ -114,6 +114,12 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
             _nbytes(src) for _s, src, _d in plan.assign)
         fetched = session.bytes_fetched if session.remote else None
     notes = list(ckpt.notes)
+    beside = weights_only.refused(ckpt.extra)
+    held = ([f"beside the state dict it holds {weights_only.described(beside)}"] if beside else []) + [
+        f"in {line}" for line in metadata.objects(ckpt.metadata_dropped)]
+    if held:  # the weights are safe to take; the file as a whole is not what a plain load takes
+        warnings.warn(f"{ckpt.path}: the weights were loaded, but torch.load(PATH, weights_only=True) refuses this "
+                      f"file: {'; '.join(held)}", UserWarning, stacklevel=3)
     if nonfinite:
         warnings.warn(f"{ckpt.path}: {_values(nonfinite)} (loaded; strict_values=True refuses them)", UserWarning,
                       stacklevel=3)

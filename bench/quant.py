@@ -152,11 +152,11 @@ def _load(case: Case, factor: int) -> tuple[dict[str, Any], list[Any], dict[str,
     """The case's file as tensors (in its library's layout), its groups, made ``factor`` times taller, and its config."""
     from safetensors.torch import load_file
 
-    from ckptfix.ops.quantized import quant_config
+    from ckptfix.ops.quantized import read_configs
     from ckptfix.statedict import quant_groups
 
     path = QUANT / case.folder / "model.safetensors"
-    tensors, config = load_file(str(path)), quant_config(str(path)) or {}
+    tensors, config = load_file(str(path)), read_configs(str(path)).for_schemes() or {}
     if case.relayout is not None:
         tensors, config = case.relayout(tensors, config)
     infos = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in tensors.items()}

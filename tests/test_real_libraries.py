@@ -40,6 +40,7 @@ import ckptfix
 from ckptfix.cli import cli
 from tests.compare import assert_bit_equal, close_to_recorded, differences
 from tests.lightning_run import lit_class
+from tests.training import RESUMES_WITH, allow_flags
 
 pytestmark = [  # Lightning's own noise: resuming into another directory, and its use of a torch deprecation
     pytest.mark.filterwarnings("ignore:The dirpath has changed from"),
@@ -329,7 +330,8 @@ def _timm_resume(path: Path, run: TimmRun, train: Any) -> tuple[int | None, dict
 
 def test_timm_resumes_from_keep_extra_output(timm_run: TimmRun, tmp_path: Path, train: Any, cli_runner: Any) -> None:
     converted = tmp_path / "resume.pth.tar"
-    _ckptfix(cli_runner, "convert", timm_run.path, converted, "--keep-extra", "-q")
+    # (timm's args Namespace beside the weights: timm resumes with weights_only=False, so it is allowed by name)
+    _ckptfix(cli_runner, "convert", timm_run.path, converted, "--keep-extra", *allow_flags("timm"), "-q")
     (e0, model0, ema0, saver0), (e1, model1, ema1, saver1) = (_timm_resume(p, timm_run, train)
                                                               for p in (timm_run.path, converted))
     assert e0 == e1 == 5  # epoch 4 saved with version 2: resume at the next epoch
@@ -420,8 +422,9 @@ def test_mmengine_resumes_from_keep_extra_output(mmengine_run: MMEngineRun, tmp_
     torch.save of what ckptfix loaded: its HistoryBuffer stand-ins written back under mmengine's name)
     continues exactly as on mmengine's own file: weights, optimizer, epoch and the logged history."""
     streamed, loaded = tmp_path / "streamed.pth", tmp_path / "loaded.pth"
-    _ckptfix(cli_runner, "convert", mmengine_run.path, streamed, "--keep-extra", "-q")
-    report = ckptfix.convert(mmengine_run.path, loaded, keep_extra=True, map_location=lambda s, loc: s)
+    _ckptfix(cli_runner, "convert", mmengine_run.path, streamed, "--keep-extra", "-q", *allow_flags("mmengine"))
+    report = ckptfix.convert(mmengine_run.path, loaded, keep_extra=True, map_location=lambda s, loc: s,
+                             allow=RESUMES_WITH["mmengine"])
     assert not report.streamed  # a map_location callable makes convert load the tensors and torch.save them
     original, *converted = _mmengine_child(tmp_path, "resume", tmp_path / "work", mmengine_run.path, streamed, loaded)
     assert original["epoch"] == 6 and len(original["train/loss"]) == 6

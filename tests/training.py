@@ -19,3 +19,15 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> lis
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+#: what each framework's checkpoint holds beside its weights that plain ``torch.load(weights_only=True)`` refuses:
+#: ``convert --keep-extra`` writes them only when ``--allow`` names them (the framework resumes with its own loader)
+RESUMES_WITH = {"timm": ("argparse.Namespace",),
+                "mmengine": ("mmengine.logging.history_buffer.HistoryBuffer", "numpy.ndarray", "builtins.getattr",
+                             "numpy.float64")}
+
+
+def allow_flags(framework: str) -> tuple[str, ...]:
+    """``--allow NAME`` for each of :data:`RESUMES_WITH`'s names of ``framework``."""
+    return tuple(x for name in RESUMES_WITH[framework] for x in ("--allow", name))

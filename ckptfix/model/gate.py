@@ -134,6 +134,8 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> FileGate:
     check) and fit its keys to the model's."""
     phase = Phases("verify", options.progress)
     with_values = not options.structure_only and str(options.map_location).strip().lower() != "meta"  # meta: no values
+    # the model spec's builder found before anything is read (a spec naming nothing fails first)
+    source = models.ModelSource(model, options.model_args, options.dtype) if model is not None else None
     hashed = options.checksum or (model is not None and with_values and options.forward)  # (what sha256 asks for)
     digest = integrity.HashAlongside(os.fspath(path)) if hashed and not locations.is_remote(os.fspath(path)) else None
     with phase("read"):
@@ -144,9 +146,8 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> FileGate:
             e.finding = True  # the file judged is unsafe: a finding (an --input's or --reference's is an error)
             raise
         ckpt.require_state_dict()
-    if model is None:
+    if source is None:
         return FileGate(options, ckpt.path, with_values, ckpt, phase, digest=digest)
-    source = models.ModelSource(model, options.model_args, options.dtype)
     with phase("build"):
         structure, is_fresh = source.structure(meta=not (with_values and options.forward))
     target = repair.describe_target(structure, float_dtype=source.dtype)

@@ -64,6 +64,8 @@ class Rule:
 
 # Names other modules refer to (each spelled once, here).
 ORDERED_DICT = "collections.OrderedDict"
+#: the global a ``getattr(cls, name)`` reduce names (mmengine's HistoryBuffer statistics methods)
+GETATTR = "builtins.getattr"
 BUILTIN_SET = "builtins.set"
 BUILTIN_COMPLEX = "builtins.complex"
 CODECS_ENCODE = "_codecs.encode"
@@ -188,7 +190,7 @@ RULES: dict[str, Rule] = {
     # mmengine's message_hub: HistoryBuffer as an inert stand-in, getattr only as getattr(HistoryBuffer,
     # 'min'|'max'|'current'|'mean') (a protocol-2 pickle of its statistics_methods): an inert token
     HISTORY_BUFFER: Rule(stand_in="history buffer", new=NEW, build="setstate"),
-    "builtins.getattr": Rule(call="getattr", stand_in="getattr"),
+    GETATTR: Rule(call="getattr", stand_in="getattr"),
     # OmegaConf's DictConfig/ListConfig and their nodes and metadata: inert data, omegaconf never imported
     **{name: _CONFIG for name in (*OMEGACONF_CONTAINERS, *OMEGACONF_BOXES, *OMEGACONF_NODES, *_OMEGACONF_METADATA)},
     **{name: _TYPE_VALUE for name in _TYPING},

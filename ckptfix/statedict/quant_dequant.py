@@ -315,26 +315,26 @@ def _half_gaps(qmap: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def bnb4(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
-    """bitsandbytes nf4/fp4 (functional.dequantize_4bit): ``quant_map[code] * absmax[i // blocksize]``."""
+def _bnb4_parts(group: QuantGroup, tensors: Tensors) -> tuple[dict, tuple[int, ...], int, torch.Tensor]:
+    """A bitsandbytes 4-bit group's quant state, its weight's shape and element count, and its 4-bit codes."""
     state = bnb_state(group, tensors)
     shape = tuple(state["shape"])
     n = 1
     for d in shape:
         n *= d
-    codes = _bnb_codes(group, tensors, n)
+    return state, shape, n, _bnb_codes(group, tensors, n)
+
+
+def bnb4(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
+    """bitsandbytes nf4/fp4 (functional.dequantize_4bit): ``quant_map[code] * absmax[i // blocksize]``."""
+    state, shape, n, codes = _bnb4_parts(group, tensors)
     absmax, _err = _bnb_absmax(group, tensors, state)
     scale = absmax.repeat_interleave(int(state["blocksize"]))[:n]
     return (_t(group, tensors, "quant_map").float()[codes] * scale).reshape(shape)
 
 
 def bnb4_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
-    state = bnb_state(group, tensors)
-    shape = tuple(state["shape"])
-    n = 1
-    for d in shape:
-        n *= d
-    codes = _bnb_codes(group, tensors, n)
+    state, shape, n, codes = _bnb4_parts(group, tensors)
     absmax, err = _bnb_absmax(group, tensors, state)
     size = int(state["blocksize"])
     a, da = absmax.abs().repeat_interleave(size)[:n], err.repeat_interleave(size)[:n]

@@ -77,7 +77,7 @@ def _view(t: Any) -> tuple | None:
         return None
     import torch
 
-    if t.layout != torch.strided:
+    if t.layout != torch.strided or t.is_nested:  # (a nested tensor has no one shape: never an alias here)
         return None
     return storage_id(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, math_bits(t)
 

@@ -21,13 +21,14 @@ from ..core.tensorinfo import is_tensor
 from ..core.units import listed, shown
 from ..errors import ConversionError
 from ..parse import inert
-from ..safety.allowlist import torch_names
+from ..safety.allowlist import GETATTR, torch_names
 from ..safety.standins import StatisticsMethod
 
 #: builtins the weights-only unpickler makes from its own opcodes (no global named)
 _OPCODE_TYPES = (type(None), bool, int, float, str, bytes, dict, list, tuple)
-#: torch's own values whose class is not the global torch pickles them by (``torch.float32`` is a ``torch.dtype``)
-_TORCH_VALUES = frozenset({"torch.dtype", "torch.device", "torch.Size", "torch.layout", "torch.qscheme"})
+#: torch's own values whose class is not the global torch pickles them by (``torch.float32`` is a ``torch.dtype``;
+#: sizes and devices are pickled by their class, which torch's table names)
+_TORCH_VALUES = frozenset({"torch.dtype", "torch.layout", "torch.qscheme"})
 
 
 def refused(obj: Any) -> list[tuple[str, str]]:
@@ -62,7 +63,10 @@ def _global_of(x: Any) -> str | None:
     if isinstance(x, (inert.InertGlobal, inert.InertObject)):
         return str(x.name)
     if isinstance(x, StatisticsMethod):  # written as getattr(HistoryBuffer, name)
-        return "builtins.getattr"
+        return GETATTR
+    named = getattr(type(x), "pickled_as", None)  # a describing read's token (a dtype): the global it stands for
+    if isinstance(named, property):
+        return str(x.pickled_as)
     cls = x if isinstance(x, type) else type(x)  # a class is pickled as itself
     if cls in _OPCODE_TYPES and cls is not x:
         return None

@@ -47,12 +47,13 @@ def make(tmp_path: Path, train: Any, zero: Any) -> Callable[..., Path]:
     return build
 
 
-def assert_same(got: Any, want: Any) -> None:
-    """Same keys, dtypes and values, bit for bit; tied keys share one tensor where ``want``'s do."""
+def assert_same(got: Any, want: Any, shared: bool = True) -> None:
+    """Same keys, dtypes and values, bit for bit; tied keys share one tensor where ``want``'s do (``shared``; a
+    safetensors output stores every tied name, each its own tensor, unless written with ``compact_ties``)."""
     assert sorted(got) == sorted(want)
     for k in want:
         assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape and torch.equal(got[k], want[k]), k
-    for k in want:
+    for k in want if shared else ():
         twins = [j for j in want if j != k and want[j] is want[k]]
         assert all(got[j].data_ptr() == got[k].data_ptr() for j in twins), (k, twins)
 
@@ -108,9 +109,12 @@ def test_convert_streams_one_tensor_at_a_time(stage: int, precision: str, ext: s
     want = zero.expected_fp32(train, "zeronet", stage, precision)
     report = ckptfix.convert(directory, tmp_path / f"w{ext}")
     assert report.streamed and report.format_in == "deepspeed" and report.num_tensors == len(want)
-    assert_same(ckptfix.load(tmp_path / f"w{ext}"), want)
+    assert_same(ckptfix.load(tmp_path / f"w{ext}"), want, shared=ext == ".pth")
     if ext == ".pth":  # what plain torch reads
         assert_same(torch.load(tmp_path / f"w{ext}", weights_only=True), want)
+    else:  # the compact form: a tied tensor stored once, ckptfix's reader ties it again
+        ckptfix.convert(directory, tmp_path / "compact.safetensors", compact_ties=True)
+        assert_same(ckptfix.load(tmp_path / "compact.safetensors"), want)
 
 
 def test_convert_casts_and_shards_gathered_weights(make: Any, train: Any, zero: Any, tmp_path: Path) -> None:
@@ -118,9 +122,9 @@ def test_convert_casts_and_shards_gathered_weights(make: Any, train: Any, zero: 
     want = zero.expected_fp32(train, "zeronet", 3, "bf16")
     ckptfix.convert(directory, tmp_path / "half.safetensors", dtype="bf16")
     assert_same(ckptfix.load(tmp_path / "half.safetensors"),
-                OrderedDict((k, v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in want.items()))
+                OrderedDict((k, v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in want.items()), shared=False)
     ckptfix.convert(directory, tmp_path / "sharded", max_shard_size=400)
-    assert_same(ckptfix.load(tmp_path / "sharded"), want)
+    assert_same(ckptfix.load(tmp_path / "sharded"), want, shared=False)
 
 
 @pytest.mark.parametrize("stage, precision", MATRIX)
@@ -198,7 +202,7 @@ def test_fp32_model_states_alone_is_its_module(make: Any, train: Any, zero: Any,
     report = ckptfix.convert(directory / TAG / "mp_rank_00_model_states.pt", tmp_path / "w.safetensors")
     assert report.state_dict_key == "module"
     assert any("no *_optim_states.pt beside it" in n for n in report.notes)
-    assert_same(ckptfix.load(tmp_path / "w.safetensors"), zero.expected_fp32(train, "mlp", 2, "fp32"))
+    assert_same(ckptfix.load(tmp_path / "w.safetensors"), zero.expected_fp32(train, "mlp", 2, "fp32"), shared=False)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -223,7 +227,7 @@ def test_trusted_read_needs_deepspeed_or_gives_the_same(make: Any, train: Any, z
     if res.returncode:
         assert res.returncode == 1 and "No module named 'deepspeed'" in res.stderr and len(res.stderr.splitlines()) == 1
         return
-    assert_same(ckptfix.load(tmp_path / "t.safetensors"), zero.expected_fp32(train, "zeronet", 2, "bf16"))
+    assert_same(ckptfix.load(tmp_path / "t.safetensors"), zero.expected_fp32(train, "zeronet", 2, "bf16"), shared=False)
 
 
 # --- refusals: one line naming the file and what to do ---
@@ -340,7 +344,7 @@ def test_real_deepspeed_matches_its_zero_to_fp32(stage: int, precision: str, rea
     want = torch.load(tmp_path / "ref" / "pytorch_model.bin", weights_only=True)
     assert_same(ckptfix.load(directory), want)
     ckptfix.convert(directory, tmp_path / "w.safetensors")
-    assert_same(ckptfix.load(tmp_path / "w.safetensors"), want)
+    assert_same(ckptfix.load(tmp_path / "w.safetensors"), want, shared=False)
     assert_same(ckptfix.load(sorted((directory / "global_step3").glob("*model_states.pt"))[-1]), want)
     assert "deepspeed" not in sys.modules
 

@@ -196,7 +196,8 @@ def test_streamed_cast_is_exactly_to_dtype(dst: str, tmp_path: Path) -> None:
           "module.n": torch.tensor(5), "module.f32": torch.randn(4)}
     torch.save(sd, tmp_path / "src.pth")
     report = ckptfix.convert(tmp_path / "src.pth", tmp_path / dst, dtype="bf16")
-    assert report.streamed and report.dtype_cast == {"float64->bfloat16": 3, "float32->bfloat16": 1}
+    storages = 3 if dst.endswith(".pth") else 4  # (safetensors stores the alias under its own name: its own storage)
+    assert report.streamed and report.dtype_cast == {"float64->bfloat16": storages, "float32->bfloat16": 1}
     back = ckptfix.load(tmp_path / dst)
     for k, v in sd.items():
         want = v.to(torch.bfloat16) if v.is_floating_point() else v

@@ -74,8 +74,8 @@ def test_refused_and_nothing_runs(name: str, command: str, corpus: Corpus, cli_r
                 assert res.exit_code == 3, res.output
                 assert "UNSAFE" in res.stdout and not res.stderr
                 message = res.stdout
-            else:
-                assert res.exit_code == 1, res.output
+            else:  # verify judges the file: refusing it is a finding, exit 3 (the other verbs: an error, exit 1)
+                assert res.exit_code == (3 if command == "verify" else 1), res.output
                 assert res.stdout == "" and res.stderr.startswith("Error: ") and res.stderr.count("\n") == 1
                 assert "Traceback" not in res.stderr
                 message = res.stderr

@@ -29,7 +29,7 @@ from ckptfix.cli import cli
 from ckptfix.errors import ConversionError, UnsafeCheckpointError
 from tests import adversarial
 from tests.compare import assert_close_to_recorded, golden_from_manifest, recorded_tolerance
-from tests.training import train_steps
+from tests.training import RESUMES_WITH, train_steps
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script/load deprecation
@@ -64,13 +64,11 @@ class Layout:
         return "ema_output" if self.select == "state_dict_ema" else "output"
 
 
-MMENGINE_RESUMES_WITH = ("mmengine.logging.history_buffer.HistoryBuffer", "numpy.ndarray", "builtins.getattr",
-                         "numpy.float64")
 LAYOUTS = {
     "lightning": Layout("mlp_lightning.ckpt", "lightning", strip="model."),
-    "timm": Layout("mlp_timm.pth.tar", "timm", resumes_with=("argparse.Namespace",)),
-    "timm_ema": Layout("mlp_timm.pth.tar", "timm", select="state_dict_ema", resumes_with=("argparse.Namespace",)),
-    "mmengine": Layout("mlp_mmengine.pth", "mmengine", resumes_with=MMENGINE_RESUMES_WITH),
+    "timm": Layout("mlp_timm.pth.tar", "timm", resumes_with=RESUMES_WITH["timm"]),
+    "timm_ema": Layout("mlp_timm.pth.tar", "timm", select="state_dict_ema", resumes_with=RESUMES_WITH["timm"]),
+    "mmengine": Layout("mlp_mmengine.pth", "mmengine", resumes_with=RESUMES_WITH["mmengine"]),
     "torchscript": Layout("mlp_torchscript.pt", "torchscript", trust=True),
     "train_ckpt": Layout("mlp_train_ckpt.pth", "train_ckpt"),
 }
@@ -385,7 +383,7 @@ def test_mmengine_keep_extra_writes_history_buffer_back(streamed: bool, tmp_path
     src, dst = fixtures_dir / "mlp_mmengine.pth", tmp_path / "out.pth"
     # a map_location callable makes convert load the tensors (and write with torch.save)
     report = ckptfix.convert(src, dst, keep_extra=True, map_location="cpu" if streamed else (lambda s, loc: s),
-                             allow=MMENGINE_RESUMES_WITH)
+                             allow=RESUMES_WITH["mmengine"])
     assert report.streamed == streamed
     names = _globals(dst)
     assert "mmengine.logging.history_buffer HistoryBuffer" in names and "__builtin__ getattr" in names

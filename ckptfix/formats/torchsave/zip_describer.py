@@ -157,9 +157,18 @@ class _Token:
     def __repr__(self) -> str:
         return self.name
 
+    @property
+    def pickled_as(self) -> str:
+        """The global a pickle names for it (what ``torch.load(weights_only=True)`` must allow)."""
+        return self.name
+
 
 class dtype(_Token):  # named as torch's, so a dtype value renders as torch's does
     """``torch.float32`` etc.: the dtype's name."""
+
+    @property
+    def pickled_as(self) -> str:
+        return f"torch.{self.name}"
 
 
 class _StorageType(_Token):

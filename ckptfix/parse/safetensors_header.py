@@ -343,18 +343,26 @@ def _aliases(path: str, extra: dict, header: dict[str, dict]) -> dict[str, str]:
     return out
 
 
+def json_object(path: str, what: str, raw: str | bytes | None) -> dict | None:
+    """``raw`` (a metadata entry or record ckptfix writes) as a JSON object; None where absent; FormatError naming
+    ``what`` where it is not valid JSON or not an object."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise FormatError(f"{path}: {what} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise FormatError(f"{path}: {what} is a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def ckptfix_meta(path: str, meta: dict[str, str]) -> dict:
     """ckptfix's own metadata entry as a dict ({} when absent); FormatError when it is not valid JSON, not an
     object, or its key ``order`` is not a list of key names (what ckptfix writes)."""
-    raw = meta.get(META_KEY)
-    if raw is None:
+    extra = json_object(path, f"the {META_KEY!r} metadata entry", meta.get(META_KEY))
+    if extra is None:
         return {}
-    try:
-        extra = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise FormatError(f"{path}: the {META_KEY!r} metadata entry is not valid JSON") from None
-    if not isinstance(extra, dict):
-        raise FormatError(f"{path}: the {META_KEY!r} metadata entry is a JSON {type(extra).__name__}, not an object")
     order = extra.get("order", [])
     if not isinstance(order, list) or not all(isinstance(k, str) for k in order):
         raise FormatError(f"{path}: the {META_KEY!r} metadata's order is not a list of key names")

@@ -25,7 +25,7 @@ from ..core.bytecopy import crc32_at
 from ..errors import FormatError
 from ..parse import checkpoint_dirs
 from ..parse.format_registry import get as format_of
-from ..parse.safetensors_header import read_header
+from ..parse.safetensors_header import json_object, read_header
 from ..parse.zipdir import ZipFormatError, data_start, zip_directory
 
 ALGORITHM = "crc32"
@@ -103,18 +103,6 @@ class FileDigests:
     lineage: dict[str, Any] | None
 
 
-def _json(path: str, what: str, raw: str | bytes | None) -> Any:
-    if raw is None:
-        return None
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise FormatError(f"{path}: its {what} is not valid JSON") from None
-    if not isinstance(value, dict):
-        raise FormatError(f"{path}: its {what} is a JSON {type(value).__name__}, not an object")
-    return value
-
-
 def _crc(path: str, value: Any, where: str) -> int:
     if not isinstance(value, str) or len(value) != 8 or any(c not in "0123456789abcdef" for c in value):
         raise FormatError(f"{path}: {where} is not 8 lowercase hex digits")
@@ -129,7 +117,7 @@ def _algorithm(path: str, entry: dict, what: str) -> None:
 
 def _safetensors(path: str) -> FileDigests:
     start, header, meta = read_header(path)
-    entry = _json(path, f"{DIGESTS_KEY!r} metadata", meta.get(DIGESTS_KEY))
+    entry = json_object(path, f"its {DIGESTS_KEY!r} metadata", meta.get(DIGESTS_KEY))
     digests = None
     if entry is not None:
         _algorithm(path, entry, f"{DIGESTS_KEY!r} metadata")
@@ -139,7 +127,7 @@ def _safetensors(path: str) -> FileDigests:
         digests = [Digest((k,), path, start + header[k]["data_offsets"][0],
                           header[k]["data_offsets"][1] - header[k]["data_offsets"][0], _crc(path, v, f"the digest of {k!r}"))
                    for k, v in tensors.items()]
-    return FileDigests(digests, _json(path, f"{LINEAGE_KEY!r} metadata", meta.get(LINEAGE_KEY)))
+    return FileDigests(digests, json_object(path, f"its {LINEAGE_KEY!r} metadata", meta.get(LINEAGE_KEY)))
 
 
 def _torch_zip(path: str) -> FileDigests:
@@ -157,8 +145,8 @@ def _torch_zip(path: str) -> FileDigests:
             start = data_start(buf, len(buf), e)[0]
             return bytes(buf[start : start + e.file_size])
 
-        entry = _json(path, DIGESTS_RECORD, record(DIGESTS_RECORD))
-        found = FileDigests(None, _json(path, LINEAGE_RECORD, record(LINEAGE_RECORD)))
+        entry = json_object(path, f"its {DIGESTS_RECORD}", record(DIGESTS_RECORD))
+        found = FileDigests(None, json_object(path, f"its {LINEAGE_RECORD}", record(LINEAGE_RECORD)))
         if entry is None:
             return found
         _algorithm(path, entry, DIGESTS_RECORD)
@@ -184,7 +172,7 @@ def _dcp(path: str) -> FileDigests:
     if not os.path.isfile(sidecar):
         return FileDigests(None, None)
     with open(sidecar, "rb") as f:
-        whole = _json(path, SIDECAR, f.read())
+        whole = json_object(path, f"its {SIDECAR}", f.read()) or {}  # (raw bytes: never None)
     entry, lineage = whole.get("digests"), whole.get("lineage")
     if not isinstance(entry, dict) or not isinstance(entry.get("items"), list):
         raise FormatError(f"{path}: its {SIDECAR} has no digests object with items")

@@ -370,7 +370,7 @@ def signature(gate: FileGate, report: VerifyReport) -> Findings:
         return Findings()
     with gate.phase("signature"):
         signer = (signing.SigstoreSigner(opts.sigstore_identity, opts.sigstore_issuer, opts.trust_config)
-                  if opts.trust_config is not None else None)
+                  if opts.sigstore_identity is not None and opts.sigstore_issuer is not None else None)
         check = signing.verify_signature(gate.path, opts.signature, opts.public_key, opts.certificate_chain, signer)
     notes = [f"signature: {len(check.files)} file(s) verified against {opts.signature}"] if check.ok else []
     return Findings(failures=check.failures, notes=notes, fields={"signature": check.to_dict()})

@@ -5,7 +5,8 @@ ckptfix hashes the files itself (in parallel; a convert hashes its output while 
 model-signing the digests, following its serialization rules exactly: a single file is one resource named ``.``,
 a directory every regular file under it by its relative POSIX path, except the signature itself and the ``.git*``
 paths model-signing ignores by default. ``model_signing verify key`` accepts what :func:`sign` writes, and
-:func:`verify_signature` checks what ``model_signing sign`` wrote, naming each file that differs.
+:func:`verify_signature` checks what ``model_signing sign`` wrote, naming each file that differs (a Sigstore
+bundle against a given trust config: :mod:`ckptfix.safety.sigstore`).
 
 >>> sign("model.safetensors", key="key.pem")                       # doctest: +SKIP
 >>> verify_signature("model.safetensors", "model.safetensors.sig", public_key="pub.pem").ok   # doctest: +SKIP

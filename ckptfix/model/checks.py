@@ -364,12 +364,14 @@ def _load_reference(reference: Any, source: models.ModelSource, map_location: An
 @model_free
 def signature(gate: FileGate, report: VerifyReport) -> Findings:
     """With ``signature``: PATH against its OpenSSF model signature, offline; each changed, missing or extra file,
-    a wrong key, a renamed file fails."""
+    a wrong key or Sigstore signer, a renamed file fails."""
     opts = gate.options
     if opts.signature is None:
         return Findings()
     with gate.phase("signature"):
-        check = signing.verify_signature(gate.path, opts.signature, opts.public_key, opts.certificate_chain)
+        signer = (signing.SigstoreSigner(opts.sigstore_identity, opts.sigstore_issuer, opts.trust_config)
+                  if opts.sigstore_identity is not None and opts.sigstore_issuer is not None else None)
+        check = signing.verify_signature(gate.path, opts.signature, opts.public_key, opts.certificate_chain, signer)
     notes = [f"signature: {len(check.files)} file(s) verified against {opts.signature}"] if check.ok else []
     return Findings(failures=check.failures, notes=notes, fields={"signature": check.to_dict()})
 

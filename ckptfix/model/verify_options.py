@@ -103,6 +103,15 @@ class VerifyOptions:
     original: Any = option(None, own_flag(("--original",), metavar="ORIGINAL", kind="path", help=(
         "The unquantized weights: each quantized weight, dequantized, is compared with the original's (max, mean "
         "and relative error); round-to-nearest schemes fail beyond their step bound (others: with --atol/--rtol).")))
+    sigstore_identity: str | None = option(None, own_flag(("--sigstore-identity",), metavar="ID", help=(
+        "With --signature: a Sigstore-signed signature (model_signing sign sigstore), checked as signed by this "
+        "identity (the certificate's email or URI; model_signing's --identity); with --sigstore-issuer and "
+        "--trust-config.")))
+    sigstore_issuer: str | None = option(None, own_flag(("--sigstore-issuer",), metavar="URL", help=(
+        "With --sigstore-identity: the OIDC issuer that vouched for it (model_signing's --identity_provider).")))
+    trust_config: Any = option(None, own_flag(("--trust-config",), metavar="TRUST.json", kind="file", help=(
+        "With --sigstore-identity: the Sigstore client trust config to check against (model_signing's "
+        "--trust_config); offline, nothing is fetched.")))
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -114,7 +123,8 @@ class VerifyOptions:
 #: the fields' flags in ``ckptfix verify --help`` (after ``--model``); a flag not named here follows them
 HELP_ORDER = ("model_args", "exact", "serving_device", "serving_loader", "reference", "original", "input_shape", "input_dtype",
               "input_range", "inputs", "golden", "record_golden", "dtype", "atol", "rtol", "forward", "structure_only",
-              "signature", "public_key", "certificate_chain", "map_location", "select", "trust", "checksum", "progress")
+              "signature", "public_key", "certificate_chain", "sigstore_identity", "sigstore_issuer",
+              "trust_config", "map_location", "select", "trust", "checksum", "progress")
 
 
 def flagged() -> Iterator[Field]:
@@ -137,6 +147,16 @@ class Rule:
 #: the options that describe a generated input (which ``inputs`` replaces)
 _RECIPE = ("input_shape", "input_dtype", "input_range")
 
+#: the options that name a Sigstore signer, all three or none (model_signing verify sigstore's)
+SIGSTORE = ("sigstore_identity", "sigstore_issuer", "trust_config")
+_SIGSTORE_FLAGS = "--sigstore-identity, --sigstore-issuer and --trust-config"
+
+
+def _sigstore_given(o: Mapping[str, Any]) -> int:
+    """How many of :data:`SIGSTORE` are given."""
+    return sum(o[k] is not None for k in SIGSTORE)
+
+
 RULES = (
     Rule(lambda o: bool(o["record_golden"]) and o["golden"] is None, GoldenError,
          "record_golden needs golden=PATH (--golden PATH): where to write the outputs",
@@ -149,10 +169,21 @@ RULES = (
          "serving_loader={serving_loader!r} (--serving-loader) names the loader --exact observes: pass exact=True "
          "(--exact) too",
          "--serving-loader goes with --exact (the load it observes)"),
-    Rule(lambda o: o["signature"] is not None and (o["public_key"] is None) == (not o["certificate_chain"]),
-         SigningError, "signature={signature!r} is checked with one of public_key=PUB (--public-key) or "
-         "certificate_chain=[CHAIN] (--certificate-chain)",
-         "--signature needs one of --public-key PUB or --certificate-chain CHAIN"),
+    Rule(lambda o: 0 < _sigstore_given(o) < len(SIGSTORE), SigningError,
+         f"sigstore_identity, sigstore_issuer and trust_config name a Sigstore signer together ({_SIGSTORE_FLAGS})",
+         f"{_SIGSTORE_FLAGS} go together"),
+    Rule(lambda o: bool(_sigstore_given(o)) and (o["public_key"] is not None or bool(o["certificate_chain"])),
+         SigningError, "a Sigstore signer (sigstore_identity) excludes public_key and certificate_chain: one signing "
+         "method at a time", f"{_SIGSTORE_FLAGS} exclude --public-key and --certificate-chain"),
+    Rule(lambda o: o["signature"] is not None and not _sigstore_given(o)
+         and (o["public_key"] is None) == (not o["certificate_chain"]),
+         SigningError, "signature={signature!r} is checked with one of public_key=PUB (--public-key), "
+         "certificate_chain=[CHAIN] (--certificate-chain) or a Sigstore signer (sigstore_identity, sigstore_issuer, "
+         "trust_config)",
+         f"--signature needs one of --public-key PUB or --certificate-chain CHAIN (or {_SIGSTORE_FLAGS})"),
+    Rule(lambda o: o["signature"] is None and bool(_sigstore_given(o)), SigningError,
+         "sigstore_identity, sigstore_issuer and trust_config check a signature: pass signature=SIG (--signature) "
+         "too", f"{_SIGSTORE_FLAGS} go with --signature SIG"),
     Rule(lambda o: o["signature"] is None and (o["public_key"] is not None or bool(o["certificate_chain"])),
          SigningError, "public_key and certificate_chain check a signature: pass signature=SIG (--signature) too",
          "--public-key and --certificate-chain go with --signature SIG"),

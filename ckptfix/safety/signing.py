@@ -5,7 +5,8 @@ ckptfix hashes the files itself (in parallel; a convert hashes its output while 
 model-signing the digests, following its serialization rules exactly: a single file is one resource named ``.``,
 a directory every regular file under it by its relative POSIX path, except the signature itself and the ``.git*``
 paths model-signing ignores by default. ``model_signing verify key`` accepts what :func:`sign` writes, and
-:func:`verify_signature` checks what ``model_signing sign`` wrote, naming each file that differs.
+:func:`verify_signature` checks what ``model_signing sign`` wrote, naming each file that differs (a Sigstore
+bundle against a given trust config: :mod:`ckptfix.safety.sigstore`).
 
 >>> sign("model.safetensors", key="key.pem")                       # doctest: +SKIP
 >>> verify_signature("model.safetensors", "model.safetensors.sig", public_key="pub.pem").ok   # doctest: +SKIP
@@ -30,6 +31,7 @@ from typing import Any
 from ..core.atomic import atomic_path, sha256_file
 from ..core.units import shown
 from ..errors import SigningError
+from . import sigstore
 
 #: where a directory's signature goes (model-signing's CLI default), and a file's: beside it, ``OUT.sig``
 DIR_SIGNATURE = "model.sig"
@@ -48,6 +50,8 @@ _IMPORTING = threading.Lock()
 _MODULES = {"manifest": "model_signing.manifest", "digest": "model_signing._hashing.hashing",
             "payload": "model_signing._signing.signing", "key": "model_signing._signing.sign_ec_key",
             "bundle": "model_signing._signing.sign_sigstore_pb", "hashing": "model_signing.hashing"}
+#: the modules only some methods need, imported on request: the certificate method's (pyOpenSSL) and Sigstore's
+_OPTIONAL = {"certificate": "model_signing._signing.sign_certificate", "sigstore": sigstore.MODULE}
 
 
 def require() -> Any:
@@ -58,12 +62,12 @@ def require() -> Any:
     return spec
 
 
-def library(certificate: bool = False) -> SimpleNamespace:
-    """model-signing's own manifest, payload, signer, verifier and bundle modules (``certificate``: its certificate
-    method's too), imported without running the package's ``__init__``: it imports sigstore, TUF and boto3 —
+def library(*optional: str) -> SimpleNamespace:
+    """model-signing's own manifest, payload, signer, verifier and bundle modules (and the ``optional`` ones named
+    in :data:`_OPTIONAL`), imported without running the package's ``__init__``: it imports sigstore, TUF and boto3 —
     ~0.8 s of CPU that a key signature doesn't use. A later ``import model_signing`` runs it as usual, reusing them."""
     spec = require()
-    names = dict(_MODULES, **({"certificate": "model_signing._signing.sign_certificate"} if certificate else {}))
+    names = dict(_MODULES, **{name: _OPTIONAL[name] for name in optional})
     with _IMPORTING:  # one thread at a time puts the bare package in place and takes it away
         stub = "model_signing" not in sys.modules
         if stub:  # the package as a bare namespace while its submodules load
@@ -231,7 +235,7 @@ def _signer(key: str, password: str | None, certificate: str | None,
             # cryptography takes the password as bytes (model-signing's hint says str)
             secret = password.encode() if password is not None else None
             return library().key.Signer(pathlib.Path(key), secret), {"method": "key"}
-        signer = library(certificate=True).certificate.Signer(pathlib.Path(key), pathlib.Path(certificate),
+        signer = library("certificate").certificate.Signer(pathlib.Path(key), pathlib.Path(certificate),
                                                            [pathlib.Path(c) for c in chain])
         return signer, {"method": "certificate", "certificate": certificate}
     except OSError as e:
@@ -262,16 +266,29 @@ class SignatureCheck:
                 "verdict": "verified" if self.ok else "failed", "signed_name": self.signed_name}
 
 
+@dataclass(frozen=True)
+class SigstoreSigner:
+    """Who a Sigstore-signed model must come from: ``identity`` (the certificate's SAN) from the OIDC ``issuer``,
+    under ``trust_config`` (a ClientTrustConfig JSON; nothing is fetched)."""
+
+    identity: str
+    issuer: str
+    trust_config: str
+
+
 def verify_signature(path: str, signature: str, public_key: str | None = None,
-                     certificate_chain: Sequence[str] | None = None) -> SignatureCheck:
+                     certificate_chain: Sequence[str] | None = None,
+                     sigstore_signer: SigstoreSigner | None = None) -> SignatureCheck:
     """Check ``path`` against ``signature`` (made by ckptfix or by model_signing), offline: with ``public_key``
-    (model-signing's key method) or ``certificate_chain`` (its certificate method; empty: the system's roots).
-    A directory's signature given with one file of it (a ``save_pretrained`` directory's weights) checks the
-    directory."""
-    signer, verifier = _verifier(public_key, certificate_chain)
+    (model-signing's key method), ``certificate_chain`` (its certificate method; empty: the system's roots) or
+    ``sigstore_signer`` (its Sigstore method, against the given trust root). A directory's signature given with one
+    file of it (a ``save_pretrained`` directory's weights) checks the directory."""
+    signer, verifier = _verifier(public_key, certificate_chain, sigstore_signer)
     check = SignatureCheck(signature, signer)
+    # a Sigstore verifier takes sigstore's own bundle object; the key and certificate ones, the protobuf one
+    reader = library("sigstore").sigstore if sigstore_signer is not None else library().bundle
     try:
-        bundle = library().bundle.Signature.read(pathlib.Path(signature))
+        bundle = reader.Signature.read(pathlib.Path(signature))
     except OSError as e:
         raise SigningError(f"{shown(signature)}: can't read the signature: {e.strerror or e}") from None
     except Exception as e:  # not JSON, not a bundle: the parser's own exception types vary
@@ -281,6 +298,9 @@ def verify_signature(path: str, signature: str, public_key: str | None = None,
         expected = verifier.verify(bundle)
     except Exception as e:  # a wrong key, an altered bundle: the verifier's own exception types vary
         reason = str(e) or type(e).__name__
+        if sigstore_signer is not None:
+            check.failures.append(sigstore.failure(signature, sigstore_signer.identity, sigstore_signer.issuer, reason))
+            return check
         check.failures.append(f"signature: {shown(signature)} does not verify with "
                               f"{shown(public_key) if public_key else 'the certificate chain'}: the wrong key, or "
                               f"the signature was altered ({shown(reason, 200)})")
@@ -292,14 +312,18 @@ def verify_signature(path: str, signature: str, public_key: str | None = None,
     return check
 
 
-def _verifier(public_key: str | None, certificate_chain: Sequence[str] | None) -> tuple[dict[str, Any], Any]:
+def _verifier(public_key: str | None, certificate_chain: Sequence[str] | None,
+              sigstore_signer: SigstoreSigner | None) -> tuple[dict[str, Any], Any]:
     """The signer as the report names it, and model-signing's verifier for it (a key it can't take: one line)."""
+    if sigstore_signer is not None:
+        who = (sigstore_signer.identity, sigstore_signer.issuer, sigstore_signer.trust_config)
+        return sigstore.signer(*who), sigstore.verifier(library("sigstore").sigstore, *who)
     try:
         if public_key is not None:
             return {"method": "key", "public_key": public_key}, library().key.Verifier(pathlib.Path(public_key))
         chain = list(certificate_chain or ())
         return ({"method": "certificate", "certificate_chain": chain},
-                library(certificate=True).certificate.Verifier([pathlib.Path(c) for c in chain]))
+                library("certificate").certificate.Verifier([pathlib.Path(c) for c in chain]))
     except OSError as e:
         raise SigningError(f"can't read {shown(e.filename or public_key or '')}: {e.strerror or e}") from None
     except (ValueError, TypeError) as e:

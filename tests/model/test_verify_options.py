@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
 
 #: ``ckptfix.verify``'s signature before its options were declared once: users' calls keep working as they were
-#: (issue 28: ``model`` may be left out, the model-free gate; ``original`` added at the end)
+#: (issue 28: ``model`` may be left out, the model-free gate; ``original`` added at the end; issue 30: the Sigstore
+#: signer's three after it)
 SIGNATURE = (
     "(path: 'Any', model: 'Any' = None, reference: 'Any' = None, exact: 'bool' = False, forward: 'bool' = True, "
     "atol: 'float | None' = None, rtol: 'float | None' = None, input_shape: 'tuple[int, ...] | None' = None, "
@@ -35,7 +36,8 @@ SIGNATURE = (
     "input_dtype: 'str | None' = None, input_range: 'tuple[float, float] | None' = None, inputs: 'Any' = None, "
     "golden: 'Any' = None, record_golden: 'bool' = False, serving_device: 'str | None' = None, "
     "progress: 'bool' = False, structure_only: 'bool' = False, serving_loader: 'str' = 'torch', "
-    "signature: 'Any' = None, public_key: 'Any' = None, certificate_chain: 'tuple[Any, ...]' = (), original: 'Any' = None) "
+    "signature: 'Any' = None, public_key: 'Any' = None, certificate_chain: 'tuple[Any, ...]' = (), original: 'Any' = None, "
+    "sigstore_identity: 'str | None' = None, sigstore_issuer: 'str | None' = None, trust_config: 'Any' = None) "
     "-> 'VerifyReport'")
 #: keywords the command line has no flag for
 LIBRARY_ONLY = {"seed"}
@@ -125,7 +127,8 @@ def test_the_command_passes_every_option(calls: list[Any], cli_runner: Any, tmp_
                           golden="g.safetensors", record_golden=True, dtype="bf16", atol=0.5, rtol=0.25, forward=False,
                           map_location=parse_cli_map_location(("cuda:1=cpu",)), select="ema", trust=True, checksum=True,
                           progress=False, structure_only=True, serving_loader="torch", signature="s.sig",
-                          public_key="p.pem", certificate_chain=(), original="o.safetensors")
+                          public_key="p.pem", certificate_chain=(), original="o.safetensors",
+                          sigstore_identity=None, sigstore_issuer=None, trust_config=None)
     # --input alone (it gives the tensors that --input-shape, --input-dtype and --input-range would describe)
     assert cli_runner.invoke(cli, ["verify", "a.pth", "--model", "m:f", "--input", "i.pt"]).exit_code == 0
     assert calls[1][2]["inputs"] == "i.pt"

@@ -10,7 +10,6 @@ import base64
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import datetime
@@ -30,6 +29,7 @@ from cryptography.x509.oid import NameOID  # noqa: E402
 import ckptfix  # noqa: E402
 from ckptfix.cli import cli  # noqa: E402
 from ckptfix.safety import signing  # noqa: E402
+from tests.offline import model_signing_cli, refuse_connections  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
@@ -45,11 +45,7 @@ KINDS = {
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     """Signing and verifying are offline: any connection attempt in this process fails the test."""
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError(f"a network connection was attempted: {args}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
+    refuse_connections(monkeypatch)
 
 
 def _pem(private: Any, password: bytes | None = None) -> bytes:
@@ -92,32 +88,6 @@ def _signature_of(path: Path) -> Path:
     return path / signing.DIR_SIGNATURE if path.is_dir() else Path(f"{path}{signing.FILE_SUFFIX}")
 
 
-def _offline(argv: list[str]) -> list[str]:
-    """``argv`` in a new network namespace without interfaces where unprivileged ones work (else as it is: CI
-    containers often forbid them; the in-process socket guard still holds for the library tests)."""
-    unshare = shutil.which("unshare")
-    if unshare and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0:
-        return [unshare, "-rn", *argv]
-    return argv
-
-
-#: model-signing's own CLI (its click group, as the ``model_signing`` script runs it) over several models in one
-#: process: each CLI start costs ~1 s
-_RUN_CLI = """
-import json, sys
-from click.testing import CliRunner
-from model_signing._cli import main
-results = [CliRunner().invoke(main, argv) for argv in json.loads(sys.argv[1])]
-print(json.dumps([[r.exit_code, r.output] for r in results]))
-"""
-
-
-def _model_signing_cli(*argvs: list[str]) -> list[tuple[int, str]]:
-    out = subprocess.run(_offline([sys.executable, "-c", _RUN_CLI, json.dumps(argvs)]), capture_output=True, text=True,
-                         timeout=120, check=True)
-    return [(code, text) for code, text in json.loads(out.stdout)]
-
-
 def test_model_signing_cli_verifies_every_output_kind(signed: dict[str, Path], keys: dict[str, Path]) -> None:
     """``model_signing verify key OUT --signature SIG --public_key PUB`` accepts each output ``convert --sign`` wrote,
     and rejects one changed after signing."""
@@ -127,7 +97,7 @@ def test_model_signing_cli_verifies_every_output_kind(signed: dict[str, Path], k
     _flip_last_byte(shutil.copy(signed["safetensors"], tampered))
     argvs.append(["verify", "key", str(tampered), "--signature", str(_signature_of(signed["safetensors"])),
                   "--public_key", str(keys["pub"])])
-    *accepted, rejected = _model_signing_cli(*argvs)
+    *accepted, rejected = model_signing_cli(*argvs)
     for kind, (code, text) in zip(signed, accepted):
         assert (code, "Verification succeeded" in text) == (0, True), f"{kind}: {text}"
     assert rejected[0] == 1 and "Hash mismatch" in rejected[1]

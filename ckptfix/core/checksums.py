@@ -30,8 +30,8 @@ def _gf2_square(matrix: list[int]) -> list[int]:
     return [_gf2_times(matrix, row) for row in matrix]
 
 
-def _python_combine(crc1: int, crc2: int, len2: int) -> int:
-    """zlib's ``crc32_combine`` in pure Python (GF(2) matrices: ``crc1`` advanced over ``len2`` zero bytes, then
+def crc32_combine_gf2(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's ``crc32_combine`` in pure Python, the fallback (GF(2) matrices: ``crc1`` advanced over ``len2`` zero bytes, then
     XORed with ``crc2``), for the standard library's zlib, which doesn't expose it."""
     return _zero_shift(crc1 & 0xFFFFFFFF, max(len2, 0)) ^ (crc2 & 0xFFFFFFFF)
 
@@ -70,7 +70,7 @@ def _fastest() -> tuple[str, Crc32, Combine]:
     except ImportError:
         import zlib
 
-        return "zlib", zlib.crc32, _python_combine
+        return "zlib", zlib.crc32, crc32_combine_gf2
 
 
 CRC32_IMPLEMENTATION, crc32, crc32_combine = _fastest()

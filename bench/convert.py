@@ -190,6 +190,11 @@ def render(runs: dict[str, list[tuple[float, int]]], files: dict[str, Path], arg
     lines += ["", f"`ckptfix inspect` / `import torch` = {inspect_ratio:.2f}. `ckptfix.convert()` called in a process "
               "that has imported torch (the call alone) / the CLI command (whole process): "
               + ", ".join(f"{what} {r:.2f}" for what, r in api.items()) + ".", ""]
+    cp = med["cp + fsync"]
+    lines[-1:] = ["`ckptfix convert` / `cp` + fsync of the same file (issue 30 item 5: at most 1.15, every record's CRC-32 "
+                  "checked and every tensor's digest recorded): "
+                  + ", ".join(f"{what} {med[f'ckptfix convert {what}'] / cp:.2f}" for what in
+                              ("pth->pth", "pth->safetensors", "safetensors->pth")) + ".", ""]
     if SIGNED in med:
         lines[-1:] = [f"`convert --sign` / the same `convert` (pth->safetensors, torch-free, its output hashed and "
                       f"signed as an OpenSSF model signature) = {med[SIGNED] / med['ckptfix convert pth->safetensors']:.2f} "

@@ -8,8 +8,8 @@ each range's CRC-32 computed from the bytes as fetched)."""
 from __future__ import annotations
 
 import functools
+import mmap
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from . import locations
 from ..errors import FormatError
-from .checksums import crc32
+from .checksums import crc32, crc32_between
 from .positional import ByteSource, crc32_range
 from .rangecopy import Batch, Span
 
@@ -220,54 +220,93 @@ def crc32_at(fd: int, offset: int, size: int) -> int:
     return crc32(data)
 
 
-class OutputCrcs:
-    """CRC-32s of ranges of the file being written (per-tensor digests), each computed on another thread as soon
-    as its bytes have landed: read back from the page cache while the next tensor is copied. A range whose bytes
-    land later (a remote source's queued copy) is added with ``landed=False`` and counted in :meth:`release`.
+class RangeCrcs:
+    """The CRC-32s of byte ranges of local files (``fds``: path → descriptor), on another thread, from one pass over
+    each file's union of them: the CRC-32 of each run of covered bytes is chained from its start and noted at every
+    range's ends, and a range's own is two such notes (:func:`~ckptfix.core.checksums.crc32_between`). A record and
+    the tensors inside it (whole, a slice, tied names) are read once, while the kernel copies them."""
 
-    ``crcs = OutputCrcs(fd); …copy…; crcs.add(pos, n); …; crcs.release(); crcs.results()``."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-        self.ranges: list[tuple[int, int]] = []
-        self.held: list[int] = []
-        self._found: dict[int, int] = {}
-        self.error: BaseException | None = None
-        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    def __init__(self, fds: dict[str, int], ranges: Iterable[tuple[str, int, int]]):
+        self.fds = fds
+        self.wanted: dict[str, set[tuple[int, int]]] = {}
+        for path, offset, size in ranges:
+            self.wanted.setdefault(path, set()).add((offset, size))
+        self.found: dict[tuple[str, int, int], int | BaseException] = {}
+        self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while (i := self._queue.get()) is not None:
-            try:
-                self._found[i] = crc32_at(self.fd, *self.ranges[i])
-            except BaseException as e:  # re-raised in results()
-                self.error = e
+        for path, ranges in self.wanted.items():
+            for start, end, inside in _runs(ranges):
+                if self._stop:
+                    return
+                try:
+                    notes = _chain(self.fds[path], start, end, sorted({c for o, n in inside for c in (o, o + n)}))
+                except BaseException as e:  # (a file shorter than its records say) re-raised in result()
+                    self.found.update(((path, o, n), e) for o, n in inside)
+                    continue
+                self.found.update(((path, o, n), crc32_between(notes[o], notes[o + n], n)) for o, n in inside)
 
-    def add(self, offset: int, size: int, landed: bool = True) -> None:
-        self.ranges.append((offset, size))
-        if landed:
-            self._queue.put(len(self.ranges) - 1)
-        else:
-            self.held.append(len(self.ranges) - 1)
-
-    def release(self) -> None:
-        """The held ranges' bytes have landed (the queued copies ran)."""
-        for i in self.held:
-            self._queue.put(i)
-        self.held = []
-
-    def results(self) -> list[int]:
-        """Every range's CRC-32, in the order added."""
-        self.close()
-        if self.error is not None:
-            raise self.error
-        return [self._found[i] for i in range(len(self.ranges))]
+    def result(self, path: str, offset: int, size: int) -> int:
+        """The CRC-32 of ``path[offset : offset + size]`` (one of the ranges given), once every range is done."""
+        if not size:
+            return 0
+        self._thread.join()
+        found = self.found[(path, offset, size)]
+        if isinstance(found, BaseException):
+            raise found
+        return found
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        """Stop after the current run of bytes (the descriptors stay the caller's)."""
+        self._stop = True
+        self._thread.join()
+
+
+def _runs(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """``(start, end, ranges in it)`` of each run of bytes the non-empty ``ranges`` cover together (overlapping or
+    touching ones joined), in file order."""
+    runs: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for offset, size in sorted(r for r in ranges if r[1]):
+        if runs and offset <= runs[-1][1]:
+            runs[-1][2].append((offset, size))
+            runs[-1] = (runs[-1][0], max(runs[-1][1], offset + size), runs[-1][2])
+        else:
+            runs.append((offset, offset + size, [(offset, size)]))
+    return runs
+
+
+def _chain(fd: int, start: int, end: int, cuts: list[int]) -> dict[int, int]:
+    """``{cut: CRC-32 of fd[start:cut]}``, one pass over ``fd[start:end]``: a small run read with one ``pread``
+    (no mapping set up per tensor, which 20,000 small tensors would feel), a large one through a mapping."""
+    if end > os.fstat(fd).st_size:
+        raise OSError(5, "short read while computing CRC-32")
+    if end - start <= _SMALL:
+        data = os.pread(fd, end - start, start)
+        if len(data) < end - start:
+            raise OSError(5, "short read while computing CRC-32")
+        return _noted(memoryview(data), start, start, cuts)
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base) as mm:
+        view = memoryview(mm)
+        try:
+            return _noted(view, base, start, cuts)
+        finally:
+            view.release()
+
+
+def _noted(view: memoryview, origin: int, start: int, cuts: list[int]) -> dict[int, int]:
+    """The CRC-32 of the bytes from ``start`` (``view[0]`` is the file's byte ``origin``), chained in steps of at
+    most _CHUNK and noted at each cut."""
+    notes, crc, pos = {start: 0}, 0, start
+    for cut in cuts:
+        while pos < cut:
+            step = min(cut, pos + _CHUNK)
+            crc = crc32(view[pos - origin : step - origin], crc)
+            pos = step
+        notes[cut] = crc
+    return notes
 
 
 @dataclass(frozen=True)
@@ -284,41 +323,50 @@ class Recorded:
 class CrcCheck:
     """The CRC-32 of each source member computed on another thread while the copy runs (no second pass
     over the file: the bytes are in the page cache), then compared with the one its zip records, so a
-    file damaged after it was written is refused, not laundered into a new file with fresh CRCs. A remote
-    member's CRC-32 is computed from the bytes its copy fetches (``sources``: the write's, whose queued copies
-    :meth:`verify` runs first; a member no copy covers exactly is fetched for it).
+    file damaged after it was written is refused, not laundered into a new file with fresh CRCs. ``ranges``:
+    more source ranges whose CRC-32s the writer wants (each tensor's, for its digest), from the same pass
+    (:class:`RangeCrcs`). A remote member's or range's CRC-32 is computed from the bytes its copy fetches
+    (``sources``: the write's, whose queued copies :meth:`verify` runs first; one no copy covers exactly is
+    fetched for it).
 
-    ``with CrcCheck(members, sources) as check: …copy…; check.verify()``."""
+    ``with CrcCheck(members, sources, ranges) as check: …copy…; check.verify(); check.crc(*range)``."""
 
-    def __init__(self, members: Iterable[Recorded | None], sources: Sources | None = None):
+    def __init__(self, members: Iterable[Recorded | None], sources: Sources | None = None,
+                 ranges: Iterable[tuple[str, int, int]] = ()):
         self.members = list(dict.fromkeys(m for m in members if m is not None))
         self.sources = sources if sources is not None else Sources()
         self._own_sources = sources is None
         self.fds: dict[str, int] = {}
-        self.crcs: list[Callable[[], int]] = []
-        local: list[tuple[tuple[int, int, int], ...]] = []
-        for m in self.members:
-            if locations.is_remote(m.path):
-                remote = self.sources(m.path)
-                assert isinstance(remote, RemoteFile)
-                self.crcs.append(remote.crc_of(m.offset, m.size))
+        self.getters: dict[tuple[str, int, int], Callable[[], int]] = {}
+        local: list[tuple[str, int, int]] = []
+        for key in [(m.path, m.offset, m.size) for m in self.members] + list(ranges):
+            path, offset, size = key
+            if key in self.getters:
                 continue
-            if m.path not in self.fds:
-                self.fds[m.path] = os.open(m.path, os.O_RDONLY)
-            job = ((self.fds[m.path], m.offset, m.size),)
-            local.append(job)
-            self.crcs.append(functools.partial(self._local, job))
-        self.worker = SegmentsCrcWorker(local) if local else None
+            if locations.is_remote(path):
+                remote = self.sources(path)
+                assert isinstance(remote, RemoteFile)
+                self.getters[key] = remote.crc_of(offset, size) if size else lambda: 0
+                continue
+            if path not in self.fds:
+                self.fds[path] = os.open(path, os.O_RDONLY)
+            local.append(key)
+            self.getters[key] = functools.partial(self._local, key)
+        self.worker = RangeCrcs(self.fds, local) if local else None
 
-    def _local(self, job: tuple[tuple[int, int, int], ...]) -> int:
+    def _local(self, key: tuple[str, int, int]) -> int:
         assert self.worker is not None
-        return self.worker.result(job)
+        return self.worker.result(*key)
+
+    def crc(self, path: str, offset: int, size: int) -> int:
+        """The CRC-32 of a range given as ``ranges`` (after :meth:`verify`)."""
+        return self.getters[(path, offset, size)]()
 
     def verify(self) -> None:
         """Raise FormatError, naming the file and the record, for the first member whose bytes don't match."""
         self.sources.finish()
-        for m, get in zip(self.members, self.crcs):
-            crc = get()
+        for m in self.members:
+            crc = self.crc(m.path, m.offset, m.size)
             if crc != m.crc:
                 raise FormatError(f"{m.path}: record {m.name} does not match the CRC-32 its zip records "
                                   f"({crc:08x}, recorded {m.crc:08x}): the file was damaged or altered after it "

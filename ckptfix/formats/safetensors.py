@@ -9,6 +9,7 @@ state dict's ``_metadata``. ckptfix's reader restores all three; other readers i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import bytecopy, locations
+from ..core.checksums import crc32, crc32_combine
 from ..core.devices import storage_id
 from ..core.tensorinfo import StorageInfo, TensorInfo, math_bits
 from ..core.torch_free import NeedsTorch
@@ -206,25 +208,19 @@ def _versions_that_matter(meta: Any, keys: Any) -> list[str]:
     return found[:5] + ([f"… (+{len(found) - 5} more)"] if len(found) > 5 else [])
 
 
-Body = Callable[[int, bytecopy.Sources, int, bytecopy.OutputCrcs], int]
+Body = Callable[[int, bytecopy.Sources, int], tuple[int, list[int]]]
 
 
 def write_file(path: str, header: bytes, names: list[str], body: Body) -> None:
-    """The file: its header, then ``body(out_fd, sources, pos, crcs) -> end`` writes the data from ``pos``
+    """The file: its header, then ``body(out_fd, sources, pos) -> (end, CRC-32s)`` writes the data from ``pos``
     (``sources(path)`` opens each source file once: a descriptor, or a URL's queued copies, run by the body's
-    ``CrcCheck.verify``) and adds each tensor's range to ``crcs`` as it lands; the file ends at ``end``. The
-    tensors' CRC-32s (``names``, in the header's order) then replace the digests' placeholders in the header.
-    Both writers use it."""
-    with bytecopy.Sources() as sources, open(path, "w+b") as f:  # (read too: the CRC-32s read back)
+    ``CrcCheck.verify``) and gives each tensor's CRC-32 (``names``, in the header's order: from the source's bytes
+    as they are copied, or from memory, never read back); the file ends at ``end``. The CRC-32s then replace the
+    digests' placeholders in the header. Both writers use it."""
+    with bytecopy.Sources() as sources, open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
         f.flush()
-        crcs = bytecopy.OutputCrcs(f.fileno())
-        try:
-            end = body(f.fileno(), sources, 8 + len(header), crcs)
-            crcs.release()
-            found = crcs.results()
-        finally:
-            crcs.close()
+        end, found = body(f.fileno(), sources, 8 + len(header))
         f.seek(end)
         f.truncate(end)
         placeholder, final = (_escaped(digests.tensors_entry(dict(zip(names, c)))) for c in ([0] * len(names), found))
@@ -237,51 +233,65 @@ def _escaped(value: str) -> bytes:
     return json.dumps(value).encode("utf-8")[1:-1]
 
 
-def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: dict) -> None:
+def _copied_from(t: Any, ref: Any) -> list[tuple[str, int, int]] | None:
+    """The source ranges ``[(path, offset, size), …]`` whose bytes, one after another, are ``t``'s as stored (a
+    tensor in chunks: its chunks), or None where they are computed in memory (a cast, a view to make contiguous)."""
+    n = t.numel() * t.element_size()
+    if isinstance(ref, PiecedRef):
+        segments = ref.segments()
+        whole = t.is_contiguous() and t.storage_offset() == 0 and n == ref.nbytes
+        return list(segments) if segments is not None and whole else None
+    if ref is None or isinstance(ref, CastRef) or not t.is_contiguous() or any(math_bits(t)):
+        return None
+    return [(ref.path, ref.offset + t.storage_offset() * t.element_size(), n)]
+
+
+def _in_memory(t: Any, ref: Any) -> Any:
+    """``t``'s bytes as a flat uint8 array (a cast computed now, chunks assembled, a view made contiguous)."""
     import torch
 
-    def body(out: int, source_fd: bytecopy.Sources, pos: int, crcs: bytecopy.OutputCrcs) -> int:
-        with bytecopy.CrcCheck((source_record(refs.get(storage_id(t))) for _key, t in tensors), source_fd) as check:
-            pos = copy(out, source_fd, pos, crcs)
-            check.verify()  # (runs the queued remote copies first)
-        return pos
+    if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
+        t = ref.materialize()
+    elif isinstance(ref, PiecedRef):  # chunks to assemble (file-backed scratch), then t's view of them
+        t = torch.empty(0, dtype=t.dtype).set_(ref.materialize().untyped_storage(), t.storage_offset(), t.shape,
+                                               t.stride())
+    elif ref is not None:  # a view of a storage still in the source file, not its bytes as they are
+        t = view_like(stored_bytes(ref), t)
+    flat = t.detach().cpu().resolve_conj().resolve_neg().reshape(-1)  # (a conjugate or negative view's values)
+    if flat.stride(0) != 1:  # contiguous() keeps a 1-element view's stride; view() needs 1
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy()
 
-    def copy(out: int, source_fd: bytecopy.Sources, pos: int, crcs: bytecopy.OutputCrcs) -> int:
-        for _key, t in tensors:
-            n = t.numel() * t.element_size()
-            ref = refs.get(storage_id(t))
-            segments = ref.segments() if isinstance(ref, PiecedRef) else None
-            if segments is not None and ref is not None and t.is_contiguous() and t.storage_offset() == 0 \
-                    and n == ref.nbytes:
-                # a tensor in chunks: copied chunk after chunk
-                sources = [(source_fd(src), offset, k) for src, offset, k in segments]
-                bytecopy.copy_segments(sources, out, pos)
-                crcs.add(pos, n, landed=not any(isinstance(src, bytecopy.RemoteFile) for src, _o, _k in sources))
-                pos += n
-                continue
-            if isinstance(ref, CastRef):  # a dtype cast: computed now, one tensor in memory
-                t, ref = ref.materialize(), None
-            elif isinstance(ref, PiecedRef):  # chunks to assemble (file-backed scratch), then t's view of them
-                t, ref = torch.empty(0, dtype=t.dtype).set_(
-                    ref.materialize().untyped_storage(), t.storage_offset(), t.shape, t.stride()), None
-            bits = any(math_bits(t))  # a conjugate or negative view: its values are not its stored bytes
-            if ref is not None and t.is_contiguous() and not bits:
-                src = source_fd(ref.path)
-                bytecopy.copy_range(src, out, ref.offset + t.storage_offset() * t.element_size(), pos, n)
-                crcs.add(pos, n, landed=not isinstance(src, bytecopy.RemoteFile))
-            else:
-                if ref is not None:  # a view of a storage still in the source file, not its bytes as they are
-                    t = view_like(stored_bytes(ref), t)
-                flat = t.detach().cpu().resolve_conj().resolve_neg().reshape(-1)
-                if flat.stride(0) != 1:  # contiguous() keeps a 1-element view's stride; view() needs 1
-                    flat = flat.clone(memory_format=torch.contiguous_format)
-                data = flat.view(torch.uint8).numpy()
+
+def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: dict) -> None:
+    plans = [(t, refs.get(storage_id(t))) for _key, t in tensors]
+    copied = [_copied_from(t, ref) for t, ref in plans]
+
+    def body(out: int, source_fd: bytecopy.Sources, pos: int) -> tuple[int, list[int]]:
+        ranges = [r for c in copied if c is not None for r in c]
+        found: list[Callable[[], int]] = []
+        with bytecopy.CrcCheck((source_record(ref) for _t, ref in plans), source_fd, ranges) as check:
+            for (t, ref), segments in zip(plans, copied):
+                if segments is not None:  # the stored bytes, copied in the kernel (chunk after chunk)
+                    pos += bytecopy.copy_segments([(source_fd(p), o, k) for p, o, k in segments], out, pos)
+                    found.append(functools.partial(_joined, check, segments))
+                    continue
+                data = _in_memory(t, ref)
                 bytecopy.write_all(out, memoryview(data), pos)
-                crcs.add(pos, n)
-            pos += n
-        return pos
+                pos += data.nbytes
+                found.append(functools.partial(int, crc32(data)))
+            check.verify()  # (runs the queued remote copies first)
+            return pos, [get() for get in found]
 
     write_file(path, header, [key for key, _t in tensors], body)
+
+
+def _joined(check: bytecopy.CrcCheck, segments: list[tuple[str, int, int]]) -> int:
+    """The CRC-32 of ``segments``' bytes one after another, from each one's (no byte read again)."""
+    crc = 0
+    for segment in segments:
+        crc = crc32_combine(crc, check.crc(*segment), segment[2])
+    return crc
 
 
 # -- without torch ------------------------------------------------------------------------------------
@@ -320,16 +330,15 @@ def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorI
 
 
 def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
-    def body(out: int, source_fd: bytecopy.Sources, pos: int, crcs: bytecopy.OutputCrcs) -> int:
-        with bytecopy.CrcCheck((t.storage.record for _key, t in tensors), source_fd) as check:
-            for _key, t in tensors:
-                st = t.storage
-                src = source_fd(st.path)
-                bytecopy.copy_range(src, out, st.offset + t.storage_offset * t.element_size(), pos, t.nbytes)
-                crcs.add(pos, t.nbytes, landed=not isinstance(src, bytecopy.RemoteFile))
-                pos += t.nbytes
-            check.verify()
-        return pos
+    spans = [(t.storage.path, t.storage.offset + t.storage_offset * t.element_size(), t.nbytes) for _key, t in tensors]
+
+    def body(out: int, source_fd: bytecopy.Sources, pos: int) -> tuple[int, list[int]]:
+        with bytecopy.CrcCheck((t.storage.record for _key, t in tensors), source_fd, spans) as check:
+            for src, offset, n in spans:
+                bytecopy.copy_range(source_fd(src), out, offset, pos, n)
+                pos += n
+            check.verify()  # (runs the queued remote copies first)
+            return pos, [check.crc(*span) for span in spans]
 
     write_file(path, header, [key for key, _t in tensors], body)
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import ckptfix
 from ckptfix.formats.dcp import chunks
+from ckptfix.safety import digests
 from tests import fsdp2_dirs
 from tests.dcp_spy import ScratchSpy
 
@@ -48,6 +49,7 @@ def same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> No
 
 def read_output(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
+        assert digests.failures(str(path), "safetensors") == []  # each digest, of chunks copied one after another
         return load_file(path)
     assert zipfile.ZipFile(path).testzip() is None  # every member's CRC-32 matches its bytes
     return torch.load(path, weights_only=True)

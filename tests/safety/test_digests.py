@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import ckptfix
 from ckptfix.cli.commands import cli
 from ckptfix.core.torch_free import ENV_SWITCH
 from ckptfix.formats import sniff
+from ckptfix.ops.convert import steps
 from ckptfix.safety import digests
 
 LINEAR = ["--model", "torch.nn:Linear", "--arg", "in_features=3", "--arg", "out_features=4", "--no-forward"]
@@ -104,6 +106,31 @@ def test_tied_tensors_share_a_digest(tmp_path: Path) -> None:
         assert names["emb"] == names.get("head", names["emb"])  # one record (pth) or an alias of it (safetensors)
     pth = digests.read(str(tmp_path / "o.pth"), "torch-zip").digests
     assert pth is not None and [d.names for d in pth if "emb" in d.names] == [("emb", "head")]
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["ties-stored", "compact-ties"])
+@pytest.mark.parametrize("torch_free", ["1", "0"], ids=["torch-free", "streamed"])
+def test_digests_of_views_are_their_bytes(torch_free: str, compact: bool, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices of one storage (overlapping, nested, touching, a row), a tied pair and the whole storage: each
+    safetensors digest, computed from the source record's bytes as they pass, is the CRC-32 of that tensor's
+    bytes (computed here by the standard library) and of its ``data_offsets`` range in the output; a tied name
+    stored twice has its twin's digest."""
+    base = torch.arange(64.0)
+    sd = {"whole": base, "slice": base[8:24], "overlap": base[16:40], "touching": base[40:41], "tied": base[8:24],
+          "row": base.view(8, 8)[2], "other": torch.ones(3)}
+    torch.save(sd, tmp_path / "views.pth")
+    monkeypatch.setenv(ENV_SWITCH, torch_free)
+    if torch_free == "1":  # (the torch-free writer, not a fallback to the streamed one)
+        monkeypatch.setattr(steps, "write_with_torch", lambda *a, **k: pytest.fail("the torch path was taken"))
+    out = tmp_path / "views.safetensors"
+    ckptfix.convert(tmp_path / "views.pth", out, compact_ties=compact)
+    found = digests.read(str(out), "safetensors").digests
+    assert found is not None and digests.failures(str(out), "safetensors") == []
+    crcs = {n: d.crc for d in found for n in d.names}
+    assert sorted(crcs) == sorted(set(sd) - ({"tied"} if compact else set()))  # (an alias: its tensor's digest)
+    assert crcs.get("tied", crcs["slice"]) == crcs["slice"]
+    assert all(crc == zlib.crc32(sd[n].numpy().tobytes()) for n, crc in crcs.items())
 
 
 def _flip(path: Path, tensor: str) -> None:

@@ -20,7 +20,8 @@ leftover cached state) without paying ``import torch`` each time. In it, before 
 built (CPU: allocated and written; meta: ``with torch.device("meta")``; FSDP2: ``fully_shard`` per layer, then
 ``to_empty``); the row's loader runs once on a tiny file of the same format and keys (first-call imports
 and lazy set-up out of the timer, for every row alike); then the file is read once (warm) or ``os.sync()`` +
-POSIX_FADV_DONTNEED drop its pages (cold; a check with mincore(2) says if any stayed). Only the load call is
+POSIX_FADV_DONTNEED drop its pages (cold; mincore(2) counts any that stayed: then the row says "cold not
+possible", and the rows whose ratio is to it have no cold ratio). Only the load call is
 timed. After it, the loaded values are compared bit for bit with rows of the saved model (a wrong or
 partial load fails the row). Rounds alternate the order of the runs (forward, then backward); the ratio
 to the anchor is the median of the per-round ratios, anchor and row timed in the same round. Peak RssAnon

@@ -35,13 +35,18 @@ def summarise(rows: list[dict[str, Any]], runs: dict[tuple[str, str], list[dict[
             secs = [run.get("seconds") for run in runs.get((row["id"], mode), [])]
             anchor = [run.get("seconds") for run in runs.get((row["vs"], mode), [])]
             ratios = [s / a for s, a in zip(secs, anchor) if s is not None and a]
-            ratio = _median(ratios)
+            ratio = None if _stayed(runs, row["vs"], mode) else _median(ratios)
             floor = [run.get("seconds") for run in runs.get(("floor", mode), [])]
-            floor_ratio = _median([s / f for s, f in zip(secs, floor) if s is not None and f])
+            floor_ratio = None if _stayed(runs, "floor", mode) else _median(
+                [s / f for s, f in zip(secs, floor) if s is not None and f])
             done, base = [s for s in secs if s is not None], [a for a in anchor if a]
+            stayed = _stayed(runs, row["id"], mode)
+            missed = stayed > 0  # not evicted: no cold figure, whatever it measured
             entry[mode] = {"runs": secs, "median": _median(done), "ratio": ratio, "floor_ratio": floor_ratio,
                            "ratio_of_mins": min(done) / min(base) if done and base else None,
-                           "ratio_met": None if row["target"] is None or ratio is None else ratio <= row["target"]}
+                           "ratio_met": None if row["target"] is None or ratio is None or missed
+                           else ratio <= row["target"],
+                           "cold_not_possible": f"{stayed / MIB:.1f} MiB stayed in the page cache" if missed else None}
         ok = [run for run in mine if "peak" in run]
         entry["peak_anon_mib"] = max(run["peak"] for run in ok) / MIB if ok else None
         entry["growth_mib"] = max(run["growth"] for run in ok) / MIB if ok else None
@@ -54,6 +59,14 @@ def summarise(rows: list[dict[str, Any]], runs: dict[tuple[str, str], list[dict[
         e["mem_met"] = (None if not e["mem_target"] or e["over_anchor_mib"] is None
                         else e["over_anchor_mib"] <= MEM_TARGET_MIB)
     return {"setup": setup, "rows": out}
+
+
+def _stayed(runs: dict[tuple[str, str], list[dict[str, Any]]], row_id: str, mode: str) -> int:
+    """Bytes of the file that stayed in the page cache in the row's cold runs (0 in the other modes): not 0, the
+    row has no cold figure, nor the rows whose ratio is to it."""
+    if not mode.startswith("cold"):
+        return 0
+    return max((run.get("stayed_cached") or 0 for run in runs.get((row_id, mode), [])), default=0)
 
 
 def _mark(met: bool | None) -> str:
@@ -96,6 +109,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                 continue
             cells = []
             for m in modes:
+                if r[m].get("cold_not_possible"):  # (its anchor's and the floor's ratios would be no cold figure)
+                    cells += [f"cold not possible ({r[m]['cold_not_possible']})", "–", "–"]
+                    continue
                 ratio = r[m]["ratio"]
                 anchor_row = r["id"] == r["vs"]
                 floor = r[m]["floor_ratio"]
@@ -107,7 +123,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                          + f" | {target} | {r['growth_mib']:.0f} | {over} |")
     stayed = [r for r in rows if r.get("stayed_cached_mib")]
     if stayed:
-        lines += ["", "Cold runs where part of the file stayed in the page cache (mapped elsewhere, or tmpfs): "
+        lines += ["", "Cold runs where part of the file stayed in the page cache after `os.sync()` + POSIX_FADV_DONTNEED "
+                  "(checked with mincore; mapped elsewhere, or tmpfs), marked cold not possible: "
                   + ", ".join(f"{r['id']} {r['stayed_cached_mib']:.0f} MiB" for r in stayed) + "."]
     return "\n".join(lines) + "\n"
 

@@ -64,12 +64,54 @@ def test_bench_load_produces_every_row(tmp_path: Path) -> None:
         if "ckptfix" in case_id and not rewritten:
             continue
         assert row["status"] == "ok", (case_id, row["status"], row.get("traceback"))
+        evicted = not any(rows[i]["cold"]["cold_not_possible"] for i in (case_id, row["vs"], "floor"))
         for mode in ("warm", "cold"):
             assert len(row[mode]["runs"]) == 1 and row[mode]["median"] > 0, (case_id, mode)
-            assert row[mode]["ratio"] is not None and row[mode]["ratio"] > 0, (case_id, mode)
+            if mode == "warm" or evicted:  # (tmpfs keeps its files: no cold figure there, the row says so)
+                assert row[mode]["ratio"] is not None and row[mode]["ratio"] > 0, (case_id, mode)
+                assert row[mode]["floor_ratio"] is not None and row[mode]["floor_ratio"] > 0, (case_id, mode)
+        if row["cold"]["cold_not_possible"]:
+            assert f"| {row['label']} | {row['file']} | cold not possible (" in out.stdout, case_id
         assert row["peak_anon_mib"] > 0 and row["growth_mib"] is not None and row["over_anchor_mib"] is not None
     assert out.returncode == (0 if rewritten else 1), out.stderr[-3000:]
     assert rows["pth.ckptfix"]["target"] == 1.25 and rows["meta.ckptfix"]["vs"] == "st.load_model"
+
+
+def _report_module() -> Any:
+    """bench/load_report.py (standard library only: no torch, no run)."""
+    spec = importlib.util.spec_from_file_location("ckptfix_bench_load_report", BENCH / "load_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("stayed", ["none", "row", "anchor", "floor"])
+def test_cold_rows_are_marked_where_the_file_stayed_cached(stayed: str) -> None:
+    """A cold run whose file stayed in the page cache (bench/measure.drop_from_page_cache's mincore count) gives no
+    cold figure: its row says "cold not possible", the rows whose ratio is to it (its anchor's, the floor's) have
+    none; the warm figures stand."""
+    report = _report_module()
+    ids = {"row": "b", "anchor": "a", "floor": "floor"}
+    rows = [{"id": i, "group": "g", "label": f"label {i}", "file": "m", "model": "cpu", "vs": v, "target": 1.25,
+             "mem_target": False} for i, v in (("floor", "floor"), ("a", "a"), ("b", "a"))]
+    seconds = {"floor": 1.0, "a": 2.0, "b": 3.0}
+    runs = {(i, mode): [{"seconds": s * (2 if mode == "cold" else 1), "peak": 1, "growth": 0, "after": 0,
+                         "stayed_cached": 5 * 2**20 if mode == "cold" and ids.get(stayed) == i else 0}]
+            for i, s in seconds.items() for mode in ("warm", "cold")}
+    out = report.summarise(rows, runs, {"modes": ["warm", "cold"]})
+    b = {r["id"]: r for r in out["rows"]}["b"]
+    assert (b["warm"]["ratio"], b["warm"]["floor_ratio"], b["warm"]["cold_not_possible"]) == (1.5, 3.0, None)
+    cold = b["cold"]
+    assert cold["cold_not_possible"] == ("5.0 MiB stayed in the page cache" if stayed == "row" else None)
+    assert cold["ratio"] == (None if stayed == "anchor" else 1.5)
+    assert cold["floor_ratio"] == (None if stayed == "floor" else 3.0)
+    assert cold["ratio_met"] is (None if stayed in ("row", "anchor") else False)
+    setup = {"modes": ["warm", "cold"], "width": 8, "size_mib_arg": 1, "rounds": 1, "machine": "m", "torch": "t",
+             "safetensors": "s", "layers": 1, "size_mib": 1.0, "load_into": "l"}
+    table = report.render_markdown({"setup": setup, "rows": out["rows"]})
+    line = next(x for x in table.splitlines() if x.startswith("| label b |"))
+    assert ("cold not possible (5.0 MiB stayed in the page cache)" in line) is (stayed == "row")
+    assert ("marked cold not possible: " in table) is (stayed != "none")
 
 
 @pytest.mark.slow

@@ -78,9 +78,10 @@ def test_every_value_read_and_every_nonfinite_found(tmp_path: Path, dtype: torch
 
 
 def test_many_tensors_by_several_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hundreds of tensors of every size, in file order or not, filled by several threads: each exactly its bytes,
-    a NaN in one of them found there only."""
+    """Hundreds of tensors of every size, in file order or not, filled by several threads, a run of reads per job:
+    each exactly its bytes, a NaN in one of them (in its last job's last read) found there only."""
     monkeypatch.setattr(tensorcopy, "READ_BYTES", 4096)
+    monkeypatch.setattr(tensorcopy, "JOB_BYTES", 3 * 4096)  # (a job of three reads: several per tensor, the last short)
     monkeypatch.setattr(tensorcopy, "MAX_READERS", 4)
     monkeypatch.setattr(tensorcopy, "THREAD_BYTES", 4096)  # (a thread per 4 KiB: several, at this size)
     g = torch.Generator().manual_seed(0)

@@ -35,6 +35,20 @@ def rss_anon(pid: int | str = "self") -> int | None:
     return None
 
 
+def pss_anon(pid: int | str = "self") -> int | None:
+    """The process's proportional share of anonymous memory in bytes (``Pss_Anon``, smaps_rollup): a page a forked
+    child still shares with its parent counts half in each, so a process tree's sum counts it once; None once gone
+    (or on a kernel without the field)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss_Anon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def measure(cmd: list[str], env: dict[str, str] | None = None, settle: float = 0.0) -> tuple[float, int]:
     """Wall seconds and peak RssAnon (bytes) of one command, sampled every 5 ms; a command that prints
     ``call_s=SECONDS`` (bench/convert.py's ``API_CALL``) gives that instead of its wall time. ``settle``:

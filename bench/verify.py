@@ -10,10 +10,12 @@ saves it as m.pth (``torch.save``) and m.safetensors (``save_file``) under --wor
   CI runs: the read, SHA-256, NaN/Inf, CRCs, the static scan, and the serving loader observed in its child process).
 
 Method. Each run is a fresh process (``python -c`` / the ``ckptfix`` command), so both pay interpreter start and
-``import torch``, and ckptfix pays its child's too (the cost of containing the loader). The file is read once
+``import torch``, and ckptfix pays its child's too (the cost of containing the loader: a child forked once the
+read has passed, running beside the parent's build and checks on the other core). The file is read once
 before each run (warm). Rounds alternate the order (plain first, then ckptfix first …); the time ratio is the
-median of the per-round ratios. Peak memory is the RssAnon of the process and all its descendants summed, sampled
-every 5 ms; the delta is the median ckptfix peak minus the median plain peak. Targets (issue 26): ratio ≤ 1.2,
+median of the per-round ratios. Peak memory is the anonymous memory of the process and all its descendants summed
+(each one's Pss_Anon: the pages ckptfix's forked observing child shares with its parent count once), sampled every
+5 ms; the delta is the median ckptfix peak minus the median plain peak. Targets (issue 26): ratio ≤ 1.2,
 delta ≤ +256 MiB.
 
     python bench/verify.py                          # 1 GiB, 5 rounds: a few minutes
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import INTERVAL, read_through, rss_anon  # noqa: E402
+from measure import INTERVAL, pss_anon, read_through, rss_anon  # noqa: E402
 
 TIME_TARGET, MEMORY_TARGET_MIB = 1.2, 256
 MODEL = '''
@@ -76,11 +78,13 @@ with torch.no_grad():
 
 
 def tree_rss(pid: int) -> int:
-    """RssAnon of ``pid`` and every process below it, summed (a process gone meanwhile counts 0)."""
+    """The anonymous memory of ``pid`` and every process below it, summed (a process gone meanwhile counts 0):
+    each one's ``Pss_Anon``, so that pages a forked child shares with its parent count once; ``RssAnon`` where the
+    kernel has no ``Pss_Anon``."""
     total, stack = 0, [pid]
     while stack:
         p = stack.pop()
-        total += rss_anon(p) or 0
+        total += pss_anon(p) or rss_anon(p) or 0
         try:
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:

@@ -204,15 +204,20 @@ def observed_load(gate: Gate, report: VerifyReport) -> Findings:
     if gate.options.serving_loader == "transformers" and importlib.util.find_spec("transformers") is None:
         raise ModelSpecError("--serving-loader transformers (serving_loader='transformers'): transformers is not "
                              "installed here; pip install transformers, or observe the plain load (--serving-loader torch)")
-    with observe.local_copy(gate.path, gate.ckpt.format) as local:  # a URL: fetched once, deleted after
-        if not gate.options.trust:  # the static scan first: a file whose pickles name code never reaches the loader
-            try:
-                scanner.ensure_safe(local, gate.ckpt.format)
-            except UnsafeCheckpointError as e:
-                return Findings(failures=[f"exact: not handed to the serving loader: {str(e).replace(local, gate.path)}"])
-        obs = observe.observe(local, gate.ckpt.format, gate.source.model, gate.options, dict(gate.ckpt.devices),
-                              gate.ckpt.state_dict_key)
-    obs.error = obs.error.replace(local, gate.path) if obs.error else obs.error  # (a URL's temp copy: named as the URL)
+    if gate.observing is not None:  # started in a forked child once the read had passed: collected now
+        with gate.phase("observe"):
+            obs = gate.observing.result()
+    else:
+        with observe.local_copy(gate.path, gate.ckpt.format) as local:  # a URL: fetched once, deleted after
+            if not gate.options.trust:  # the static scan first: a file whose pickles name code never reaches the loader
+                try:
+                    scanner.ensure_safe(local, gate.ckpt.format)
+                except UnsafeCheckpointError as e:
+                    return Findings(failures=[f"exact: not handed to the serving loader: {str(e).replace(local, gate.path)}"])
+            with gate.phase("observe"):
+                obs = observe.observe(local, gate.ckpt.format, gate.source.model, gate.options, dict(gate.ckpt.devices),
+                                      gate.ckpt.state_dict_key)
+        obs.error = obs.error.replace(local, gate.path) if obs.error else obs.error  # (a URL's temp copy: the URL)
     found = Findings(notes=list(obs.notes), fields={"observed": obs.to_dict()})
     if obs.error is not None:
         where = {"process": "", "build": "building the model: ", "load": "the load: ",

@@ -18,9 +18,9 @@ from ..core.progress import Phases
 from ..errors import UnsafeCheckpointError
 from ..ops import quant_compare, reading
 from ..reports import Checkpoint
-from ..safety import integrity
+from ..safety import integrity, scanner
 from ..statedict import metadata, repair
-from . import serving
+from . import observe, serving
 from . import spec as models
 from .findings import Findings, VerifyReport
 from .verify_options import VerifyOptions
@@ -79,6 +79,14 @@ class Gate(FileGate):
     target: repair.Target
     chosen: repair.Repair
     fit: repair.Fit
+    #: with ``exact``: the serving loader already running in a forked child beside the gate (None: observed at the
+    #: check, in a fresh process — :func:`ckptfix.model.observe.start` says where)
+    observing: observe.Forked | None = field(default=None, kw_only=True)
+
+    def close(self) -> None:
+        """End what the gate started and no check collected (the observing child, when a step before it raised)."""
+        if self.observing is not None:
+            self.observing.close()
 
     @property
     def runs_forward(self) -> bool:
@@ -148,12 +156,33 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> FileGate:
         ckpt.require_state_dict()
     if source is None:
         return FileGate(options, ckpt.path, with_values, ckpt, phase, digest=digest)
-    with phase("build"):
-        structure, is_fresh = source.structure(meta=not (with_values and options.forward))
-    target = repair.describe_target(structure, float_dtype=source.dtype)
-    chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
+    observing = _observe_early(ckpt, source, options, with_values)
+    try:
+        with phase("build"):
+            structure, is_fresh = source.structure(meta=not (with_values and options.forward))
+        target = repair.describe_target(structure, float_dtype=source.dtype)
+        chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
+    except BaseException:
+        if observing is not None:
+            observing.close()
+        raise
     return Gate(options, ckpt.path, with_values, ckpt, phase, source, structure, is_fresh, target, chosen, fit,
-                digest=digest)
+                digest=digest, observing=observing)
+
+
+def _observe_early(ckpt: Checkpoint, source: models.ModelSource, options: VerifyOptions,
+                   with_values: bool) -> observe.Forked | None:
+    """With ``exact``, a local file the static scan passes: the serving loader started now in a forked child, beside
+    the model's build and the checks (:func:`ckptfix.model.observe.start`); None: observed at its check instead."""
+    if not options.exact or not serving.has_loader(ckpt.format) or locations.is_remote(ckpt.path):
+        return None
+    if not options.trust:
+        try:
+            scanner.ensure_safe(ckpt.path, ckpt.format)
+        except UnsafeCheckpointError:
+            return None  # the check scans again and says why nothing was handed to the loader
+    return observe.start(ckpt.path, ckpt.format, source.model, options, dict(ckpt.devices), ckpt.state_dict_key,
+                         serving.plainly_loaded(ckpt), with_values)
 
 
 def first_report(gate: FileGate) -> VerifyReport:

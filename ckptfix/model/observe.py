@@ -1,8 +1,8 @@
 """``verify --exact`` observes the serving loader: the real call, on the file as saved, in a child process.
 
-ckptfix's own reader decides what a file *is*; whether the server *takes* it is what the server's loader does. The
-parent (:func:`observe`) hands a request to ``python -m ckptfix.model.observe REQUEST OUT``, which builds the model
-the way verify does (the spec the user named: its code runs, as it does in verify) and then makes the serving call:
+ckptfix's own reader decides what a file *is*; whether the server *takes* it is what the server's loader does. A
+child process (:mod:`ckptfix.model.observe_child`) builds the model the way verify does (the spec the user named:
+its code runs, as it does in verify; on meta) and then makes the serving call:
 
 - ``--serving-loader torch`` (default): ``sd = torch.load(PATH, weights_only=True[, mmap=True])`` (``mmap`` for a
   zip file only, where torch allows it; no ``map_location``: each storage goes back where it was saved, and with
@@ -13,26 +13,24 @@ the way verify does (the spec the user named: its code runs, as it does in verif
   output_loading_info=True)`` on a directory that links the file (``model.safetensors``/``pytorch_model.bin``) beside
   the model's config; every missing, unexpected or mismatched key it reports is a failure, except those it ties.
 
-The checkpoint is never unpickled beyond ``weights_only=True`` there. The child writes JSON: what raised (its type
-and message), the torch and transformers versions, and per tensor its dtype, shape, stride and the SHA-256 of its
-bytes (``.contiguous()``), which the parent compares with ckptfix's read (:func:`digest`). A crash, a timeout or a
-runaway allocation ends the child, not the gate: its address space is capped (``RLIMIT_AS``, Linux) at what it held
-after building the model plus twice the checkpoint's size plus :data:`HEADROOM` — unless the load may touch a GPU,
-whose driver reserves far more address space than it uses — and it runs at most :func:`timeout_for` seconds.
+The checkpoint is never unpickled beyond ``weights_only=True`` there. Where it is safe (:func:`start`: Linux, no
+other thread, the torch loader, a local file), the child is forked as soon as the static scan and ckptfix's read
+have passed, and runs beside the gate's own work: it inherits torch imported and the read, and compares each
+tensor it loaded with the read byte for byte. Elsewhere (:func:`observe`) a fresh interpreter runs
+``python -m ckptfix.model.observe_child REQUEST OUT`` at the check, and sends back per tensor its dtype, shape,
+stride and the SHA-256 of its bytes, which the parent compares with its own read's. Either way the child reports
+what raised (its type and message) and the torch and transformers versions. A crash, a timeout or a runaway
+allocation ends the child, not the gate: its address space is capped (``RLIMIT_AS``, Linux) at what it held after
+building the model plus twice the checkpoint's size plus :data:`HEADROOM` — unless the load may touch a GPU, whose
+driver reserves far more address space than it uses — and it runs at most :func:`timeout_for` seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
-import importlib.metadata
-import itertools
 import json
 import os
 import pickle
-import resource
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,14 +39,13 @@ from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
-from ..core import locations
+from ..core import forked, locations
 from ..core.devices import available_devices
 from ..core.units import shown
 from ..errors import NeedsLocalCopy
 from ..formats.sharded import load_index
 from ..parse.format_registry import get as format_of
-from . import serving
-from .spec import ModelSource, unwrap_model
+from . import observe_child, serving
 
 #: the address space the child may take beyond what it holds after building the model and twice the file's size
 HEADROOM = 1 << 30
@@ -69,6 +66,9 @@ class Observation:
     others: dict[str, str] = field(default_factory=dict)  #: non-tensor key → type name
     versions: dict[str, str | None] = field(default_factory=dict)
     seconds: float = 0.0  #: the child's wall time, start to exit (the observation's cost)
+    #: the child compared each tensor with ckptfix's read itself (a forked child): ``digests`` hold no hashes, and
+    #: their last field is :data:`SAME` where the bytes are ckptfix's
+    compared: bool = False
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,14 +90,9 @@ def serving_call(fmt: str, loader: str, serving_device: str | None) -> str:
     if spec.index_name:
         one = serving_call(spec.shard_format or fmt, loader, serving_device)
         return f"each shard: {one.split(' + ')[0]}; the union + load_state_dict(strict=True)"
-    load = ("safetensors.torch.load_file(PATH)" if _load_file(spec) else
+    load = ("safetensors.torch.load_file(PATH)" if observe_child.load_file_serves(spec) else
             f"torch.load(PATH, weights_only=True{', mmap=True' if spec.zip else ''})")
     return load + " + load_state_dict(strict=True)"
-
-
-def _load_file(spec: Any) -> bool:
-    """Whether the registry says safetensors' ``load_file`` serves the format (else ``torch.load``)."""
-    return (spec.exact_loader or "").startswith("safetensors.")
 
 
 #: bytes of a URL fetched per window into the local copy the loader is observed on
@@ -137,16 +132,9 @@ def shards(path: str, fmt: str) -> list[str]:
 
 
 def sendable_model(model: Any) -> tuple[Any, str | None]:
-    """The model as the child gets it: a spec as is, a module as a copy on meta (no weights), a factory by
+    """The model as a spawned child gets it: a spec as is, a module as a copy on meta (no weights), a factory by
     reference; ``(None, why)`` when it can't be pickled (a class defined inside a function)."""
-    import torch
-
-    if isinstance(model, torch.nn.Module):
-        memo: dict[int, Any] = {}
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            m = torch.empty_like(t, device="meta")
-            memo[id(t)] = torch.nn.Parameter(m, t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
-        model = copy.deepcopy(model, memo)
+    model = observe_child.meta_copy(model)
     try:
         pickle.dumps(model)
     except Exception as e:  # whatever the user's object holds that pickle refuses
@@ -154,42 +142,87 @@ def sendable_model(model: Any) -> tuple[Any, str | None]:
     return model, None
 
 
-def observe(path: str, fmt: str, model: Any, options: Any, devices: dict[str, int], select_key: str | None) -> Observation:
-    """Run the serving call on ``path`` in a child process and read what it did (see the module docstring)."""
+def _request(path: str, fmt: str, model: Any, options: Any, devices: dict[str, int],
+             select_key: str | None) -> tuple[Observation, dict[str, Any]]:
+    """The observation to fill and what the child needs: the files, the call's arguments, its limits."""
     loader, device = options.serving_loader, options.serving_device
     obs = Observation(serving_call(fmt, loader, device))
-    sent, why = sendable_model(model)
-    if sent is None:
-        obs.notes.append(f"the model object can't be sent to the serving loader's process ({shown(why)}): its strict "
-                         "load is not observed; pass a model spec or a module-level factory")
     files = shards(path, fmt)
     size = sum(os.path.getsize(f) for f in files)
     gpu = device != "cpu" and any(not str(tag).lower().startswith(("cpu", "meta")) for tag in devices)
     stand_in = stand_in_location(devices, device)
     if stand_in:
         obs.call += f" (here map_location={stand_in}: the serving device {device} is not on this machine)"
-    request = {"files": files, "format": fmt, "loader": loader, "model": sent, "model_args": options.model_args,
-               "map_location": stand_in,
-               "dtype": options.dtype, "select_key": select_key, "sys_path": sys.path,
+    request = {"files": files, "format": fmt, "loader": loader, "model": model, "model_args": options.model_args,
+               "map_location": stand_in, "cpu_only": device == "cpu",
+               "dtype": options.dtype, "select_key": select_key, "sys_path": sys.path, "timeout": timeout_for(size),
                "memory_limit": None if gpu else 2 * size + HEADROOM}
+    return obs, request
+
+
+def observe(path: str, fmt: str, model: Any, options: Any, devices: dict[str, int], select_key: str | None) -> Observation:
+    """Run the serving call on ``path`` in a fresh child process and read what it did (see the module docstring)."""
+    obs, request = _request(path, fmt, None, options, devices, select_key)
+    request["model"], why = sendable_model(model)
+    if request["model"] is None:
+        obs.notes.append(f"the model object can't be sent to the serving loader's process ({shown(why)}): its strict "
+                         "load is not observed; pass a model spec or a module-level factory")
     with tempfile.TemporaryDirectory(prefix="ckptfix-observe-") as tmp:
         req, out = os.path.join(tmp, "request.pkl"), os.path.join(tmp, "observed.json")
         with open(req, "wb") as request_file:
             pickle.dump(request, request_file)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-        if device == "cpu":
+        if request["cpu_only"]:
             env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU box: the loader sees no GPU
         start = time.perf_counter()
-        done = _run(child_command(req, out), env, timeout_for(size))
+        done = _run(child_command(req, out), env, request["timeout"])
         obs.seconds = time.perf_counter() - start
         if done is not None:
             obs.stage, obs.error = "process", done
             return obs
         with open(out, encoding="utf-8") as f:
-            result = json.load(f)
+            return _filled(obs, json.load(f))
+
+
+def _filled(obs: Observation, result: dict[str, Any]) -> Observation:
     obs.ok, obs.stage, obs.error = result["ok"], result["stage"], result["error"]
     obs.digests, obs.others, obs.versions = result["digests"], result["others"], result["versions"]
+    obs.compared = result.get("compared", False)
     return obs
+
+
+class Forked:
+    """The serving call observed in a forked child, started as soon as the file's static scan and ckptfix's read
+    have passed (:func:`start`); :meth:`result` waits for it, :meth:`close` ends it if the gate stops first."""
+
+    def __init__(self, obs: Observation, child: forked.Child, timeout: float):
+        self.obs, self.child, self.timeout = obs, child, timeout
+
+    def result(self) -> Observation:
+        result, why = self.child.wait(self.timeout, "the loader's process")
+        if result is None:
+            self.obs.stage, self.obs.error = "process", why
+            return self.obs
+        self.obs.seconds = result.pop("seconds", 0.0)
+        return _filled(self.obs, result)
+
+    def close(self) -> None:
+        self.child.close()
+
+
+def start(path: str, fmt: str, model: Any, options: Any, devices: dict[str, int], select_key: str | None,
+          read: Any, with_values: bool) -> Forked | None:
+    """The serving call in a forked child, now, beside the gate's own work: the child inherits torch imported and
+    ckptfix's read (``read``: the state dict as the plain loader returns it), so it compares each tensor with it
+    byte for byte instead of hashing both. None where forking is unsafe (:func:`ckptfix.core.forked.can_fork`; the
+    GPU already in use here) or the loader is transformers': :func:`observe` then runs it in a fresh process."""
+    import torch
+
+    if options.serving_loader != "torch" or not forked.can_fork() or torch.cuda.is_initialized():
+        return None
+    obs, request = _request(path, fmt, model, options, devices, select_key)
+    child = forked.start(lambda: observe_child.forked_child(request, read, with_values))
+    return Forked(obs, child, request["timeout"])
 
 
 def stand_in_location(devices: dict[str, int], serving_device: str | None) -> dict[str, str] | None:
@@ -203,7 +236,7 @@ def stand_in_location(devices: dict[str, int], serving_device: str | None) -> di
 
 def child_command(request: str, out: str) -> list[str]:
     """The child's command line: this interpreter, this module."""
-    return [sys.executable, "-m", "ckptfix.model.observe", request, out]
+    return [sys.executable, "-m", "ckptfix.model.observe_child", request, out]
 
 
 def _run(command: list[str], env: dict[str, str], timeout: float) -> str | None:
@@ -212,47 +245,19 @@ def _run(command: list[str], env: dict[str, str], timeout: float) -> str | None:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return f"the loader's process ran past its {timeout:.0f} s limit and was killed"
-    if done.returncode == 0:
-        return None
-    last = (done.stderr.strip().splitlines() or [""])[-1]
-    how = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
-           else f"exited with status {done.returncode}")
-    return f"the loader's process {how}" + (f" ({shown(last)})" if last else "")
-
-
-def digest(t: Any) -> list:
-    """``[dtype, shape, stride, sha256 of its bytes]`` (``.contiguous()``, on the CPU); no hash on meta."""
-    import torch
-
-    meta = t.device.type == "meta"
-    sha = None
-    if not meta:
-        try:
-            flat = t.detach().cpu().contiguous().reshape(-1)
-            sha = hashlib.sha256(flat.view(torch.uint8).numpy() if flat.numel() else b"").hexdigest()
-        except (RuntimeError, TypeError) as e:  # a layout without plain bytes (quantized, sparse): named, not hashed
-            sha = f"unhashed ({type(e).__name__})"
-    return [str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()), sha]
-
-
-def digests(sd: Any) -> tuple[dict[str, list], dict[str, str]]:
-    """Each tensor's :func:`digest`, and each other entry's type name, by key."""
-    import torch
-
-    tensors, others = {}, {}
-    for k, v in (sd.items() if isinstance(sd, dict) else ()):
-        if isinstance(v, torch.Tensor):
-            tensors[str(k)] = digest(v)
-        else:
-            others[str(k)] = type(v).__name__
-    return tensors, others
+    return None if done.returncode == 0 else forked.exit_reason("the loader's process", done.returncode, done.stderr)
 
 
 def read_differs(obs: Observation, read: Any, with_values: bool) -> list[str]:
     """Where ckptfix's read (``read``: the state dict as the plain loader returns it) and what the loader returned
     part: keys only one has, tensors whose dtype, shape, stride or bytes differ (bytes only ``with_values``).
     transformers returns the model's own state dict: only the keys both hold are compared there."""
-    mine, my_others = digests(read)
+    if obs.compared:  # a forked child compared the bytes: only the layout is read here, nothing hashed
+        mine, my_others = observe_child.compared(read, {}, False)
+        for entry in mine.values():
+            entry[3] = observe_child.SAME if with_values else None
+    else:
+        mine, my_others = observe_child.digests(read)
     theirs, their_others = obs.digests, obs.others
     both = [k for k in theirs if k in mine]
     upto = 4 if with_values else 3
@@ -263,129 +268,3 @@ def read_differs(obs: Observation, read: Any, with_values: bool) -> list[str]:
         ("key(s) only ckptfix's read has", [] if obs.call.startswith("type(model)") else
          [k for k in [*mine, *my_others] if k not in theirs and k not in their_others])) if keys]
     return out
-
-
-# --- the child --------------------------------------------------------------------------------------------------
-
-
-def _error(e: BaseException) -> str:
-    """``'RuntimeError: Error(s) in loading … Missing key(s) …'``: the type and the message on one line."""
-    text = " ".join(str(e).split())
-    why = text.partition("WeightsUnpickler error:")[2]  # torch's long advice first, the reason after it
-    return f"{type(e).__name__}: " + (f"Weights only load failed: {why.strip()}" if why else text)
-
-
-def _limit_memory(extra: int | None) -> None:
-    """Cap the address space at what this process holds now plus ``extra`` bytes (Linux)."""
-    if extra is None or not os.path.exists("/proc/self/statm"):
-        return
-    with open("/proc/self/statm") as f:
-        now = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (now + extra, resource.getrlimit(resource.RLIMIT_AS)[1]))
-
-
-def _load(files: list[str], fmt: str, map_location: dict[str, str] | None) -> Any:
-    """The serving loader's call on each file; the union of the shards' state dicts (a single file: its object)."""
-    import torch
-
-    out: dict[str, Any] = {}
-    for file in files:
-        spec = format_of(format_of(fmt).shard_format or fmt)
-        if _load_file(spec):
-            from safetensors.torch import load_file
-
-            obj = load_file(file)
-        else:
-            obj = torch.load(file, weights_only=True, mmap=bool(spec.zip), map_location=map_location)
-        if len(files) == 1:
-            return obj
-        out.update(obj)
-    return out
-
-
-def _selected(obj: Any, key: str | None) -> Any:
-    """The state dict inside what the loader returned, where ckptfix's read found it (for the digests)."""
-    if key is None or not isinstance(obj, dict):
-        return obj
-    if key in obj:
-        return obj[key]
-    for part in key.split("."):
-        obj = obj.get(part) if isinstance(obj, dict) else None
-    return obj
-
-
-def _from_pretrained(model: Any, files: list[str], fmt: str) -> tuple[Any, list[str]]:
-    """transformers' own load on a directory linking the file(s) beside the model's config; what it reported."""
-    inner = unwrap_model(model)
-    with tempfile.TemporaryDirectory(prefix="ckptfix-pretrained-") as tmp:
-        if len(files) == 1 and not format_of(fmt).index_name:
-            name = "model.safetensors" if _load_file(format_of(fmt)) else "pytorch_model.bin"
-            os.symlink(os.path.abspath(files[0]), os.path.join(tmp, name))
-        else:
-            here = os.path.dirname(os.path.abspath(files[0]))
-            for member in [str(format_of(fmt).index_name), *map(os.path.basename, files)]:
-                os.symlink(os.path.join(here, member), os.path.join(tmp, member))
-        inner.config.save_pretrained(tmp)
-        if getattr(inner, "generation_config", None) is not None:
-            inner.generation_config.save_pretrained(tmp)
-        loaded, info = type(inner).from_pretrained(tmp, config=inner.config, output_loading_info=True)
-    uses: dict[int, int] = {}
-    for _name, p in loaded.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
-    tied = {k for k, v in loaded.state_dict(keep_vars=True).items() if uses.get(id(v), 0) > 1}
-    problems = [f"{what}: {', '.join(sorted(map(str, info[key])))}" for what, key in (
-        ("missing", "missing_keys"), ("unexpected", "unexpected_keys"), ("shape mismatch", "mismatched_keys"))
-        if key == "missing_keys" and set(info[key]) - tied or key != "missing_keys" and info[key]]
-    return loaded.state_dict(), problems + [str(m) for m in info.get("error_msgs", [])]
-
-
-def _observe_child(request: dict[str, Any]) -> dict[str, Any]:
-    """The child's work: build, load, digest, load strictly; the first step that raises ends it."""
-    sys.path[:0] = [p for p in request["sys_path"] if p not in sys.path]
-    import torch
-
-    result: dict[str, Any] = {"ok": False, "stage": "build", "error": None, "digests": {}, "others": {}, "versions": {
-        "torch": torch.__version__, "transformers": _version("transformers"), "safetensors": _version("safetensors")}}
-    try:
-        model = None if request["model"] is None else \
-            ModelSource(request["model"], request["model_args"], request["dtype"]).fresh(meta=True)
-        _limit_memory(request["memory_limit"])
-        result["stage"] = "load"
-        files, fmt = request["files"], request["format"]
-        if request["loader"] == "transformers":
-            sd, problems = _from_pretrained(model, files, fmt)
-            result["digests"], result["others"] = digests(sd)
-            result["stage"] = "strict"
-            if problems:
-                raise RuntimeError("from_pretrained reported " + "; ".join(problems))
-        else:
-            obj = _load(files, fmt, request["map_location"])
-            result["digests"], result["others"] = digests(_selected(obj, request["select_key"]))
-            result["stage"] = "strict"
-            if model is not None:
-                model.load_state_dict(obj, strict=True)
-    except (Exception, MemoryError) as e:  # the loader's exception, named, is the verdict
-        result["error"] = _error(e)
-        return result
-    result["ok"], result["stage"] = True, None
-    return result
-
-
-def _version(dist: str) -> str | None:
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        return importlib.metadata.version(dist)
-    return None
-
-
-def main(argv: list[str]) -> int:
-    """``python -m ckptfix.model.observe REQUEST OUT``: the request (pickled by the parent) → OUT (JSON)."""
-    with open(argv[0], "rb") as f:
-        request = pickle.load(f)  # written by the parent verify process, not read from the checkpoint
-    result = _observe_child(request)
-    with open(argv[1], "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

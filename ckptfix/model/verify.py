@@ -60,16 +60,20 @@ def verify(path: Any, model: Any = None, *args: Any, **kwargs: Any) -> VerifyRep
     does) or, without one, exist on this machine. Tied keys the file holds once pass only where the
     model ties them again after loading (:mod:`ckptfix.model.serving`). ``progress``: on stderr, a progress
     line on a terminal while the file is hashed and the values checked; elsewhere (a CI log) one line per phase as
-    it ends (``ckptfix verify: read (1.2 s)``: read, build, hash, values, quantized, original, crc, load, forward).
+    it ends (``ckptfix verify: read (1.2 s)``: read, build, hash, values, quantized, original, crc, observe, load, forward).
     """
     options = VerifyOptions(*args, **kwargs)  # the options checked first
     modelled = None if model is not None else option_needing_model({f.name: getattr(options, f.name) for f in fields(options)})
     if modelled is not None:
         raise without_model_error(modelled, getattr(options, modelled.name))
     gate = gates.open_gate(path, model, options)
-    report = gates.first_report(gate)
-    for check in checks.CHECKS:
-        if model is not None or not gates.needs_model(check):
-            add(report, check(gate, report))
+    try:
+        report = gates.first_report(gate)
+        for check in checks.CHECKS:
+            if model is not None or not gates.needs_model(check):
+                add(report, check(gate, report))
+    finally:
+        if isinstance(gate, gates.Gate):
+            gate.close()
     report.ok = not report.failures
     return report

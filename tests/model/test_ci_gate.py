@@ -59,7 +59,7 @@ def _phases(stderr: str) -> list[str]:
 
 @pytest.mark.parametrize("flags, phases", [
     ([], ["read", "build", "hash", "values", "crc", "load", "forward"]),
-    (["--exact"], ["read", "build", "hash", "values", "crc", "load", "forward"]),
+    (["--exact"], ["read", "build", "hash", "values", "crc", "observe", "load", "forward"]),
     (["--no-forward"], ["read", "build", "hash", "values", "crc"]),  # --json: hashed
     (["--structure-only"], ["read", "build", "hash", "crc"]),
 ], ids=["default", "exact", "no-forward", "structure-only"])
@@ -89,7 +89,7 @@ def test_a_real_process_with_stderr_a_pipe(fixtures_dir: Path) -> None:
     loud = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     quiet = subprocess.run([*argv, "--quiet"], capture_output=True, text=True, timeout=120)
     assert loud.returncode == quiet.returncode == 0, loud.stderr
-    assert _phases(loud.stderr) == ["read", "build", "hash", "values", "crc", "load"]
+    assert _phases(loud.stderr) == ["read", "build", "hash", "values", "crc", "observe", "load"]
     assert quiet.stderr == "" and loud.stdout == quiet.stdout and loud.stdout.startswith("VERIFIED: ")
 
 

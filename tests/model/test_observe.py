@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,9 @@ import torch
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.model import observe
-from ckptfix.model.spec import build_model
+from ckptfix.core import forked
+from ckptfix.model import observe, observe_child
+from ckptfix.model.spec import ModelSource, build_model
 from tests import adversarial, hostile_files, malformed_files, observe_cases, quant_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +26,20 @@ MLP_SPEC = str(ROOT / "fixtures" / "train.py") + ":mlp"
 FIXTURES = sorted(p.name for p in (ROOT / "fixtures").iterdir() if p.suffix in (".pth", ".pt", ".ckpt", ".tar",
                                                                                ".safetensors")
                   or p.is_dir() and p != quant_files.QUANT)
+
+
+@pytest.fixture(autouse=True)
+def forking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The differential tests observe with a forked child (the CLI's way) whatever threads earlier test modules
+    left idle in this process (their servers); :func:`mode` runs a test both ways."""
+    monkeypatch.setattr(forked, "can_fork", lambda: True)
+
+
+@pytest.fixture(params=["fork", "spawn"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the loader's child starts: forked beside the gate (where it is safe), or a fresh interpreter."""
+    monkeypatch.setattr(forked, "can_fork", lambda: request.param == "fork")
+    return str(request.param)
 
 
 def _verdict(path: Path, spec: str, **options: Any) -> tuple[int, str]:
@@ -133,28 +149,51 @@ def test_an_os_system_in_metadata_never_reaches_the_child(tmp_path: Path, monkey
     assert observed == [] and not canary.exists()
 
 
-@pytest.mark.parametrize("command, says", [
-    ([sys.executable, "-c", "import os; os.abort()"], "killed by SIGABRT"),
-    ([sys.executable, "-c", "import sys; sys.exit(7)"], "exited with status 7"),
-    ([sys.executable, "-c", "import time; time.sleep(30)"], "ran past its 1 s limit"),
-])
-def test_a_loader_that_crashes_is_a_finding_not_a_crash(command: list[str], says: str, fixtures_dir: Path,
+CRASHES = {  # what the loader's child does instead of loading: (as a fresh interpreter, as a forked child), the finding
+    "abort": ("import os; os.abort()", lambda: os.abort(), "killed by SIGABRT"),
+    "exit": ("import os; os._exit(7)", lambda: os._exit(7), "exited with status 7"),
+    "hang": ("import time; time.sleep(30)", lambda: time.sleep(30), "ran past its 1 s limit"),
+}
+
+
+@pytest.mark.parametrize("crash", list(CRASHES))
+def test_a_loader_that_crashes_is_a_finding_not_a_crash(crash: str, mode: str, fixtures_dir: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(observe, "child_command", lambda request, out: command)
+    code, call, says = CRASHES[crash]
+    monkeypatch.setattr(observe, "child_command", lambda request, out: [sys.executable, "-c", code])
+    monkeypatch.setattr(observe_child, "forked_child", lambda *args: call())
     monkeypatch.setattr(observe, "timeout_for", lambda size: 1.0)
     report = ckptfix.verify(fixtures_dir / "mlp_single.pth", MLP_SPEC, exact=True, forward=False)
     assert not report.ok and report.observed["stage"] == "process"
     assert any(says in f and f.startswith("exact: the serving loader failed as saved") for f in report.failures)
 
 
-def test_a_reader_that_parts_from_the_loader_is_a_finding(fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = observe.digest
-    monkeypatch.setattr(observe, "digest", lambda t: [*real(t)[:3], "0" * 64])  # the parent's read, hashed wrong
+def test_a_gate_that_stops_early_ends_its_child(fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step after the fork raises (here the model's build): the forked child is killed and reaped, not left."""
+    monkeypatch.setattr(forked, "can_fork", lambda: True)
+    children: list[forked.Child] = []
+    real = forked.start
+    monkeypatch.setattr(forked, "start", lambda work: children.append(real(lambda: time.sleep(30))) or children[-1])
+    monkeypatch.setattr(ModelSource, "structure", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        ckptfix.verify(fixtures_dir / "mlp_single.pth", MLP_SPEC, exact=True)
+    assert len(children) == 1 and children[0].done is not None
+    with pytest.raises(ChildProcessError):
+        os.waitpid(children[0].pid, os.WNOHANG)  # reaped already: no zombie left behind
+    assert not os.path.exists(children[0].tmp)
+
+
+def test_a_reader_that_parts_from_the_loader_is_a_finding(mode: str, fixtures_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    real = observe_child.digest
+    monkeypatch.setattr(observe_child, "digest", lambda t: [*real(t)[:3], "0" * 64])  # one side hashed wrong
+    monkeypatch.setattr(observe_child, "same_bytes", lambda a, b: False)  # a forked child's bytes differ
     report = ckptfix.verify(fixtures_dir / "mlp_single.pth", MLP_SPEC, exact=True)
     assert not report.ok and any("6 tensor(s) differ" in f and "ckptfix reader bug" in f for f in report.failures)
+    assert report.observed["seconds"] > 0
 
 
-def test_the_json_records_the_observation(cli_runner: Any, fixtures_dir: Path) -> None:
+def test_the_json_records_the_observation(mode: str, cli_runner: Any, fixtures_dir: Path) -> None:
     res = cli_runner.invoke(cli, ["verify", str(fixtures_dir / "mlp_single.pth"), "--model", MLP_SPEC, "--exact", "--json"])
     observed = json.loads(res.stdout)["observed"]
     assert res.exit_code == 0 and observed["ok"] and observed["torch"] == torch.__version__

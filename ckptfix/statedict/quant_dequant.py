@@ -110,6 +110,31 @@ def torchao_affine_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     return scale.abs() * (0.5 * _TIE + _SLACK * q.abs())
 
 
+def _torchao_int4_parts(group: QuantGroup, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4Tensor's values (signed nibbles, the low first, + 8), and each one's scale and ``zero - 8 * scale`` (in
+    the stored dtype, as torchao computes it), [out, in]."""
+    import torch
+
+    packed = _t(group, tensors, "weight").view(torch.int8)
+    q = torch.stack(((packed << 4) >> 4, packed >> 4), dim=-1).reshape(packed.shape[0], -1).float() + 8
+    scale, zero = _t(group, tensors, "scale"), _t(group, tensors, "zero_point")
+    size = q.shape[1] // scale.shape[0]
+    low = (zero - scale * 8).t().float().repeat_interleave(size, 1)
+    return q, scale.t().float().repeat_interleave(size, 1), low
+
+
+def torchao_int4(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
+    """torchao's Int4Tensor (its _int4_row_dequantize_zp): ``(q + 8) * scale + (zero_point - 8 * scale)``."""
+    q, scale, low = _torchao_int4_parts(group, tensors)
+    return q * scale + low
+
+
+def torchao_int4_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
+    """Half a step, with slack for the scale and zero point rounded to their stored dtype after quantizing."""
+    q, scale, low = _torchao_int4_parts(group, tensors)
+    return scale.abs() * (0.5 * _TIE + _SLACK * (q + 8)) + _SLACK * low.abs()
+
+
 def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Bytes (uint8 or float4_e2m1fn_x2) → their 4-bit codes, the low nibble first: [..., n] → [..., 2n]."""
     import torch
@@ -357,8 +382,10 @@ def bnb_int8_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
 #: one dequantization per ``Scheme.dequant`` name
 KERNELS: dict[str, Kernel] = {"fp8_scaled": fp8_scaled, "nvfp4_ct": nvfp4, "nvfp4_modelopt": nvfp4, "mxfp4": mxfp4,
                               "int_packed_ct": int_packed_ct, "gptq": gptq, "gptq_v2": gptq, "awq": awq, "bnb4": bnb4,
-                              "bnb_int8": bnb_int8, "torchao_affine": torchao_affine}
+                              "bnb_int8": bnb_int8, "torchao_affine": torchao_affine,
+                              "torchao_int4": torchao_int4}
 #: the round-to-nearest bound of each kernel whose schemes round to nearest
 BOUNDS: dict[str, Kernel] = {"fp8_scaled": fp8_bound, "nvfp4_ct": nvfp4_bound, "nvfp4_modelopt": nvfp4_bound,
                              "mxfp4": mxfp4_bound, "int_packed_ct": int_packed_ct_bound, "bnb4": bnb4_bound,
-                             "bnb_int8": bnb_int8_bound, "torchao_affine": torchao_affine_bound}
+                             "bnb_int8": bnb_int8_bound, "torchao_affine": torchao_affine_bound,
+                             "torchao_int4": torchao_int4_bound}

@@ -8,6 +8,7 @@ transformers' conversion gives them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from math import ceil
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,31 @@ def torchao_affine_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     return scale.abs() * (0.5 * _TIE + _SLACK * q.abs())
 
 
+def _torchao_int4_parts(group: QuantGroup, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4Tensor's values (signed nibbles, the low first, + 8), and each one's scale and ``zero - 8 * scale`` (in
+    the stored dtype, as torchao computes it), [out, in]."""
+    import torch
+
+    packed = _t(group, tensors, "weight").view(torch.int8)
+    q = torch.stack(((packed << 4) >> 4, packed >> 4), dim=-1).reshape(packed.shape[0], -1).float() + 8
+    scale, zero = _t(group, tensors, "scale"), _t(group, tensors, "zero_point")
+    size = q.shape[1] // scale.shape[0]
+    low = (zero - scale * 8).t().float().repeat_interleave(size, 1)
+    return q, scale.t().float().repeat_interleave(size, 1), low
+
+
+def torchao_int4(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
+    """torchao's Int4Tensor (its _int4_row_dequantize_zp): ``(q + 8) * scale + (zero_point - 8 * scale)``."""
+    q, scale, low = _torchao_int4_parts(group, tensors)
+    return q * scale + low
+
+
+def torchao_int4_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
+    """Half a step, with slack for the scale and zero point rounded to their stored dtype after quantizing."""
+    q, scale, low = _torchao_int4_parts(group, tensors)
+    return scale.abs() * (0.5 * _TIE + _SLACK * (q + 8)) + _SLACK * low.abs()
+
+
 def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Bytes (uint8 or float4_e2m1fn_x2) → their 4-bit codes, the low nibble first: [..., n] → [..., 2n]."""
     import torch
@@ -189,8 +215,14 @@ def _unpack_int(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     (GPTQ's qweight along in, its qzeros and compressed-tensors' values along the last dimension)."""
     import torch
 
+    if dim != 0 and 8 % bits == 0 and sys.byteorder == "little":  # along the words: byte by byte (a quarter the
+        b = packed.to(torch.int32).contiguous().view(torch.uint8)  # traffic of int32 fields), low byte first
+        fields = b.unsqueeze(-1) >> torch.arange(0, 8, bits, dtype=torch.uint8)
+        fields &= (1 << bits) - 1
+        return fields.reshape(*packed.shape[:-1], packed.shape[-1] * (32 // bits))
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    fields = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per_word]
+    fields = packed.to(torch.int32).unsqueeze(-1) >> shifts  # [..., words, per_word]
+    fields &= (1 << bits) - 1
     if dim == 0:
         return fields.permute(0, 2, 1).reshape(packed.shape[0] * len(shifts), packed.shape[1])
     return fields.reshape(*packed.shape[:-1], packed.shape[-1] * len(shifts))
@@ -228,9 +260,29 @@ def _ct_int_parts(group: QuantGroup, tensors: Tensors) -> tuple[torch.Tensor, to
 
 def int_packed_ct(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
     """compressed-tensors pack-quantized (W4A16 …): ``(q - zero_point) * scale``, q unpacked from int32 with
-    its offset (2**(bits-1)) removed, cropped to ``weight_shape``."""
-    q, zp, scale = _ct_int_parts(group, tensors)
-    return (q - zp) * scale
+    its offset (2**(bits-1)) removed, cropped to ``weight_shape``. Groups in order: the values viewed [out, groups,
+    size] and each group's zero point and scale broadcast over it, in place (no weight-sized scale or zero copies)."""
+    import torch
+
+    if "g_idx" in group.companions:  # activation order: each column's group looked up
+        q, zp, scale = _ct_int_parts(group, tensors)
+        return (q - zp) * scale
+    bits = int(group.params.get("bits", 4))
+    out, inp = (int(v) for v in _t(group, tensors, "shape").reshape(-1).tolist())
+    scale = _t(group, tensors, "scale").float()
+    groups = scale.shape[1]
+    size = int(group.params.get("group_size") or _group_size(inp, groups))
+    fields = _unpack_int(_t(group, tensors, "weight"), bits, 1)  # [out, words * per_word] int32
+    span = groups * size
+    if fields.shape[1] < span:
+        fields = torch.nn.functional.pad(fields, (0, span - fields.shape[1]))
+    offset = torch.full_like(scale, float(1 << (bits - 1)))  # zero_point + the unsigned offset, per group
+    if "zero_point" in group.companions:
+        offset += _unpack_int(_t(group, tensors, "zero_point"), bits, 0)[:out].float() - (1 << (bits - 1))
+    w = fields[:, :span].float().view(out, groups, size)
+    w.sub_(offset.unsqueeze(-1)).mul_(scale.unsqueeze(-1))
+    w = w.view(out, span)
+    return w if span == inp else w[:, :inp].contiguous()
 
 
 def int_packed_ct_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
@@ -357,8 +409,10 @@ def bnb_int8_bound(group: QuantGroup, tensors: Tensors) -> torch.Tensor:
 #: one dequantization per ``Scheme.dequant`` name
 KERNELS: dict[str, Kernel] = {"fp8_scaled": fp8_scaled, "nvfp4_ct": nvfp4, "nvfp4_modelopt": nvfp4, "mxfp4": mxfp4,
                               "int_packed_ct": int_packed_ct, "gptq": gptq, "gptq_v2": gptq, "awq": awq, "bnb4": bnb4,
-                              "bnb_int8": bnb_int8, "torchao_affine": torchao_affine}
+                              "bnb_int8": bnb_int8, "torchao_affine": torchao_affine,
+                              "torchao_int4": torchao_int4}
 #: the round-to-nearest bound of each kernel whose schemes round to nearest
 BOUNDS: dict[str, Kernel] = {"fp8_scaled": fp8_bound, "nvfp4_ct": nvfp4_bound, "nvfp4_modelopt": nvfp4_bound,
                              "mxfp4": mxfp4_bound, "int_packed_ct": int_packed_ct_bound, "bnb4": bnb4_bound,
-                             "bnb_int8": bnb_int8_bound, "torchao_affine": torchao_affine_bound}
+                             "bnb_int8": bnb_int8_bound, "torchao_affine": torchao_affine_bound,
+                             "torchao_int4": torchao_int4_bound}

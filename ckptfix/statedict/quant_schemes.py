@@ -270,10 +270,28 @@ def torchao_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[
     scale = tuple(shapes["scale"])
     if weight is not None and _numel(scale) != 1 and (
             len(scale) != 2 or scale[0] != weight[0] or scale[1] < 1 or weight[1] % scale[1]):
-        problems.append(f"scale shape {list(scale)} is not one value, [{weight[0]}, 1] or [{weight[0]}, blocks]")
+        int4 = len(scale) == 2 and scale[1] == weight[0] and 2 * weight[1] % scale[0] == 0
+        problems.append(f"scale shape {list(scale)} is not one value, [{weight[0]}, 1] or [{weight[0]}, blocks]"
+                        + (" (an Int4Tensor's [groups, out] grid without its bfloat16 _weight_zero_point?)" if int4
+                           else ""))
     if "zero_point" in shapes:
         _expect(problems, "zero_point", shapes["zero_point"], scale, "one zero point per scale")
     return {}, problems
+
+
+def torchao_int4_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """torchao ``Int4Tensor`` (plain packing): ``_weight_qdata`` int8 [out, in/2] (two values a byte), scale and
+    zero point [in/group, out] (transposed: column-major for its kernels), the group dividing in."""
+    problems: list[str] = []
+    weight = _two_d(shapes, problems)
+    if weight is None:
+        return {}, problems
+    scale, inp = tuple(shapes["scale"]), weight[1] * 2
+    if len(scale) != 2 or scale[1] != weight[0] or not 1 <= scale[0] <= inp or inp % scale[0]:
+        problems.append(f"scale shape {list(scale)} is not [groups, {weight[0]}] over {inp} input columns")
+        return {}, problems
+    _expect(problems, "zero_point", shapes["zero_point"], scale, "one zero point per scale")
+    return {"group_size": inp // scale[0]}, problems
 
 
 def bnb4_shapes(shapes: Mapping[str, Shape], qc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -336,6 +354,12 @@ SCHEMES: tuple[Scheme, ...] = (
     Scheme("mxfp4", "_blocks", PACKED_FP4, (Companion("scale", "_scales", E8M0),), _method("mxfp4"), mxfp4_shapes,
            "mxfp4", "e2m1 * 2**(scale - 127)", rtn=True,
            source="transformers integrations/mxfp4.py convert_moe_packed_tensors", dequantized_suffix=""),
+    Scheme("torchao-int4", "._weight_qdata", frozenset({"int8"}),  # before int8: its look-alike without the zeros
+           (Companion("scale", "._weight_scale", FLOATS), Companion("zero_point", "._weight_zero_point", FLOATS)),
+           _method("torchao"), torchao_int4_shapes, "torchao_int4", "(q + 8) * scale + (zero_point - 8 * scale), "
+           "q the signed nibbles (low first), per group of the row", rtn=True,
+           source="torchao quantization/quantize_/workflows/int4/int4_tensor.py Int4Tensor (mslk pack_int4, "
+           "int4_row_quantize_zp); prototype/gptq/api.py _int4_row_dequantize_zp"),
     Scheme("torchao-int8", "._weight_qdata", frozenset({"int8"}),
            (Companion("scale", "._weight_scale", FLOATS),
             Companion("zero_point", "._weight_zero_point", frozenset({"int8"}), required=False)),

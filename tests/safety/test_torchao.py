@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix.cli import cli
@@ -30,7 +31,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_committed_files_are_there() -> None:
-    assert {qf.extra["config"] for qf in PICKLED} == {"Int8WeightOnlyConfig", "Float8WeightOnlyConfig"}
+    assert {qf.extra["config"] for qf in PICKLED} == {"Int8WeightOnlyConfig", "Float8WeightOnlyConfig",
+                                                      "Int4WeightOnlyConfig"}
 
 
 @pytest.fixture(scope="module", params=PICKLED, ids=lambda qf: qf.name)
@@ -56,18 +58,25 @@ def test_read_gives_inner_tensors_bit_equal_without_torchao(pickled: tuple) -> N
     assert len(state) == len(plain) + len(inner)
 
 
+#: each class's down_proj ([128, 192]) as stored: qdata, scale; and the scheme inspect names
+STORED = {"Int8Tensor": ("int8", [128, 192], "float32", [128, 1], "torchao-int8"),
+          "Float8Tensor": ("float8_e4m3fn", [128, 192], "float32", [128, 1], "torchao-float8"),
+          "Int4Tensor": ("int8", [128, 96], "bfloat16", [3, 128], "torchao-int4")}  # two values a byte; [in/64, out]
+
+
 @pytest.mark.parametrize("qf", PICKLED, ids=lambda qf: qf.name)
 def test_inspect_and_scan_without_trust(cli_runner, qf: quant_files.QuantFile) -> None:
     res = cli_runner.invoke(cli, ["inspect", str(qf.path), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
     keys = {t["key"]: (t["dtype"], t["shape"]) for t in report["keys"]}
-    cls = qf.extra["config"].replace("WeightOnlyConfig", "Tensor")  # Int8Tensor, Float8Tensor
+    cls = qf.extra["config"].replace("WeightOnlyConfig", "Tensor")  # Int8Tensor, Float8Tensor, Int4Tensor
     assert any(n.startswith(f"7 torchao {cls} (model.layers.0.self_attn.q_proj.weight") and "torchao not imported"
                in n for n in report["notes"]), report["notes"]
-    qdata = "float8_e4m3fn" if "Float8" in qf.extra["config"] else "int8"
-    assert keys["model.layers.0.mlp.down_proj._weight_qdata"] == (qdata, [128, 192])
-    assert keys["model.layers.0.mlp.down_proj._weight_scale"] == ("float32", [128, 1])
+    qdata, qshape, sdtype, sshape, scheme = STORED[cls]
+    assert keys["model.layers.0.mlp.down_proj._weight_qdata"] == (qdata, qshape)
+    assert keys["model.layers.0.mlp.down_proj._weight_scale"] == (sdtype, sshape)
+    assert report["quantization"]["schemes"] == {scheme: 7} and report["quantization"]["problems"] == []
     scan = cli_runner.invoke(cli, ["scan", str(qf.path)])
     assert scan.exit_code == 0, scan.output
     assert "allowed  torchao.quantization." in scan.output
@@ -79,11 +88,42 @@ def test_wrapper_rebuild_is_torch_safe_and_the_classes_allowed() -> None:
     assert classify("torchao.quantization", "Int8TensorX") == "unsafe"
 
 
-def test_the_gate_says_the_server_needs_torchao() -> None:
-    qf = next(qf for qf in PICKLED if qf.extra["config"] == "Int8WeightOnlyConfig")
+@pytest.mark.parametrize("cls", ["Int8Tensor", "Int4Tensor"])
+def test_the_gate_says_the_server_needs_torchao(cls: str) -> None:
+    qf = next(qf for qf in PICKLED if qf.extra["config"] == cls.replace("Tensor", "WeightOnlyConfig"))
     report = ckptfix.verify(qf.path, MLP_SPEC, exact=True, forward=False)
     failure = next(f for f in report.failures if "the serving loader failed" in f)
-    assert "torchao.quantization.Int8Tensor" in failure and "`import torchao`" in failure
+    assert f"torchao.quantization.{cls}" in failure and "`import torchao`" in failure
+
+
+INT4 = next(qf for qf in PICKLED if qf.extra["config"] == "Int4WeightOnlyConfig")
+DOWN = "model.layers.0.mlp.down_proj"
+#: the Int4Tensor file read by ckptfix and broken: how, and what the gate says of down_proj
+INT4_BROKEN = {"intact": (lambda sd: None, None),
+               "zero point dropped": (lambda sd: sd.pop(f"{DOWN}._weight_zero_point"), "without its bfloat16 _weight_zero_point"),
+               "scale grid cut": (lambda sd: sd.__setitem__(f"{DOWN}._weight_scale", sd[f"{DOWN}._weight_scale"][:2].clone()),
+                                  "zero_point shape [3, 128] is not [2, 128]"),
+               "scale not positive": (lambda sd: sd.__setitem__(f"{DOWN}._weight_scale", -sd[f"{DOWN}._weight_scale"]),
+                                      "zero or negative")}
+
+
+@pytest.mark.parametrize("variant", list(INT4_BROKEN))
+def test_the_int4_file_passes_the_model_free_gate_and_its_broken_variants_fail(variant: str, tmp_path: Path,
+                                                                              cli_runner) -> None:
+    """verify without a model: torchao's Int4Tensor file passes as written (pickled) and, read by ckptfix and
+    written flattened, fails once a group is broken, naming the module."""
+    breaks, why = INT4_BROKEN[variant]
+    path = INT4.path
+    if why is not None:
+        state = dict(ckptfix.read(INT4.path).state_dict)
+        breaks(state)
+        path = tmp_path / "broken.safetensors"
+        save_file({k: v.clone() for k, v in state.items()}, str(path))  # (lm_head is tied to the embedding)
+    res = cli_runner.invoke(cli, ["verify", str(path), "--json", "--quiet"])
+    assert res.exit_code == (0 if why is None else 3), res.output
+    failures = json.loads(res.stdout)["failures"]
+    assert (failures == []) if why is None else (len(failures) == 1 and failures[0].startswith(f"quantized {DOWN}")
+                                                 and why in failures[0]), failures
 
 
 # -- what else the rebuild could name: refused, statically and when loading -------------------------------------

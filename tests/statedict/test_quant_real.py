@@ -1,5 +1,5 @@
 """The schemes table on files the real libraries wrote (fixtures/quant, made by hand by its make_*.py scripts:
-llmcompressor, bitsandbytes through transformers, torchao flattened by transformers): every quantized weight is
+llmcompressor, bitsandbytes through transformers, torchao flattened by transformers, gptqmodel): every quantized weight is
 found and named, dequantized equal to the library's own dequantization within the rounding of the dtype it
 computed in, and, the quantizers rounding to nearest, within the step bound of the bf16 original."""
 
@@ -23,7 +23,8 @@ SCHEME = {"llmcompressor/fp8_block": "ct-fp8", "llmcompressor/fp8_channel": "ct-
           "llmcompressor/w4a16": "ct-int-packed", "bitsandbytes/nf4": "bnb-nf4", "bitsandbytes/nf4_double_quant": "bnb-nf4",
           "bitsandbytes/fp4": "bnb-fp4", "bitsandbytes/int8": "bnb-int8",
           "torchao/int8_weight_only_safetensors": "torchao-int8", "modelopt/fp8": "modelopt-fp8",
-          "modelopt/nvfp4": "modelopt-nvfp4", "mxfp4/gpt_oss": "mxfp4", "awq/gemm": "awq"}
+          "modelopt/nvfp4": "modelopt-nvfp4", "mxfp4/gpt_oss": "mxfp4", "awq/gemm": "awq",
+          "gptq/v1": "gptq", "gptq/v2": "gptq-v2"}
 #: files written per the publisher's layout from values of their own (no quantizer ran on CPU): no bf16 original
 NO_ORIGINAL = {"mxfp4/gpt_oss"}
 

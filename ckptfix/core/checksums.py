@@ -7,6 +7,7 @@ here against zlib's ~4 GiB/s, and every record ckptfix reads or writes is checke
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 Crc32 = Callable[..., int]
 
@@ -30,3 +31,61 @@ def _fastest() -> tuple[str, Crc32]:
 
 
 CRC32_IMPLEMENTATION, crc32 = _fastest()
+
+
+def _combine_fallback(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's ``crc32_combine`` where the module lacks it: the CRC-32 of ``len2`` zero bytes from ``crc1`` is affine
+    in ``crc1``, so its linear part applied to ``crc1``, XOR ``crc2``, is the CRC-32 of the two runs joined."""
+    zeros = bytes(len2)
+    return crc32(zeros, crc1) ^ crc32(zeros) ^ crc2
+
+
+def _combiner() -> Callable[[int, int, int], int]:
+    """The fastest module's ``crc32_combine`` (C), else :func:`_combine_fallback`."""
+    try:
+        from zlib_ng import zlib_ng
+
+        return zlib_ng.crc32_combine  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from isal import isal_zlib
+
+        return isal_zlib.crc32_combine  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        return _combine_fallback
+
+
+#: ``crc32_combine(crc1, crc2, len2)``: the CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``
+crc32_combine = _combiner()
+
+
+class Tally:
+    """CRC-32s of chunks of files, taken by a pass that reads every byte anyway (a load's NaN/Inf check), while
+    each chunk is in cache; :meth:`crc` joins those inside a range (``crc32_combine``), reading only its gaps.
+    Threads may :meth:`add` at once (one dict store each, under the GIL)."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, dict[int, tuple[int, int]]] = {}  # file -> offset -> (CRC-32, length)
+
+    def add(self, name: str, offset: int, data: Any) -> None:
+        """Record the CRC-32 of ``data`` (bytes-like), the bytes of file ``name`` from ``offset``."""
+        size = memoryview(data).nbytes
+        if size:
+            self.chunks.setdefault(name, {})[offset] = (crc32(data), size)
+
+    def crc(self, name: str, offset: int, size: int, read: Callable[[int, int], int]) -> int:
+        """CRC-32 of ``name[offset : offset + size]``: the chunks recorded inside it that tile it from its start,
+        in order; each gap's CRC-32 from ``read(offset, length)`` (a second read of those bytes only)."""
+        chunks = self.chunks.get(name, {})
+        end, at, value = offset + size, offset, 0
+        for start in sorted(o for o in chunks if offset <= o < end):
+            crc, length = chunks[start]
+            if start < at or start + length > end:
+                continue  # overlaps what is joined already, or runs past the range: its bytes are read instead
+            if start > at:
+                value = crc32_combine(value, read(at, start - at), start - at)
+            value, at = crc32_combine(value, crc, length), start + length
+        if at < end:
+            value = crc32_combine(value, read(at, end - at), end - at)
+        return value

@@ -117,9 +117,9 @@ def load(
     ``cast_unknown_quantized``). ``dequantize`` gives each quantized group (block FP8, NVFP4, MXFP4, GPTQ …, as
     ``ckptfix inspect`` names them) as one plain ``MODULE.weight`` in ``dtype`` (default: the ``torch_dtype`` of the
     ``config.json`` beside the file if bfloat16 or float16, else float32), its scales dropped: what
-    ``convert --dequantize`` writes. ``check_digests=True``: a file that
-    records per-tensor digests (ckptfix's outputs, docs/digests.md) is checked against them first, a mismatch a
-    FormatError naming the tensor.
+    ``convert --dequantize`` writes. A file that records per-tensor
+    digests (ckptfix's outputs, docs/digests.md) is checked against them first (one CRC-32 pass over its bytes), a
+    mismatch a FormatError naming the tensor; ``check_digests=False`` skips it.
 
     ``path`` may be a URL, read as :func:`read` reads one. Its ``_metadata`` comes back as torch's loaders take it
     (:mod:`ckptfix.statedict.metadata`): whatever else it held is dropped with a UserWarning naming each part.
@@ -128,7 +128,7 @@ def load(
     """
     ckpt = read(path, map_location=map_location, trust=trust, select=select, allow=allow)
     ckpt.require_state_dict()
-    if check_digests:  # (a file ckptfix wrote: each tensor's bytes against its recorded digest, on request)
+    if check_digests:  # (a file ckptfix wrote: each tensor's bytes against its recorded digest)
         digests.check(ckpt.path, ckpt.format)
     if ckpt.metadata_dropped:
         warnings.warn(f"{ckpt.path}: " + "; ".join(map(metadata.note, ckpt.metadata_dropped)), UserWarning, stacklevel=2)
@@ -196,9 +196,9 @@ def load_into(model: Any, path: Any, *args: Any, **options: Any) -> LoadReport:
 
     NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's ``nonfinite``;
     the check is fused into the copy, ``check_values=False`` skips it); with ``strict_values=True`` they
-    raise LoadError and nothing is loaded. With ``check_digests=True``, a file that records per-tensor digests
-    (ckptfix's outputs) is checked against them first: a mismatch raises FormatError naming the tensor, nothing
-    loaded.
+    raise LoadError and nothing is loaded. A file that records per-tensor digests (ckptfix's outputs) is
+    checked against them before the model is touched — a model built on meta in the value check's pass — a mismatch
+    a FormatError naming the tensor, nothing loaded; ``check_digests=False`` skips it.
 
     ``path`` may be a URL (as :func:`read` takes one): each tensor's bytes are fetched once, before the model is
     touched, and a DTensor rank fetches only its own shards' ranges; ``LoadReport.bytes_fetched`` counts them.

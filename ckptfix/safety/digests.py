@@ -22,6 +22,7 @@ from typing import Any
 
 from ..core import locations
 from ..core.bytecopy import crc32_at
+from ..core.checksums import Tally
 from ..errors import FormatError
 from ..parse import checkpoint_dirs
 from ..parse.format_registry import get as format_of
@@ -239,9 +240,12 @@ def mismatches(digests: list[Digest]) -> list[tuple[Digest, int]]:
 def failures(path: str, fmt: str) -> list[str]:
     """One line per digested tensor (or storage) whose bytes don't match its recorded digest, naming it."""
     recorded = read(path, fmt)
-    if recorded.digests is None:
-        return []
-    return [_line(d, found) for d, found in mismatches(recorded.digests)]
+    return [] if recorded.digests is None else mismatched(recorded.digests)
+
+
+def mismatched(digests: list[Digest]) -> list[str]:
+    """:func:`failures` of the digests read already."""
+    return [_line(d, found) for d, found in mismatches(digests)]
 
 
 def _line(d: Digest, found: int) -> str:
@@ -256,7 +260,35 @@ def check(path: str, fmt: str) -> None:
     records digests; nothing to check otherwise)."""
     if locations.is_remote(path):
         return
-    lines = failures(path, fmt)
+    refuse(failures(path, fmt))
+
+
+def tallied(digests: list[Digest], tally: Tally) -> list[str]:
+    """:func:`failures`, each digest's CRC-32 joined from the chunks a load's value check took (``tally``), only the
+    bytes it didn't read (a cast, a strided view, a tensor left out) read here."""
+    named = {os.path.realpath(n): n for n in tally.chunks}  # (the load's spelling of each file path)
+    fds: dict[str, int] = {}
+    lines = []
+    try:
+        for d in digests:
+            if d.path not in fds:
+                fds[d.path] = os.open(d.path, os.O_RDONLY)
+            fd = fds[d.path]
+            try:
+                found = tally.crc(named.get(os.path.realpath(d.path), d.path), d.offset, d.size,
+                                  lambda offset, size: crc32_at(fd, offset, size))
+            except OSError:
+                found = -1  # the file ends before the range: it was truncated
+            if found != d.crc:
+                lines.append(_line(d, found))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return lines
+
+
+def refuse(lines: list[str]) -> None:
+    """FormatError naming the tensors of ``lines`` (:func:`failures`): nothing was loaded; nothing for none."""
     if lines:
         raise FormatError("; ".join(lines[:5]) + (f"; … (+{len(lines) - 5} more)" if len(lines) > 5 else "")
                           + "; nothing was loaded")

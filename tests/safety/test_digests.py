@@ -1,6 +1,6 @@
 """Per-tensor digests and lineage in every output ``convert`` writes (docs/digests.md): present, named, taken
 unchanged by the plain loaders, checked by ``verify`` (exit 3 naming the tensor), ``load`` and ``load_into``
-(refused, the model unchanged; ``check_digests=False`` skips the check); lineage deterministic, shown by ``inspect``."""
+(by default: refused, the model unchanged; ``check_digests=False`` skips the check); lineage deterministic, shown by ``inspect``."""
 
 from __future__ import annotations
 
@@ -138,18 +138,50 @@ def test_verify_passes_an_intact_output(outputs: dict[str, Path], cli_runner: An
     assert res.exit_code == 0, res.output
 
 
-def test_load_and_load_into_refuse_damage_when_checking(damaged: Path) -> None:
-    """On request (``check_digests=True``): refused, the model unchanged; without, the damaged values load."""
+def _linear(built: bool) -> torch.nn.Module:
+    if built:
+        return torch.nn.Linear(3, 4)
+    with torch.device("meta"):
+        return torch.nn.Linear(3, 4)
+
+
+@pytest.mark.parametrize("kind", ["safetensors torch-free", "pth torch-free"])
+@pytest.mark.parametrize("built", [True, False], ids=["built", "meta-built"])
+def test_load_and_load_into_refuse_damage_by_default(kind: str, built: bool, outputs: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """A flipped byte in one tensor: ``load`` and ``load_into`` (built or on meta) refuse by default naming it, the
+    model unchanged; ``check_digests=False`` loads the damaged values."""
+    path = tmp_path / outputs[kind].name
+    path.write_bytes(outputs[kind].read_bytes())
+    _flip(path, "weight")
     with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight' does not match"):
-        ckptfix.load(damaged, check_digests=True)
-    model = torch.nn.Linear(3, 4)
+        ckptfix.load(path)
+    model = _linear(built)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight'.*nothing was loaded"):
-        ckptfix.load_into(model, damaged, check_digests=True)
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert "weight" in ckptfix.load(damaged)
-    ckptfix.load_into(model, damaged)
-    assert not torch.equal(before["weight"], model.weight.detach())
+        ckptfix.load_into(model, path)
+    after = model.state_dict()
+    assert all(v.is_meta for v in after.values()) if not built else all(
+        torch.equal(before[k], v) for k, v in after.items())
+    assert "weight" in ckptfix.load(path, check_digests=False)
+    ckptfix.load_into(model, path, check_digests=False)
+    intact = load_file(outputs["safetensors torch-free"])["weight"]
+    assert not torch.equal(intact, model.weight.detach()) and torch.equal(intact, ckptfix.load(outputs[kind])["weight"])
+
+
+@pytest.mark.parametrize("kind", ["safetensors torch-free", "pth torch-free", "sharded safetensors"])
+def test_a_meta_built_load_checks_digests_in_its_value_pass(kind: str, outputs: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Meta-built: no byte read twice for the digests — every CRC-32 comes from the chunks the NaN/Inf check took."""
+    def reread(*args: Any) -> int:
+        raise AssertionError(f"read again: {args}")
+
+    monkeypatch.setattr(digests, "crc32_at", reread)
+    monkeypatch.setattr(digests, "mismatches", reread)
+    model = _linear(built=False)
+    report = ckptfix.load_into(model, outputs[kind])
+    assert report.assigned == 2 and torch.equal(model.weight.detach(), ckptfix.load(outputs[kind],
+                                                                                   check_digests=False)["weight"])
 
 
 def test_a_damaged_pth_names_its_tensor(outputs: dict[str, Path], tmp_path: Path) -> None:

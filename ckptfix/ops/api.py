@@ -54,14 +54,18 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
 def inspect(path: Any, trust: bool = False, select: str = "auto", allow: tuple[str, ...] | list[str] = ()) -> Checkpoint:
     """Summary of a checkpoint without reading tensor data (tensors come back on ``meta``), with the digests and
     lineage a ckptfix output records (``provenance``)."""
-    return _with_provenance(read_checkpoint(os.fspath(path), "meta", trust, select, refuse=False, allow=allow,
-                                            whole=True))
+    with locations.session() as s:  # (a URL's digests and lineage: from the blocks its read fetched, counted)
+        ckpt = _with_provenance(read_checkpoint(os.fspath(path), "meta", trust, select, refuse=False, allow=allow,
+                                                whole=True))
+        if s.remote:
+            ckpt.bytes_fetched = s.bytes_fetched
+    return ckpt
 
 
 def _with_provenance(ckpt: Checkpoint) -> Checkpoint:
-    """``ckpt`` with what its file records of digests and lineage (a local file; a URL's would cost fetches)."""
-    if not locations.is_remote(ckpt.path):
-        ckpt.provenance = digests.provenance(ckpt.path, ckpt.format)
+    """``ckpt`` with what its file records of digests and lineage (a URL's: from the header or the zip's records,
+    by Range requests)."""
+    ckpt.provenance = digests.provenance(ckpt.path, ckpt.format)
     return ckpt
 
 

@@ -1,11 +1,13 @@
 """Per-tensor digests and lineage in every output ``convert`` writes (docs/digests.md): present, named, taken
-unchanged by the plain loaders, checked by ``verify`` (exit 3 naming the tensor), ``load`` and ``load_into``
-(by default: refused, the model unchanged; ``check_digests=False`` skips the check); lineage deterministic, shown by ``inspect``."""
+unchanged by the plain loaders, checked by ``verify`` (exit 3 naming the tensor; a URL's on the bytes it fetched), ``load`` and ``load_into`` (by
+default: refused, the model unchanged; ``check_digests=False`` skips the check); lineage deterministic, shown by
+``inspect`` (of a URL too, from its header or records alone)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,11 @@ from ckptfix.cli.commands import cli
 from ckptfix.core.torch_free import ENV_SWITCH
 from ckptfix.formats import sniff
 from ckptfix.safety import digests
+from tests.file_server import FileServer
+from tests.remote_servers import http_server
+from tests.remote_sources import file_bytes
 
+SERVERS = (http_server,)  # the fixture, registered by being in this module's namespace
 LINEAR = ["--model", "torch.nn:Linear", "--arg", "in_features=3", "--arg", "out_features=4", "--no-forward"]
 
 #: every output kind convert writes: (name, destination, convert options, torch-free switch)
@@ -215,3 +221,44 @@ def test_inspect_shows_digests_and_lineage(outputs: dict[str, Path], cli_runner:
     info = json.loads(cli_runner.invoke(cli, ["inspect", path, "--json"]).stdout)
     assert info["digests"] == {"algorithm": "crc32", "tensors": 2}
     assert info["lineage"]["source"]["name"] == "src.pth"
+
+
+@pytest.mark.parametrize("kind", ["pth torch-free", "safetensors torch-free", "sharded safetensors"])
+def test_inspect_of_a_url_shows_the_local_digests_and_lineage(kind: str, outputs: dict[str, Path],
+                                                              http_server: FileServer, cli_runner: Any) -> None:
+    local = outputs[kind]
+    served = http_server.root / local.name
+    (shutil.copytree if local.is_dir() else shutil.copy2)(local, served)
+    url = http_server.url(local.name)
+    rows = [[line for line in cli_runner.invoke(cli, ["inspect", where]).output.splitlines()
+             if line.lstrip().startswith(("digests:", "lineage:"))] for where in (str(local), url)]
+    assert len(rows[0]) == 2 and rows[0] == rows[1]
+    info = [json.loads(cli_runner.invoke(cli, ["inspect", where, "--json"]).stdout) for where in (str(local), url)]
+    assert info[1]["digests"] == info[0]["digests"] and info[1]["lineage"] == info[0]["lineage"]
+    assert info[1]["bytes_fetched"] == file_bytes(http_server) // 2  # (each inspect counted what the server sent)
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1 MiB nn.Linear(512, 512) converted to safetensors (digests recorded): fetching it twice would show."""
+    root = tmp_path_factory.mktemp("large")
+    torch.save(torch.nn.Linear(512, 512).state_dict(), root / "src.pth")
+    ckptfix.convert(root / "src.pth", root / "model.safetensors")
+    return root / "model.safetensors"
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "torch.nn:Linear", "--arg", "in_features=512", "--arg",
+                                        "out_features=512", "--no-forward"]], ids=["model-free", "with-model"])
+@pytest.mark.parametrize("intact", [True, False], ids=["intact", "damaged"])
+def test_verify_of_a_url_checks_the_digests_of_what_it_fetched(model: list[str], intact: bool, large: Path,
+                                                               http_server: FileServer, cli_runner: Any) -> None:
+    served = http_server.root / large.name
+    shutil.copy2(large, served)
+    if not intact:
+        _flip(served, "weight")
+    res = cli_runner.invoke(cli, ["verify", http_server.url(large.name), *model, "--json"])
+    assert res.exit_code == (0 if intact else 3), res.output
+    failures = json.loads(res.stdout)["failures"]
+    assert failures == [] if intact else (len(failures) == 1 and "tensor 'weight' does not match" in failures[0]
+                                          and http_server.url(large.name) in failures[0])
+    assert file_bytes(http_server) < 1.25 * large.stat().st_size  # every byte fetched once: none again for the check

@@ -90,10 +90,10 @@ def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str]
                 if remote:
                     raise NeedsLocalCopy(path, f"describing this {fmt} checkpoint", f"torch describes it: {e}") from None
             else:
-                ckpt = summarise(path, fmt, raw, select, refuse=False, allow=allow, whole=True)
+                ckpt = _with_provenance(summarise(path, fmt, raw, select, refuse=False, allow=allow, whole=True))
                 if remote:
                     ckpt.bytes_fetched = s.bytes_fetched
-                return _with_provenance(ckpt)
+                return ckpt
     return inspect(path, select=select, allow=allow)
 
 
@@ -130,10 +130,11 @@ def load(
 
     >>> model.load_state_dict(ckptfix.load("ddp_compiled.pth"))   # doctest: +SKIP
     """
-    ckpt = read(path, map_location=map_location, trust=trust, select=select, allow=allow)
-    ckpt.require_state_dict()
-    if check_digests:  # (a file ckptfix wrote: each tensor's bytes against its recorded digest)
-        digests.check(ckpt.path, ckpt.format)
+    with locations.session():  # (a URL's digests: checked on the storages its read fetched)
+        ckpt = read(path, map_location=map_location, trust=trust, select=select, allow=allow)
+        ckpt.require_state_dict()
+        if check_digests:  # (a file ckptfix wrote: each tensor's bytes against its recorded digest)
+            digests.check(ckpt.path, ckpt.format)
     if ckpt.metadata_dropped:
         warnings.warn(f"{ckpt.path}: " + "; ".join(map(metadata.note, ckpt.metadata_dropped)), UserWarning, stacklevel=2)
     sd, _notes = conversion.normalise_keys(ckpt, to, strip_prefix, add_prefix, rename)

@@ -237,13 +237,14 @@ def mismatches(digests: list[Digest]) -> list[tuple[Digest, int]]:
     return [(d, found[d]) for d in digests if found[d] != d.crc]
 
 
-def failures(path: str, fmt: str) -> list[str]:
-    """One line per digested tensor (or storage) whose bytes don't match its recorded digest, naming it."""
+def failures(path: str, fmt: str, fetched: Tally | None = None) -> list[str]:
+    """One line per digested tensor (or storage) whose bytes don't match its recorded digest, naming it. A URL's:
+    on the CRC-32s of the ranges ``fetched`` (else the session's) holds, the others fetched here."""
     recorded = read(path, fmt)
     if recorded.digests is None:
         return []
     if locations.is_remote(path):  # the ranges verify fetched already, else fetched here (each digest's once)
-        return tallied(recorded.digests, locations.fetched())
+        return tallied(recorded.digests, fetched if fetched is not None else locations.fetched())
     return mismatched(recorded.digests)
 
 
@@ -260,10 +261,8 @@ def _line(d: Digest, found: int) -> str:
 
 
 def check(path: str, fmt: str) -> None:
-    """Raise FormatError naming each tensor whose bytes don't match its recorded digest (a local file that
-    records digests; nothing to check otherwise)."""
-    if locations.is_remote(path):
-        return
+    """Raise FormatError naming each tensor whose bytes don't match its recorded digest (a file that records
+    digests; nothing to check otherwise). A URL's: on the ranges the session fetched, else fetched here."""
     refuse(failures(path, fmt))
 
 

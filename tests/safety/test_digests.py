@@ -262,3 +262,19 @@ def test_verify_of_a_url_checks_the_digests_of_what_it_fetched(model: list[str],
     assert failures == [] if intact else (len(failures) == 1 and "tensor 'weight' does not match" in failures[0]
                                           and http_server.url(large.name) in failures[0])
     assert file_bytes(http_server) < 1.25 * large.stat().st_size  # every byte fetched once: none again for the check
+
+
+def test_load_and_load_into_of_a_url_refuse_a_corrupted_served_byte(large: Path, http_server: FileServer) -> None:
+    served = http_server.root / large.name
+    shutil.copy2(large, served)
+    _flip(served, "weight")
+    url = http_server.url(large.name)
+    with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight' does not match"):
+        ckptfix.load(url)
+    with torch.device("meta"):
+        model = torch.nn.Linear(512, 512)
+    with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight'.*nothing was loaded"):
+        ckptfix.load_into(model, url)
+    assert model.weight.is_meta
+    assert file_bytes(http_server) < 2.5 * large.stat().st_size  # each of the two fetched its bytes once
+    assert ckptfix.load_into(model, url, check_digests=False).assigned == 2

@@ -6,6 +6,7 @@ here against zlib's ~4 GiB/s, and every record ckptfix reads or writes is checke
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ def _fastest() -> tuple[str, Crc32]:
 CRC32_IMPLEMENTATION, crc32 = _fastest()
 
 
-def _combine_fallback(crc1: int, crc2: int, len2: int) -> int:
+def crc32_combine_portable(crc1: int, crc2: int, len2: int) -> int:
     """zlib's ``crc32_combine`` where the module lacks it: the CRC-32 of ``len2`` zero bytes from ``crc1`` is affine
     in ``crc1``, so its linear part applied to ``crc1``, XOR ``crc2``, is the CRC-32 of the two runs joined."""
     zeros = bytes(len2)
@@ -41,19 +42,19 @@ def _combine_fallback(crc1: int, crc2: int, len2: int) -> int:
 
 
 def _combiner() -> Callable[[int, int, int], int]:
-    """The fastest module's ``crc32_combine`` (C), else :func:`_combine_fallback`."""
+    """The fastest module's ``crc32_combine`` (C), else :func:`crc32_combine_portable`."""
     try:
         from zlib_ng import zlib_ng
 
-        return zlib_ng.crc32_combine  # type: ignore[no-any-return]
+        return zlib_ng.crc32_combine
     except (ImportError, AttributeError):
         pass
     try:
         from isal import isal_zlib
 
-        return isal_zlib.crc32_combine  # type: ignore[no-any-return]
+        return isal_zlib.crc32_combine
     except (ImportError, AttributeError):
-        return _combine_fallback
+        return crc32_combine_portable
 
 
 #: ``crc32_combine(crc1, crc2, len2)``: the CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``
@@ -67,6 +68,7 @@ class Tally:
 
     def __init__(self) -> None:
         self.chunks: dict[str, dict[int, tuple[int, int]]] = {}  # file -> offset -> (CRC-32, length)
+        self._order: dict[str, list[int]] = {}  # file -> its chunks' offsets, sorted
 
     def add(self, name: str, offset: int, data: Any) -> None:
         """Record the CRC-32 of ``data`` (bytes-like), the bytes of file ``name`` from ``offset``."""
@@ -78,8 +80,11 @@ class Tally:
         """CRC-32 of ``name[offset : offset + size]``: the chunks recorded inside it that tile it from its start,
         in order; each gap's CRC-32 from ``read(offset, length)`` (a second read of those bytes only)."""
         chunks = self.chunks.get(name, {})
+        if name not in self._order or len(self._order[name]) != len(chunks):  # (sorted once per file, not per range)
+            self._order[name] = sorted(chunks)
+        order = self._order[name]
         end, at, value = offset + size, offset, 0
-        for start in sorted(o for o in chunks if offset <= o < end):
+        for start in order[bisect.bisect_left(order, offset) : bisect.bisect_left(order, end)]:
             crc, length = chunks[start]
             if start < at or start + length > end:
                 continue  # overlaps what is joined already, or runs past the range: its bytes are read instead

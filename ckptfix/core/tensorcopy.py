@@ -198,7 +198,7 @@ def all_finite_many(tensors: list[Any], check: bool = True, places: list[tuple[s
     import torch
 
     finite = [True] * len(tensors)
-    chunks = []  # (tensor index, its bytes' chunk, its file offset or None)
+    chunks = []  # (tensor index, its bytes' chunk, (its file, offset) or None)
     for n, t in enumerate(tensors):
         place = places[n] if places is not None and tally is not None else None
         checked = check and checks_values(t)
@@ -212,15 +212,16 @@ def all_finite_many(tensors: list[Any], check: bool = True, places: list[tuple[s
         if raw.nbytes >= READ_BYTES:
             _will_need(raw.ctypes.data, raw.nbytes)
         step = max(1, READ_BYTES // t.element_size()) * t.element_size()
-        chunks += [(n, raw[i : i + step], None if place is None else place[1] + i) for i in range(0, raw.nbytes, step)]
+        chunks += [(n, raw[i : i + step], None if place is None else (place[0], place[1] + i))
+                   for i in range(0, raw.nbytes, step)]
     checks = [check and checks_values(t) and _on_bytes(t) for t in tensors]
 
     def job(j: int) -> None:
-        n, raw, offset = chunks[j]
+        n, raw, where = chunks[j]
         if checks[n] and finite[n] and not _bytes_finite(raw, tensors[n].dtype):
             finite[n] = False
-        if offset is not None:
-            tally.add(places[n][0], offset, raw)  # type: ignore[index]  (set where offset is)
+        if where is not None:
+            tally.add(where[0], where[1], raw)
 
     run_jobs(len(chunks), job, workers_for(sum(raw.nbytes for _n, raw, _o in chunks)))
     return finite

@@ -1,7 +1,7 @@
 """Per-tensor digests and lineage in every output ``convert`` writes (docs/digests.md): present, named, taken
-unchanged by the plain loaders, checked by ``verify`` (exit 3 naming the tensor; a URL's on the bytes it fetched), ``load`` and ``load_into`` (by
-default: refused, the model unchanged; ``check_digests=False`` skips the check); lineage deterministic, shown by
-``inspect`` (of a URL too, from its header or records alone)."""
+unchanged by the plain loaders, checked by ``verify`` (exit 3 naming the tensor; a URL's on the bytes it
+fetched), ``load`` and ``load_into`` (by default: refused, the model unchanged; ``check_digests=False`` skips
+the check); lineage deterministic, shown by ``inspect`` (of a URL too, from its header or records alone)."""
 
 from __future__ import annotations
 
@@ -278,3 +278,29 @@ def test_load_and_load_into_of_a_url_refuse_a_corrupted_served_byte(large: Path,
     assert model.weight.is_meta
     assert file_bytes(http_server) < 2.5 * large.stat().st_size  # each of the two fetched its bytes once
     assert ckptfix.load_into(model, url, check_digests=False).assigned == 2
+
+
+@pytest.mark.parametrize("chunks", [[], [(0, 4096)], [(0, 100), (100, 900), (2000, 3000)], [(50, 500), (100, 300)],
+                                    [(0, 1000), (900, 1200), (1000, 4096)], [(4000, 5000)]],
+                         ids=["none", "whole", "gaps", "overlap", "overlap-then-tile", "past-the-end"])
+def test_a_tally_joins_its_chunks_and_reads_only_its_gaps(chunks: list[tuple[int, int]]) -> None:
+    """The CRC-32 of any range from whatever chunks a pass recorded (in any order, gaps, overlaps, past the range's
+    end), the gaps read; zlib's combine without a C one (the fallback) gives the same values."""
+    import zlib
+
+    from ckptfix.core import checksums
+
+    data = bytes(range(256)) * 20
+    tally, read = checksums.Tally(), []
+    for start, end in reversed(chunks):
+        tally.add("f", start, data[start:end])
+
+    def gap(offset: int, size: int) -> int:
+        read.append(size)
+        return zlib.crc32(data[offset : offset + size])
+
+    for offset, size in [(0, 4096), (100, 3000), (0, 0), (4095, 1)]:
+        read.clear()
+        assert tally.crc("f", offset, size, gap) == zlib.crc32(data[offset : offset + size])
+        assert sum(read) <= size and (chunks != [(0, 4096)] or size != 4096 or not read)
+    assert checksums.crc32_combine_portable(zlib.crc32(data[:9]), zlib.crc32(data[9:700]), 691) == zlib.crc32(data[:700])

@@ -271,10 +271,12 @@ def _refuse_meta_left(walk: modelwalk.ModelWalk, slots: dict[str, Slot], plan: P
 def _digests(ckpt: Any, plan: Plan) -> list[digests.Digest] | None:
     """The digests a local file records, to check in the commit's pass over the mapped file (every tensor assigned);
     None where there are none, or after a pass of their own here: a fill writes into the model's tensors, and with
-    its files leased nothing keeps what it replaces (docs/digests.md)."""
-    if locations.is_remote(ckpt.path):  # the storages the plan fetched, each CRC-32 taken as it arrived (a DTensor
-        if not plan.sharded:             # rank fetches its shard's ranges alone: a whole tensor's digest unchecked)
-            digests.check(ckpt.path, ckpt.format)
+    its files leased nothing keeps what it replaces (docs/digests.md). Not with DTensors: each rank reads its own
+    share of the file, and a tensor's digest covers all of it."""
+    if plan.sharded:
+        return None
+    if locations.is_remote(ckpt.path):  # the storages the plan fetched, each CRC-32 taken as it arrived
+        digests.check(ckpt.path, ckpt.format)
         return None
     recorded = digests.read(ckpt.path, ckpt.format).digests
     if recorded is not None and (plan.copy or plan.by_torch or plan.sharded):

@@ -1,7 +1,8 @@
 """Benchmark: ``ckptfix.load_into`` against the plain loaders (issue 18): time and peak anonymous memory.
 
 Not a test. Makes a model of --size-mib of fp32 weights (Linear(--width, --width) layers; 64 × 2048 =
-1 GiB by default) and four files of it under --workdir: m.safetensors (``save_model``), m.pth (plain keys),
+1 GiB by default) and four files of it under --workdir: m.safetensors (``save_model``) and m.pth (plain keys), both
+rewritten by ``ckptfix convert`` (per-tensor digests, which ckptfix's loads check by default),
 m_ddp.pth (``module.``, as DataParallel/DDP save it) and m_compiled.pth (``_orig_mod.``, a ``torch.compile``d
 model's keys), then loads each row's file into a model, in groups that share an anchor:
 
@@ -210,7 +211,8 @@ def make_files(folder: Path, width: int, layers: int) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = {kind: str(folder / name) for kind, name in FILES.items()}
     stamp = folder / "shape.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == [width, layers] and all(map(os.path.exists, paths.values())):
+    made = [width, layers, "digests"]
+    if stamp.exists() and json.loads(stamp.read_text()) == made and all(map(os.path.exists, paths.values())):
         return paths
     from safetensors.torch import save_model
 
@@ -221,15 +223,20 @@ def make_files(folder: Path, width: int, layers: int) -> dict[str, str]:
     with torch.no_grad():
         for p in net.parameters():
             p.normal_(generator=g)
-    save_model(net, paths["st"])
-    torch.save(net.state_dict(), paths["pth"])
+    save_model(net, paths["st"] + ".plain")
+    torch.save(net.state_dict(), paths["pth"] + ".plain")
+    import ckptfix
+
+    for kind in ("st", "pth"):  # written again by ckptfix: per-tensor digests, which ckptfix's loads check by default
+        ckptfix.convert(paths[kind] + ".plain", paths[kind], force=True)
+        os.remove(paths[kind] + ".plain")
     # the wrapper alone, `module.` keys (with a GPU, DataParallel moves the module there: saved from, and put back on, the CPU)
     torch.save({k: v.cpu() for k, v in nn.DataParallel(net).state_dict().items()}, paths["ddp"])
     net.cpu()
     torch.save(torch.compile(net).state_dict(), paths["compiled"])  # not compiled until called: `_orig_mod.` keys
     rows = sorted({0, width // 2 - 1, width // 2, width - 1})
     torch.save({name: (rows, p.detach()[rows].clone()) for name, p in net.named_parameters()}, folder / "fingerprint.pt")
-    stamp.write_text(json.dumps([width, layers]))
+    stamp.write_text(json.dumps(made))
     return paths
 
 

@@ -8,7 +8,9 @@ one off another: :func:`crc32_between`), so one pass over a record gives the CRC
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
+from typing import Any
 
 Crc32 = Callable[..., int]
 Combine = Callable[[int, int, int], int]
@@ -80,3 +82,38 @@ def crc32_between(crc_before: int, crc_through: int, nbytes: int) -> int:
     """The CRC-32 of the ``nbytes`` bytes between two CRC-32s chained from the same start: ``crc_before`` of the
     bytes up to them, ``crc_through`` of the same bytes and them (``crc32_combine`` is ``shift(c1) ^ c2``)."""
     return crc32_combine(crc_before, crc_through, nbytes)
+
+
+class Tally:
+    """CRC-32s of chunks of files, taken by a pass that reads every byte anyway (a load's NaN/Inf check), while
+    each chunk is in cache; :meth:`crc` joins those inside a range (``crc32_combine``), reading only its gaps.
+    Threads may :meth:`add` at once (one dict store each, under the GIL)."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, dict[int, tuple[int, int]]] = {}  # file -> offset -> (CRC-32, length)
+        self._order: dict[str, list[int]] = {}  # file -> its chunks' offsets, sorted
+
+    def add(self, name: str, offset: int, data: Any) -> None:
+        """Record the CRC-32 of ``data`` (bytes-like), the bytes of file ``name`` from ``offset``."""
+        size = memoryview(data).nbytes
+        if size:
+            self.chunks.setdefault(name, {})[offset] = (crc32(data), size)
+
+    def crc(self, name: str, offset: int, size: int, read: Callable[[int, int], int]) -> int:
+        """CRC-32 of ``name[offset : offset + size]``: the chunks recorded inside it that tile it from its start,
+        in order; each gap's CRC-32 from ``read(offset, length)`` (a second read of those bytes only)."""
+        chunks = self.chunks.get(name, {})
+        if name not in self._order or len(self._order[name]) != len(chunks):  # (sorted once per file, not per range)
+            self._order[name] = sorted(chunks)
+        order = self._order[name]
+        end, at, value = offset + size, offset, 0
+        for start in order[bisect.bisect_left(order, offset) : bisect.bisect_left(order, end)]:
+            crc, length = chunks[start]
+            if start < at or start + length > end:
+                continue  # overlaps what is joined already, or runs past the range: its bytes are read instead
+            if start > at:
+                value = crc32_combine(value, read(at, start - at), start - at)
+            value, at = crc32_combine(value, crc, length), start + length
+        if at < end:
+            value = crc32_combine(value, read(at, end - at), end - at)
+        return value

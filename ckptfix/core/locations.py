@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import remote
+from .checksums import Tally
 from ..errors import MissingFileError
 from .positional import WORKERS, ByteSource, LocalSource, RangeBuffer, SourceFile, prefetch, window
 
@@ -47,6 +48,7 @@ class Session:
     def __init__(self) -> None:
         self.sources: dict[str, ByteSource] = {}
         self.listed = 0  # bytes of the directory listings asked (S3's and the Hub's pages)
+        self.fetched = Tally()  # CRC-32s of the ranges fetched whole (a storage): a digest check fetches none again
 
     @property
     def bytes_fetched(self) -> int:
@@ -92,6 +94,12 @@ def session() -> Iterator[Session]:
         _SESSION.reset(token)
         for source in s.sources.values():
             source.close()
+
+
+def fetched() -> Tally:
+    """The current session's CRC-32s of the ranges fetched whole (an empty tally outside a session)."""
+    current = _SESSION.get()
+    return current.fetched if current is not None else Tally()
 
 
 def open_source(location: str) -> ByteSource:

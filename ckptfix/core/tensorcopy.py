@@ -192,33 +192,43 @@ def _cpu_finite(t: Any) -> bool:
     return all_finite_many([t])[0]
 
 
-def all_finite_many(tensors: list[Any]) -> list[bool]:
-    """:func:`all_finite` of each tensor. The contiguous CPU ones (views of a mapped file, say) are checked on their
-    bytes in :data:`READ_BYTES` chunks, all tensors' chunks shared by up to :data:`MAX_READERS` threads (torch's
-    thread count at most), each tensor's pages asked for first (``MADV_WILLNEED``: a mapped file's tensor region is
-    read ahead whatever the mapping's advice; the header reads ask for ``MADV_RANDOM``)."""
+def all_finite_many(tensors: list[Any], check: bool = True, places: list[tuple[str, int] | None] | None = None,
+                    tally: Any = None) -> list[bool]:
+    """:func:`all_finite` of each tensor (True for each without ``check``). The contiguous CPU ones (views of a mapped
+    file, say) are checked on their bytes in :data:`READ_BYTES` chunks, all tensors' chunks shared by up to
+    :data:`MAX_READERS` threads (torch's thread count at most), each tensor's pages asked for first (``MADV_WILLNEED``:
+    a mapped file's tensor region is read ahead whatever the mapping's advice; the header reads ask for
+    ``MADV_RANDOM``). With ``tally`` (a ``checksums.Tally``), each chunk of a tensor whose ``places`` entry says
+    where its bytes lie — ``(file, offset)`` — has its CRC-32 taken too, while it is in cache (digests)."""
     import torch
 
     finite = [True] * len(tensors)
-    chunks = []  # (tensor index, its bytes' chunk)
+    chunks = []  # (tensor index, its bytes' chunk, (its file, offset) or None)
     for n, t in enumerate(tensors):
-        if not checks_values(t) or t.numel() == 0:
+        place = places[n] if places is not None and tally is not None else None
+        checked = check and checks_values(t)
+        if t.numel() == 0 or not (checked or place is not None):
             continue
-        if not _on_bytes(t):
+        if checked and not _on_bytes(t):  # a strided view, a kind the bit table doesn't know: torch's test
             finite[n] = all_finite(t)
+        if not (_on_bytes(t) or (place is not None and t.is_contiguous() and t.device.type == "cpu")):
             continue
         raw = t.reshape(-1).view(torch.uint8).numpy()
         if raw.nbytes >= READ_BYTES:
             _will_need(raw.ctypes.data, raw.nbytes)
         step = max(1, READ_BYTES // t.element_size()) * t.element_size()
-        chunks += [(n, raw[i : i + step]) for i in range(0, raw.nbytes, step)]
+        chunks += [(n, raw[i : i + step], None if place is None else (place[0], place[1] + i))
+                   for i in range(0, raw.nbytes, step)]
+    checks = [check and checks_values(t) and _on_bytes(t) for t in tensors]
 
-    def check(j: int) -> None:
-        n, raw = chunks[j]
-        if finite[n] and not _bytes_finite(raw, tensors[n].dtype):
+    def job(j: int) -> None:
+        n, raw, where = chunks[j]
+        if checks[n] and finite[n] and not _bytes_finite(raw, tensors[n].dtype):
             finite[n] = False
+        if where is not None:
+            tally.add(where[0], where[1], raw)
 
-    run_jobs(len(chunks), check, workers_for(sum(raw.nbytes for _n, raw in chunks)))
+    run_jobs(len(chunks), job, workers_for(sum(raw.nbytes for _n, raw, _o in chunks)))
     return finite
 
 
@@ -338,13 +348,15 @@ def _bits_finite(raw: Any, dtype: Any) -> bool:
             and (smin is None or int(signed.min()) > smin))
 
 
-def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, undo: Any = None) -> list[bool]:
+def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, undo: Any = None,
+                   tally: Any = None) -> list[bool]:
     """Fill each contiguous CPU tensor ``dst`` of ``fills`` — ``(dst, fd, offset, name)`` — with the bytes of the
     file ``fd`` from ``offset`` (``dst.nbytes`` of them; ``name`` names the file in errors), read in chunks by up
     to :data:`MAX_READERS` threads; with ``check``, each chunk is checked for NaN/Inf just after it is read. Returns,
     per fill, whether its values are all finite (True unchecked or for integer tensors). A file that ends first
     is a FormatError naming it and the range; with ``undo`` (a ``rollback.Undo``), each chunk's old bytes are
-    saved there just before its read, so the caller can put back what the reads replaced."""
+    saved there just before its read, so the caller can put back what the reads replaced; with ``tally`` (a
+    ``checksums.Tally``), each chunk's CRC-32 is taken too, while it is in cache (digests)."""
     import torch
 
     jobs = []  # (fill index, byte view of the span, file offset, bytes per read): a span of reads per job
@@ -358,7 +370,7 @@ def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, u
     finite = [True] * len(fills)
     own = {fd: _sequential(fd) for fd in {f[1] for f in fills}}
     try:
-        reader = _Reader([(d, own[fd], o, name) for d, fd, o, name in fills], jobs, finite, check, undo)
+        reader = _Reader([(d, own[fd], o, name) for d, fd, o, name in fills], jobs, finite, check, undo, tally)
         run_jobs(len(jobs), reader.job, workers_for(sum(job[1].nbytes for job in jobs)))
     finally:
         for fd, mine in own.items():
@@ -371,11 +383,12 @@ def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, u
 
 
 def cast_from_file(dst: Any, fd: int, offset: int, dtype: Any, name: str, check: bool = True,
-                   undo: Any = None) -> bool:
+                   undo: Any = None, tally: Any = None) -> bool:
     """Fill the contiguous CPU tensor ``dst`` with the values stored as ``dtype`` in the file ``fd`` from ``offset``,
     cast as torch casts: chunk by chunk, each read (``preadv``, not a mapping: a truncated file is a FormatError, not
     SIGBUS) into a staging buffer, then copied into ``dst`` with the check (:func:`copy_checked`), its old values
-    saved in ``undo`` first. Returns whether every value is finite (True unchecked)."""
+    saved in ``undo`` first, its CRC-32 taken into ``tally`` (if any). Returns whether every value is finite (True
+    unchecked)."""
     import torch
 
     count = dst.numel()
@@ -392,6 +405,8 @@ def cast_from_file(dst: Any, fd: int, offset: int, dtype: Any, name: str, check:
         for i in range(0, count, step):
             k = min(step, count - i)
             reader._read(mine, raw[: k * width], offset + i * width, name)
+            if tally is not None:
+                tally.add(name, offset + i * width, raw[: k * width])
             part = out[i : i + k]
             if undo is not None:
                 undo.save(part.view(torch.uint8).numpy())
@@ -419,8 +434,8 @@ class _Reader:
     """The shared state of :func:`fill_from_file`'s threads (:func:`run_jobs`): the readahead asked for per file."""
 
     def __init__(self, fills: list[tuple[Any, int, int, str]], jobs: list[Any], finite: list[bool],
-                 check: bool, undo: Any = None) -> None:
-        self.fills, self.jobs, self.finite, self.undo = fills, jobs, finite, undo
+                 check: bool, undo: Any = None, tally: Any = None) -> None:
+        self.fills, self.jobs, self.finite, self.undo, self.tally = fills, jobs, finite, undo, tally
         self.checks = [check and checks_values(f[0]) and _rule(f[0].dtype) is not None for f in fills]
         self.lock = threading.Lock()
         self.ahead: dict[int, tuple[int, int]] = {}  # fd -> the range last asked for
@@ -441,6 +456,8 @@ class _Reader:
                 self._read(fd, buf, offset + i, name)
                 if self.checks[n] and self.finite[n] and not _bits_finite(buf, dst.dtype):
                     self.finite[n] = False
+                if self.tally is not None:
+                    self.tally.add(name, offset + i, buf)
 
     def _read(self, fd: int, buf: Any, offset: int, name: str) -> None:
         done, total = 0, buf.nbytes

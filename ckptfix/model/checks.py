@@ -249,9 +249,10 @@ def zip_crcs(gate: FileGate, report: VerifyReport) -> Findings:
 @model_free
 def tensor_digests(gate: FileGate, report: VerifyReport) -> Findings:
     """Model-free: the per-tensor digests a ckptfix output records, against its bytes, naming each tensor that
-    doesn't match (docs/digests.md); a file that records none, or a URL, has nothing to check."""
-    if locations.is_remote(gate.path):
-        return Findings()
+    doesn't match (docs/digests.md); a file that records none has nothing to check. A URL's: checked as it was read,
+    on the bytes the read fetched (:func:`ckptfix.model.gate.open_gate`)."""
+    if gate.url_digests is not None:
+        return Findings(failures=gate.url_digests)
     return Findings(failures=integrity.digest_failures(gate.path, gate.ckpt.format))
 
 

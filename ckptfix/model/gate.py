@@ -40,6 +40,9 @@ class FileGate:
     phase: Phases  #: ``with gate.phase("hash"):`` a line on stderr as the step ends (not on a terminal)
     #: the file's SHA-256, computed on a thread while it was read (None: not asked for, a URL, or a directory)
     digest: integrity.HashAlongside | None = field(default=None, kw_only=True)
+    #: a URL's digest findings, checked inside the read's session on the CRC-32s of the storages it fetched (the
+    #: same version of the file, nothing fetched again); None: a local file's, which the check reads itself
+    url_digests: list[str] | None = field(default=None, kw_only=True)
 
     @property
     def runs_forward(self) -> bool:
@@ -146,7 +149,7 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> FileGate:
     source = models.ModelSource(model, options.model_args, options.dtype) if model is not None else None
     hashed = options.checksum or (model is not None and with_values and options.forward)  # (what sha256 asks for)
     digest = integrity.HashAlongside(os.fspath(path)) if hashed and not locations.is_remote(os.fspath(path)) else None
-    with phase("read"):
+    with phase("read"), locations.session() as session:
         try:
             ckpt = reading.read_checkpoint(os.fspath(path), options.map_location if with_values else "meta",
                                            options.trust, options.select, refuse=True, judged=True)
@@ -154,8 +157,10 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> FileGate:
             e.finding = True  # the file judged is unsafe: a finding (an --input's or --reference's is an error)
             raise
         ckpt.require_state_dict()
+        url_digests = (integrity.digest_failures(ckpt.path, ckpt.format, session.fetched)
+                       if locations.is_remote(ckpt.path) else None)
     if source is None:
-        return FileGate(options, ckpt.path, with_values, ckpt, phase, digest=digest)
+        return FileGate(options, ckpt.path, with_values, ckpt, phase, digest=digest, url_digests=url_digests)
     observing = _observe_early(ckpt, source, options, with_values)
     try:
         with phase("build"):
@@ -167,7 +172,7 @@ def open_gate(path: Any, model: Any, options: VerifyOptions) -> FileGate:
             observing.close()
         raise
     return Gate(options, ckpt.path, with_values, ckpt, phase, source, structure, is_fresh, target, chosen, fit,
-                digest=digest, observing=observing)
+                digest=digest, url_digests=url_digests, observing=observing)
 
 
 def _observe_early(ckpt: Checkpoint, source: models.ModelSource, options: VerifyOptions,

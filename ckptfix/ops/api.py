@@ -54,14 +54,18 @@ def read(path: Any, map_location: Any = "cpu", trust: bool = False, select: str 
 def inspect(path: Any, trust: bool = False, select: str = "auto", allow: tuple[str, ...] | list[str] = ()) -> Checkpoint:
     """Summary of a checkpoint without reading tensor data (tensors come back on ``meta``), with the digests and
     lineage a ckptfix output records (``provenance``)."""
-    return _with_provenance(read_checkpoint(os.fspath(path), "meta", trust, select, refuse=False, allow=allow,
-                                            whole=True))
+    with locations.session() as s:  # (a URL's digests and lineage: from the blocks its read fetched, counted)
+        ckpt = _with_provenance(read_checkpoint(os.fspath(path), "meta", trust, select, refuse=False, allow=allow,
+                                                whole=True))
+        if s.remote:
+            ckpt.bytes_fetched = s.bytes_fetched
+    return ckpt
 
 
 def _with_provenance(ckpt: Checkpoint) -> Checkpoint:
-    """``ckpt`` with what its file records of digests and lineage (a local file; a URL's would cost fetches)."""
-    if not locations.is_remote(ckpt.path):
-        ckpt.provenance = digests.provenance(ckpt.path, ckpt.format)
+    """``ckpt`` with what its file records of digests and lineage (a URL's: from the header or the zip's records,
+    by Range requests)."""
+    ckpt.provenance = digests.provenance(ckpt.path, ckpt.format)
     return ckpt
 
 
@@ -86,10 +90,10 @@ def describe(path: Any, select: str = "auto", allow: tuple[str, ...] | list[str]
                 if remote:
                     raise NeedsLocalCopy(path, f"describing this {fmt} checkpoint", f"torch describes it: {e}") from None
             else:
-                ckpt = summarise(path, fmt, raw, select, refuse=False, allow=allow, whole=True)
+                ckpt = _with_provenance(summarise(path, fmt, raw, select, refuse=False, allow=allow, whole=True))
                 if remote:
                     ckpt.bytes_fetched = s.bytes_fetched
-                return _with_provenance(ckpt)
+                return ckpt
     return inspect(path, select=select, allow=allow)
 
 
@@ -107,7 +111,7 @@ def load(
     allow: tuple[str, ...] | list[str] = (),
     dequantize: bool = False,
     cast_unknown_quantized: bool = False,
-    check_digests: bool = LoadOptions.check_digests,
+    check_digests: bool | None = LoadOptions.check_digests,
 ) -> Any:
     """The model's state dict with wrapper segments normalised to ``to`` (default: none).
 
@@ -117,19 +121,23 @@ def load(
     ``cast_unknown_quantized``). ``dequantize`` gives each quantized group (block FP8, NVFP4, MXFP4, GPTQ …, as
     ``ckptfix inspect`` names them) as one plain ``MODULE.weight`` in ``dtype`` (default: the ``torch_dtype`` of the
     ``config.json`` beside the file if bfloat16 or float16, else float32), its scales dropped: what
-    ``convert --dequantize`` writes. ``check_digests=True``: a file that
-    records per-tensor digests (ckptfix's outputs, docs/digests.md) is checked against them first, a mismatch a
-    FormatError naming the tensor.
+    ``convert --dequantize`` writes. A file that records per-tensor
+    digests (ckptfix's outputs, docs/digests.md) is checked against them with ``check_digests=True`` (one CRC-32 pass
+    over its bytes first; a URL's by default, on the bytes its read fetched), a mismatch a FormatError naming the
+    tensor; ``check_digests=False`` skips it.
 
     ``path`` may be a URL, read as :func:`read` reads one. Its ``_metadata`` comes back as torch's loaders take it
     (:mod:`ckptfix.statedict.metadata`): whatever else it held is dropped with a UserWarning naming each part.
 
     >>> model.load_state_dict(ckptfix.load("ddp_compiled.pth"))   # doctest: +SKIP
     """
-    ckpt = read(path, map_location=map_location, trust=trust, select=select, allow=allow)
-    ckpt.require_state_dict()
-    if check_digests:  # (a file ckptfix wrote: each tensor's bytes against its recorded digest, on request)
-        digests.check(ckpt.path, ckpt.format)
+    with locations.session():  # (a URL's digests: checked on the storages its read fetched)
+        ckpt = read(path, map_location=map_location, trust=trust, select=select, allow=allow)
+        ckpt.require_state_dict()
+        # (a file ckptfix wrote: each tensor's bytes against its recorded digest; by default only where the read
+        # fetched them anyway, a URL's: a local file's would be a pass of its own)
+        if check_digests or (check_digests is None and locations.is_remote(ckpt.path)):
+            digests.check(ckpt.path, ckpt.format)
     if ckpt.metadata_dropped:
         warnings.warn(f"{ckpt.path}: " + "; ".join(map(metadata.note, ckpt.metadata_dropped)), UserWarning, stacklevel=2)
     sd, _notes = conversion.normalise_keys(ckpt, to, strip_prefix, add_prefix, rename)
@@ -196,9 +204,11 @@ def load_into(model: Any, path: Any, *args: Any, **options: Any) -> LoadReport:
 
     NaN/Inf values are loaded with a UserWarning naming the keys (and listed in the report's ``nonfinite``;
     the check is fused into the copy, ``check_values=False`` skips it); with ``strict_values=True`` they
-    raise LoadError and nothing is loaded. With ``check_digests=True``, a file that records per-tensor digests
-    (ckptfix's outputs) is checked against them first: a mismatch raises FormatError naming the tensor, nothing
-    loaded.
+    raise LoadError and nothing is loaded. A file that records per-tensor digests (ckptfix's outputs) is
+    checked against them before the model is touched, by default where that rides on a pass the load makes anyway
+    (a model built on meta: the value check's pass; a URL: its fetch), with ``check_digests=True`` a built model's
+    too (one CRC-32 pass of its own before the fill); a mismatch a FormatError naming the tensor, nothing loaded;
+    ``check_digests=False`` skips it.
 
     ``path`` may be a URL (as :func:`read` takes one): each tensor's bytes are fetched once, before the model is
     touched, and a DTensor rank fetches only its own shards' ranges; ``LoadReport.bytes_fetched`` counts them.

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..core import locations
 from ..core.checksums import crc32
 from ..core.devices import storage_id
 from ..core.positional import PositionalReader
@@ -38,6 +39,7 @@ class Sources:
         self._pieces: dict[int, Any] = {}
         self._fetched: dict[Segment, Any] = {}  # a remote storage's byte range -> its bytes in CPU memory
         self._checked: set[Segment] = set()  # the fetched ranges whose zip record's CRC-32 matched
+        self._crcs = locations.fetched()  # the session's CRC-32s of fetched ranges (its threads don't see the session)
 
     def has_bytes(self, t: Any) -> bool:
         """A meta tensor whose storage a ref places in files (else the loader reads the file with torch)."""
@@ -143,6 +145,7 @@ class Sources:
             buf = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:  # (counted where the loader counts views: by the tensors' bytes)
                 self.reader.read_into(path, offset, byte_view(buf), count=False)
+                self._crcs.add(path, offset, byte_view(buf))  # (for the digest check: no second fetch)
             self._fetched[key] = buf.untyped_storage()
         return self._fetched[key]
 

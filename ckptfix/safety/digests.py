@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -22,6 +22,7 @@ from typing import Any
 
 from ..core import locations
 from ..core.bytecopy import crc32_at
+from ..core.checksums import Tally, crc32
 from ..errors import FormatError
 from ..parse import checkpoint_dirs
 from ..parse.format_registry import get as format_of
@@ -236,12 +237,20 @@ def mismatches(digests: list[Digest]) -> list[tuple[Digest, int]]:
     return [(d, found[d]) for d in digests if found[d] != d.crc]
 
 
-def failures(path: str, fmt: str) -> list[str]:
-    """One line per digested tensor (or storage) whose bytes don't match its recorded digest, naming it."""
+def failures(path: str, fmt: str, fetched: Tally | None = None) -> list[str]:
+    """One line per digested tensor (or storage) whose bytes don't match its recorded digest, naming it. A URL's:
+    on the CRC-32s of the ranges ``fetched`` (else the session's) holds, the others fetched here."""
     recorded = read(path, fmt)
     if recorded.digests is None:
         return []
-    return [_line(d, found) for d, found in mismatches(recorded.digests)]
+    if locations.is_remote(path):  # the ranges verify fetched already, else fetched here (each digest's once)
+        return tallied(recorded.digests, fetched if fetched is not None else locations.fetched())
+    return mismatched(recorded.digests)
+
+
+def mismatched(digests: list[Digest]) -> list[str]:
+    """:func:`failures` of the digests read already."""
+    return [_line(d, found) for d, found in mismatches(digests)]
 
 
 def _line(d: Digest, found: int) -> str:
@@ -252,11 +261,54 @@ def _line(d: Digest, found: int) -> str:
 
 
 def check(path: str, fmt: str) -> None:
-    """Raise FormatError naming each tensor whose bytes don't match its recorded digest (a local file that
-    records digests; nothing to check otherwise)."""
-    if locations.is_remote(path):
-        return
-    lines = failures(path, fmt)
+    """Raise FormatError naming each tensor whose bytes don't match its recorded digest (a file that records
+    digests; nothing to check otherwise). A URL's: on the ranges the session fetched, else fetched here."""
+    refuse(failures(path, fmt))
+
+
+def tallied(digests: list[Digest], tally: Tally) -> list[str]:
+    """:func:`failures`, each digest's CRC-32 joined from the chunks a load's value check took or a URL's fetches
+    (``tally``); only the bytes it holds none of (a cast, a strided view, a tensor left out) read here."""
+    named = {_same(n): n for n in tally.chunks}  # (the load's spelling of each file path)
+    fds: dict[str, int] = {}
+    lines = []
+    try:
+        for d in digests:
+            if not locations.is_remote(d.path) and d.path not in fds:
+                fds[d.path] = os.open(d.path, os.O_RDONLY)
+            try:
+                found = tally.crc(named.get(_same(d.path), d.path), d.offset, d.size, _reader(d.path, fds.get(d.path)))
+            except (OSError, FormatError):
+                found = -1  # the file ends before the range: it was truncated
+            if found != d.crc:
+                lines.append(_line(d, found))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return lines
+
+
+def _same(path: str) -> str:
+    """One spelling of a local file's path (a URL's as it is)."""
+    return path if locations.is_remote(path) else os.path.realpath(path)
+
+
+def _reader(path: str, fd: int | None) -> Callable[[int, int], int]:
+    """CRC-32 of a range of ``path``: read from ``fd``, or a URL's fetched by a Range request."""
+    if fd is not None:
+        return lambda offset, size: crc32_at(fd, offset, size)
+
+    def fetched(offset: int, size: int) -> int:
+        with locations.opened(path) as source:
+            data = source.read(offset, size)
+        if len(data) < size:
+            raise FormatError(f"{path}: ends before byte {offset + size}")
+        return crc32(data)
+    return fetched
+
+
+def refuse(lines: list[str]) -> None:
+    """FormatError naming the tensors of ``lines`` (:func:`failures`): nothing was loaded; nothing for none."""
     if lines:
         raise FormatError("; ".join(lines[:5]) + (f"; … (+{len(lines) - 5} more)" if len(lines) > 5 else "")
                           + "; nothing was loaded")

@@ -14,6 +14,7 @@ import os
 import threading
 
 from ..core.atomic import sha256_file
+from ..core.checksums import Tally
 from ..core.progress import Progress
 from ..errors import FormatError
 from ..parse.format_registry import get as format_of
@@ -75,10 +76,11 @@ def crc_failures(path: str, fmt: str) -> list[str]:
             for f in report.findings if f.kind == "crc-mismatch"]
 
 
-def digest_failures(path: str, fmt: str) -> list[str]:
+def digest_failures(path: str, fmt: str, fetched: Tally | None = None) -> list[str]:
     """One line per tensor whose bytes don't match the digest a ckptfix output records for it (a safetensors file,
-    a torch zip, each shard of a sharded checkpoint); none where the file records none. Reads every digested byte."""
+    a torch zip, each shard of a sharded checkpoint); none where the file records none. Reads every digested byte
+    (a URL's: those ``fetched`` holds no CRC-32 of)."""
     try:
-        return digests.failures(path, fmt)
+        return digests.failures(path, fmt, fetched)
     except FormatError as e:  # malformed digests: the file was altered, or not written by ckptfix
         return [f"integrity: {e}"]

@@ -1,11 +1,14 @@
 """Per-tensor digests and lineage in every output ``convert`` writes (docs/digests.md): present, named, taken
-unchanged by the plain loaders, checked by ``verify`` (exit 3 naming the tensor), ``load`` and ``load_into``
-(refused, the model unchanged; ``check_digests=False`` skips the check); lineage deterministic, shown by ``inspect``."""
+unchanged by the plain loaders, checked by ``verify`` (exit 3 naming the tensor; a URL's on the bytes it
+fetched), ``load`` and ``load_into`` (refused, the model unchanged: by default where the check rides on a pass
+the load makes anyway, everywhere with ``check_digests=True``; ``check_digests=False`` skips it); lineage
+deterministic, shown by ``inspect`` (of a URL too, from its header or records alone)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,11 @@ from ckptfix.core.torch_free import ENV_SWITCH
 from ckptfix.formats import sniff
 from ckptfix.ops.convert import steps
 from ckptfix.safety import digests
+from tests.file_server import FileServer
+from tests.remote_servers import http_server
+from tests.remote_sources import file_bytes
 
+SERVERS = (http_server,)  # the fixture, registered by being in this module's namespace
 LINEAR = ["--model", "torch.nn:Linear", "--arg", "in_features=3", "--arg", "out_features=4", "--no-forward"]
 
 #: every output kind convert writes: (name, destination, convert options, torch-free switch)
@@ -165,18 +172,53 @@ def test_verify_passes_an_intact_output(outputs: dict[str, Path], cli_runner: An
     assert res.exit_code == 0, res.output
 
 
-def test_load_and_load_into_refuse_damage_when_checking(damaged: Path) -> None:
-    """On request (``check_digests=True``): refused, the model unchanged; without, the damaged values load."""
+def _linear(built: bool) -> torch.nn.Module:
+    if built:
+        return torch.nn.Linear(3, 4)
+    with torch.device("meta"):
+        return torch.nn.Linear(3, 4)
+
+
+@pytest.mark.parametrize("kind", ["safetensors torch-free", "pth torch-free"])
+@pytest.mark.parametrize("built", [True, False], ids=["built", "meta-built"])
+def test_load_and_load_into_refuse_damage(kind: str, built: bool, outputs: dict[str, Path], tmp_path: Path) -> None:
+    """A flipped byte in one tensor: ``load_into`` on meta refuses by default (the check rides on its value pass),
+    a built model and ``load`` with ``check_digests=True`` (a pass of their own), each naming the tensor, the model
+    unchanged; ``check_digests=False`` loads the damaged values, as the default does where the check would cost a
+    pass of its own."""
+    path = tmp_path / outputs[kind].name
+    path.write_bytes(outputs[kind].read_bytes())
+    _flip(path, "weight")
     with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight' does not match"):
-        ckptfix.load(damaged, check_digests=True)
-    model = torch.nn.Linear(3, 4)
+        ckptfix.load(path, check_digests=True)
+    model = _linear(built)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight'.*nothing was loaded"):
-        ckptfix.load_into(model, damaged, check_digests=True)
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert "weight" in ckptfix.load(damaged)
-    ckptfix.load_into(model, damaged)
-    assert not torch.equal(before["weight"], model.weight.detach())
+        ckptfix.load_into(model, path, **({"check_digests": True} if built else {}))
+    after = model.state_dict()
+    assert all(v.is_meta for v in after.values()) if not built else all(
+        torch.equal(before[k], v) for k, v in after.items())
+    assert "weight" in ckptfix.load(path) and "weight" in ckptfix.load(path, check_digests=False)
+    if built:  # by default: no pass of its own, the damaged values loaded
+        ckptfix.load_into(_linear(built), path)
+    ckptfix.load_into(model, path, check_digests=False)
+    intact = load_file(outputs["safetensors torch-free"])["weight"]
+    assert not torch.equal(intact, model.weight.detach()) and torch.equal(intact, ckptfix.load(outputs[kind])["weight"])
+
+
+@pytest.mark.parametrize("kind", ["safetensors torch-free", "pth torch-free", "sharded safetensors"])
+def test_a_meta_built_load_checks_digests_in_its_value_pass(kind: str, outputs: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Meta-built: no byte read twice for the digests — every CRC-32 comes from the chunks the NaN/Inf check took."""
+    def reread(*args: Any) -> int:
+        raise AssertionError(f"read again: {args}")
+
+    monkeypatch.setattr(digests, "crc32_at", reread)
+    monkeypatch.setattr(digests, "mismatches", reread)
+    model = _linear(built=False)
+    report = ckptfix.load_into(model, outputs[kind])
+    assert report.assigned == 2 and torch.equal(model.weight.detach(), ckptfix.load(outputs[kind],
+                                                                                   check_digests=False)["weight"])
 
 
 def test_a_damaged_pth_names_its_tensor(outputs: dict[str, Path], tmp_path: Path) -> None:
@@ -210,3 +252,86 @@ def test_inspect_shows_digests_and_lineage(outputs: dict[str, Path], cli_runner:
     info = json.loads(cli_runner.invoke(cli, ["inspect", path, "--json"]).stdout)
     assert info["digests"] == {"algorithm": "crc32", "tensors": 2}
     assert info["lineage"]["source"]["name"] == "src.pth"
+
+
+@pytest.mark.parametrize("kind", ["pth torch-free", "safetensors torch-free", "sharded safetensors"])
+def test_inspect_of_a_url_shows_the_local_digests_and_lineage(kind: str, outputs: dict[str, Path],
+                                                              http_server: FileServer, cli_runner: Any) -> None:
+    local = outputs[kind]
+    served = http_server.root / local.name
+    (shutil.copytree if local.is_dir() else shutil.copy2)(local, served)
+    url = http_server.url(local.name)
+    rows = [[line for line in cli_runner.invoke(cli, ["inspect", where]).output.splitlines()
+             if line.lstrip().startswith(("digests:", "lineage:"))] for where in (str(local), url)]
+    assert len(rows[0]) == 2 and rows[0] == rows[1]
+    info = [json.loads(cli_runner.invoke(cli, ["inspect", where, "--json"]).stdout) for where in (str(local), url)]
+    assert info[1]["digests"] == info[0]["digests"] and info[1]["lineage"] == info[0]["lineage"]
+    assert info[1]["bytes_fetched"] == file_bytes(http_server) // 2  # (each inspect counted what the server sent)
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1 MiB nn.Linear(512, 512) converted to safetensors (digests recorded): fetching it twice would show."""
+    root = tmp_path_factory.mktemp("large")
+    torch.save(torch.nn.Linear(512, 512).state_dict(), root / "src.pth")
+    ckptfix.convert(root / "src.pth", root / "model.safetensors")
+    return root / "model.safetensors"
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "torch.nn:Linear", "--arg", "in_features=512", "--arg",
+                                        "out_features=512", "--no-forward"]], ids=["model-free", "with-model"])
+@pytest.mark.parametrize("intact", [True, False], ids=["intact", "damaged"])
+def test_verify_of_a_url_checks_the_digests_of_what_it_fetched(model: list[str], intact: bool, large: Path,
+                                                               http_server: FileServer, cli_runner: Any) -> None:
+    served = http_server.root / large.name
+    shutil.copy2(large, served)
+    if not intact:
+        _flip(served, "weight")
+    res = cli_runner.invoke(cli, ["verify", http_server.url(large.name), *model, "--json"])
+    assert res.exit_code == (0 if intact else 3), res.output
+    failures = json.loads(res.stdout)["failures"]
+    assert failures == [] if intact else (len(failures) == 1 and "tensor 'weight' does not match" in failures[0]
+                                          and http_server.url(large.name) in failures[0])
+    assert file_bytes(http_server) < 1.25 * large.stat().st_size  # every byte fetched once: none again for the check
+
+
+def test_load_and_load_into_of_a_url_refuse_a_corrupted_served_byte(large: Path, http_server: FileServer) -> None:
+    served = http_server.root / large.name
+    shutil.copy2(large, served)
+    _flip(served, "weight")
+    url = http_server.url(large.name)
+    with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight' does not match"):
+        ckptfix.load(url)
+    with torch.device("meta"):
+        model = torch.nn.Linear(512, 512)
+    with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight'.*nothing was loaded"):
+        ckptfix.load_into(model, url)
+    assert model.weight.is_meta
+    assert file_bytes(http_server) < 2.5 * large.stat().st_size  # each of the two fetched its bytes once
+    assert ckptfix.load_into(model, url, check_digests=False).assigned == 2
+
+
+@pytest.mark.parametrize("chunks", [[], [(0, 4096)], [(0, 100), (100, 900), (2000, 3000)], [(50, 500), (100, 300)],
+                                    [(0, 1000), (900, 1200), (1000, 4096)], [(4000, 5000)]],
+                         ids=["none", "whole", "gaps", "overlap", "overlap-then-tile", "past-the-end"])
+def test_a_tally_joins_its_chunks_and_reads_only_its_gaps(chunks: list[tuple[int, int]]) -> None:
+    """The CRC-32 of any range from whatever chunks a pass recorded (in any order, gaps, overlaps, past the range's
+    end), the gaps read; zlib's combine without a C one (the fallback) gives the same values."""
+    import zlib
+
+    from ckptfix.core import checksums
+
+    data = bytes(range(256)) * 20
+    tally, read = checksums.Tally(), []
+    for start, end in reversed(chunks):
+        tally.add("f", start, data[start:end])
+
+    def gap(offset: int, size: int) -> int:
+        read.append(size)
+        return zlib.crc32(data[offset : offset + size])
+
+    for offset, size in [(0, 4096), (100, 3000), (0, 0), (4095, 1)]:
+        read.clear()
+        assert tally.crc("f", offset, size, gap) == zlib.crc32(data[offset : offset + size])
+        assert sum(read) <= size and (chunks != [(0, 4096)] or size != 4096 or not read)
+    assert checksums.crc32_combine_gf2(zlib.crc32(data[:9]), zlib.crc32(data[9:700]), 691) == zlib.crc32(data[:700])

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core import locations, rollback, tensorcopy
+from ...core import checksums, locations, rollback, tensorcopy
 from ...core.devices import DevicePlan, storage_id
 from ...core.positional import PositionalReader
 from ...core.units import few
@@ -56,6 +56,7 @@ class Plan:
 
     copy: list[tuple[Slot, Any, Any]] = field(default_factory=list)  # (slot, source view, (path, offset) or None)
     assign: list[tuple[Slot, Any, str]] = field(default_factory=list)  # (slot, source view, target device)
+    assign_places: list[tuple[str, int] | None] = field(default_factory=list)  # each assigned view's (path, offset)
     sharded: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source on meta)
     by_torch: OrderedDict[str, Any] = field(default_factory=OrderedDict)  # key -> source view
     by_torch_places: list[tuple[Any, str]] = field(default_factory=list)  # (module, attribute) torch's load fills
@@ -77,9 +78,11 @@ class LoadOptions:
     check_values: bool = True
     assign: bool | None = None
     dequantize: bool = False
-    #: the per-tensor digests a ckptfix output records, checked before anything is loaded (``load`` takes it too).
-    #: On request: one more CRC-32 pass over every byte, beyond issue 29's bounds on the load (docs/digests.md)
-    check_digests: bool = False
+    #: the per-tensor digests a ckptfix output records, checked before the model is touched (``load`` takes it too).
+    #: None (the default): where the check rides on a pass the load makes anyway — a meta-built model's NaN/Inf
+    #: check over the mapped file, a URL's fetch —; True: a built model's too, in a pass of its own before the fill
+    #: (and ``load``'s); False: nowhere (docs/digests.md)
+    check_digests: bool | None = None
 
 
 def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
@@ -97,9 +100,8 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
             target = repair.describe_target(model, state_dict=model_walk.state_dict,
                                             module_names=model_walk.module_names)
             ckpt, chosen, fit, sources = _read_fitted(path, o, target, reader, model_walk.state_dict)
-            if o.check_digests:
-                digests.check(ckpt.path, ckpt.format)
             plan = _plan(model_walk, fit.state_dict, sources, plan_devices, o.assign)
+            recorded = _digests(ckpt, plan, o.check_digests) if o.check_digests is not False else None
             if o.strict_values:
                 _check_records(plan, sources, distributed)
                 local_bad = _precheck(plan, sources)
@@ -107,7 +109,7 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
         if bad:
             raise LoadError(f"{ckpt.path}: {_values(bad)}; nothing was loaded (a diverged run, or a damaged "
                             "file?); pass strict_values=False to load it anyway")
-        committed = _commit(model, plan, fit.state_dict, sources, o.check_values and not o.strict_values)
+        committed = _commit(model, plan, fit.state_dict, sources, o.check_values and not o.strict_values, recorded)
         nonfinite = distributed.gather_keys(committed)
         _check_done(model_walk, path)  # the postcondition (after the last collective): no tensor left on meta
         bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src, _p in plan.copy) + sum(
@@ -225,6 +227,7 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
             plan.by_torch_places += slot.places
         elif slot.tensor.is_meta or assign:
             plan.assign.append((slot, sources.view(src), target(src)))
+            plan.assign_places.append(sources.place(src))
         else:
             plan.copy.append((slot, sources.view(src), sources.place(src)))
     plan.materialise = [(walk.by_name[path], device) for path, device in shards.outermost(roots).items()]
@@ -264,6 +267,24 @@ def _refuse_meta_left(walk: modelwalk.ModelWalk, slots: dict[str, Slot], plan: P
         raise LoadError(f"{len(left)} tensor(s) of the model are on the meta device and the checkpoint doesn't fill them: "
                         f"{few(left)}; nothing was loaded. Give them values first (model.to_empty(device=...) and their "
                         "initialisation, e.g. non-persistent buffers), or load a checkpoint that holds them")
+
+
+def _digests(ckpt: Any, plan: Plan, asked: bool | None) -> list[digests.Digest] | None:
+    """The digests a local file records, to check in the commit's pass over the mapped file (every tensor assigned);
+    None where there are none, or after a pass of their own here — only when ``asked`` (True): a fill writes into
+    the model's tensors, and with its files leased nothing keeps what it replaces (docs/digests.md). Not with
+    DTensors: each rank reads its own share of the file, and a tensor's digest covers all of it."""
+    if plan.sharded:
+        return None
+    if locations.is_remote(ckpt.path):  # the storages the plan fetched, each CRC-32 taken as it arrived
+        digests.check(ckpt.path, ckpt.format)
+        return None
+    recorded = digests.read(ckpt.path, ckpt.format).digests
+    if recorded is not None and (plan.copy or plan.by_torch or plan.sharded):
+        if asked:
+            digests.refuse(digests.mismatched(recorded))
+        return None
+    return recorded
 
 
 def _check_done(walk: modelwalk.ModelWalk, path: str) -> None:
@@ -345,18 +366,22 @@ def _local_files(plan: Plan, sources: Sources) -> dict[str, int] | None:
     return {p: sources.reader.size(p) for p in sorted(paths)}
 
 
-def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool) -> list[str]:
+def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool,
+            recorded: list[digests.Digest] | None) -> list[str]:
     """Fill the model; the keys whose values are NaN/Inf (checked as they are copied, when ``check``). The files read
     are leased first (:class:`rollback.Leases`): no other process can shrink them until the commit ends. Where a lease
-    can't be had, what the fills replace is saved first (:class:`rollback.Undo`) and put back if a read fails."""
+    can't be had, what the fills replace is saved first (:class:`rollback.Undo`) and put back if a read fails. The
+    ``recorded`` digests (an assigning load's) are checked on the CRC-32s the value check takes, before any is set."""
     import torch
 
     leases = rollback.Leases(_local_files(plan, sources))
     try:
         bad: list[str] = []
         new = []
-        views = [src for slot, src, device in plan.assign if device == "cpu" and src.dtype == slot.tensor.dtype]
-        views_finite = iter(tensorcopy.all_finite_many(views) if check else [True] * len(views))  # (chunks at once)
+        tally = checksums.Tally() if recorded is not None else None
+        mapped = [n for n, (slot, src, device) in enumerate(plan.assign) if device == "cpu" and src.dtype == slot.tensor.dtype]
+        views_finite = iter(tensorcopy.all_finite_many([plan.assign[n][1] for n in mapped], check,  # (chunks at once)
+                                                       [plan.assign_places[n] for n in mapped], tally))
         for slot, src, device in plan.assign:  # built first: a failure here (out of memory) leaves the model as it was
             want = slot.tensor.dtype
             if device == "cpu" and src.dtype == want:
@@ -366,6 +391,8 @@ def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bo
                 finite = tensorcopy.copy_checked(value, src, check)
             bad += [] if finite else slot.keys
             new.append((slot, value))
+        if recorded is not None and tally is not None:
+            digests.refuse(digests.tallied(recorded, tally))
         shards.materialise(plan.materialise)  # DTensors whose shards are on meta, allocated (or, failing, none)
         bad += _fill(model, plan, state_dict, sources, check, None if leases.held else rollback.Undo())
     finally:

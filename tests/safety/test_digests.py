@@ -206,6 +206,24 @@ def test_load_and_load_into_refuse_damage(kind: str, built: bool, outputs: dict[
     assert not torch.equal(intact, model.weight.detach()) and torch.equal(intact, ckptfix.load(outputs[kind])["weight"])
 
 
+@pytest.mark.parametrize("asked, refused", [(None, False), (True, True)], ids=["default", "check_digests=True"])
+def test_a_meta_built_load_without_the_value_check_touches_no_byte_unless_asked(asked: bool | None, refused: bool,
+                                                                              outputs: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """``check_values=False`` on meta: no pass over the file, so by default no digest check either (views of the
+    file only); ``check_digests=True`` makes the pass for the CRC-32s alone and refuses the damage."""
+    path = tmp_path / "damaged.safetensors"
+    path.write_bytes(outputs["safetensors torch-free"].read_bytes())
+    _flip(path, "weight")
+    model = _linear(built=False)
+    options = {} if asked is None else {"check_digests": asked}
+    if refused:
+        with pytest.raises(ckptfix.errors.FormatError, match="tensor 'weight'.*nothing was loaded"):
+            ckptfix.load_into(model, path, check_values=False, **options)
+    else:
+        assert ckptfix.load_into(model, path, check_values=False, **options).assigned == 2
+
+
 @pytest.mark.parametrize("kind", ["safetensors torch-free", "pth torch-free", "sharded safetensors"])
 def test_a_meta_built_load_checks_digests_in_its_value_pass(kind: str, outputs: dict[str, Path],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:

@@ -80,8 +80,8 @@ class LoadOptions:
     dequantize: bool = False
     #: the per-tensor digests a ckptfix output records, checked before the model is touched (``load`` takes it too).
     #: None (the default): where the check rides on a pass the load makes anyway — a meta-built model's NaN/Inf
-    #: check over the mapped file, a URL's fetch —; True: a built model's too, in a pass of its own before the fill
-    #: (and ``load``'s); False: nowhere (docs/digests.md)
+    #: check over the mapped file (not with ``check_values=False``), a URL's fetch —; True: everywhere, a built
+    #: model's in a pass of its own before the fill (and ``load``'s); False: nowhere (docs/digests.md)
     check_digests: bool | None = None
 
 
@@ -101,7 +101,7 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
                                             module_names=model_walk.module_names)
             ckpt, chosen, fit, sources = _read_fitted(path, o, target, reader, model_walk.state_dict)
             plan = _plan(model_walk, fit.state_dict, sources, plan_devices, o.assign)
-            recorded = _digests(ckpt, plan, o.check_digests) if o.check_digests is not False else None
+            recorded = _digests(ckpt, plan, o.check_digests, o.check_values) if o.check_digests is not False else None
             if o.strict_values:
                 _check_records(plan, sources, distributed)
                 local_bad = _precheck(plan, sources)
@@ -269,11 +269,12 @@ def _refuse_meta_left(walk: modelwalk.ModelWalk, slots: dict[str, Slot], plan: P
                         "initialisation, e.g. non-persistent buffers), or load a checkpoint that holds them")
 
 
-def _digests(ckpt: Any, plan: Plan, asked: bool | None) -> list[digests.Digest] | None:
-    """The digests a local file records, to check in the commit's pass over the mapped file (every tensor assigned);
-    None where there are none, or after a pass of their own here — only when ``asked`` (True): a fill writes into
-    the model's tensors, and with its files leased nothing keeps what it replaces (docs/digests.md). Not with
-    DTensors: each rank reads its own share of the file, and a tensor's digest covers all of it."""
+def _digests(ckpt: Any, plan: Plan, asked: bool | None, values: bool) -> list[digests.Digest] | None:
+    """The digests a local file records, to check in the commit's pass over the mapped file (every tensor assigned:
+    the value check's pass, or with ``asked`` (True) one for the CRC-32s alone where ``values`` are not checked);
+    None where there are none, or after a pass of their own here — only when ``asked``: a fill writes into the
+    model's tensors, and with its files leased nothing keeps what it replaces (docs/digests.md). Not with DTensors:
+    each rank reads its own share of the file, and a tensor's digest covers all of it."""
     if plan.sharded:
         return None
     if locations.is_remote(ckpt.path):  # the storages the plan fetched, each CRC-32 taken as it arrived
@@ -284,7 +285,7 @@ def _digests(ckpt: Any, plan: Plan, asked: bool | None) -> list[digests.Digest] 
         if asked:
             digests.refuse(digests.mismatched(recorded))
         return None
-    return recorded
+    return recorded if asked or values else None
 
 
 def _check_done(walk: modelwalk.ModelWalk, path: str) -> None:

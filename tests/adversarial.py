@@ -497,8 +497,20 @@ _recording: list[tuple[str, str]] | None = None
 _hooked = False
 
 
-#: the child process ``verify --exact`` runs the serving loader in (ckptfix.model.observe): not the file's code
-OWN_CHILD = "'-m', 'ckptfix.model.observe'"
+#: the child process ``verify --exact`` runs the serving loader in (ckptfix.model.observe_child): not the file's code
+OWN_CHILD = "'-m', 'ckptfix.model.observe_child'"
+
+
+def _own_fork() -> bool:
+    """Whether the ``os.fork`` being audited is ckptfix's own forked observer (``ckptfix.core.forked.start``, which
+    then runs the serving loader with ``weights_only=True``), called from the frames above the hook."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "start" and frame.f_code.co_filename.endswith(os.path.join("ckptfix", "core",
+                                                                                              "forked.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _audit_hook(event: str, args: tuple) -> None:
@@ -506,8 +518,8 @@ def _audit_hook(event: str, args: tuple) -> None:
         return
     if event == "exec" and "canary" not in repr(getattr(args[0], "co_consts", ())):
         return
-    if OWN_CHILD in repr(args):  # verify --exact's serving loader, a process of ckptfix's own (weights_only=True)
-        return
+    if OWN_CHILD in repr(args) or event == "os.fork" and _own_fork():  # verify --exact's serving loader: ckptfix's
+        return  # own process, weights_only=True
     _recording.append((event, repr(args)[:200]))
 
 

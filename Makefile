@@ -13,6 +13,9 @@ DEEPSPEED_SPEC ?= deepspeed==0.19.8
 OTHER_TORCH ?= torch==2.13.0
 OTHER_VENV ?= .venv-other-torch
 DEMO_DIR ?= demo-out
+# The suite on every core (pytest-xdist), a test module's tests on one worker (its module fixtures made once);
+# PYTEST_ARGS= runs it in one process.
+PYTEST_ARGS ?= -n auto --dist loadfile
 
 .PHONY: demo test test-other-torch install clean
 
@@ -32,7 +35,7 @@ install: $(VENV)/.installed
 test: $(VENV)/.installed $(if $(OTHER_TORCH),$(OTHER_VENV)/.installed)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 	@$(if $(OTHER_TORCH),$(OTHER_TABLES),true)
 
 # An install failure (no such wheel for this machine) is reported and skipped; a failing table is fatal.

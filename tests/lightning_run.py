@@ -63,21 +63,31 @@ class ShardedRun:
 
 @pytest.fixture(scope="session")
 def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> ShardedRun:
-    """tests/real_lightning_sharded.py run once per session (minutes): its directories and the run's state."""
-    return _run_child(tmp_path_factory.getbasetemp() / "lightning_sharded")
+    """tests/real_lightning_sharded.py run once per session (minutes): its directories and the run's state. Under
+    pytest-xdist the workers share one run: the first makes it (under a file lock), the others read it."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the workers' common base directory
+    from filelock import FileLock
+
+    with FileLock(str(shared / "lightning_sharded.lock")):
+        return _run_child(shared / "lightning_sharded")
 
 
 @functools.cache
 def _run_child(out: Path) -> ShardedRun:
-    """Once per session, though two test modules import the fixture (each its own fixture, one run)."""
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
-                                                             "WORLD_SIZE", "NODE_RANK")}
-    res = subprocess.run([sys.executable, str(TESTS / "real_lightning_sharded.py"), str(out)], cwd=out,
-                         capture_output=True, text=True, timeout=300, env={**env, "PYTHONWARNINGS": "ignore"})
-    assert res.returncode == 0, res.stderr[-4000:]
-    best = Path(res.stdout.strip().splitlines()[-1])
-    assert best == out / "checkpoints" / "epoch=2-step=3.ckpt" and best.is_dir()
+    """Once per session, though two test modules import the fixture (each its own fixture, one run); a run another
+    xdist worker finished (its ``done`` marker) is read as it is."""
+    best = out / "checkpoints" / "epoch=2-step=3.ckpt"
+    if not (out / "done").exists():
+        out.mkdir(exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
+                                                                 "WORLD_SIZE", "NODE_RANK")}
+        res = subprocess.run([sys.executable, str(TESTS / "real_lightning_sharded.py"), str(out)], cwd=out,
+                             capture_output=True, text=True, timeout=300, env={**env, "PYTHONWARNINGS": "ignore"})
+        assert res.returncode == 0, res.stderr[-4000:]
+        assert Path(res.stdout.strip().splitlines()[-1]) == best and best.is_dir()
+        (out / "done").touch()
     assert sorted(p.name for p in best.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     truth = torch.load(out / "truth.pt", weights_only=False)  # the child's own plain save
     return ShardedRun({"ModelParallelStrategy": best, "FSDPStrategy": out / "fsdp", "Fabric": out / "fabric"}, truth)

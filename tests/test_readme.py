@@ -321,7 +321,7 @@ def test_readme_recipe_runs(recipe: Recipe, tmp_path: Path, monkeypatch: pytest.
         assert result.returncode == _expected_code(entry), result.stdout[-3000:] + result.stderr[-3000:]
         assert "pip install" not in result.stdout  # the venv was there: nothing was downloaded
         if "-n" in entry.make_args:
-            assert re.search(r"^\S*python -m pytest$", result.stdout, re.M), result.stdout
+            assert re.search(r"^\S*python -m pytest -n auto --dist loadfile$", result.stdout, re.M), result.stdout
     else:  # a CI workflow's run: script, as GitHub runs it (bash -e)
         if shutil.which("jq") is None:
             pytest.skip("the workflow's script uses jq, which is not installed here")

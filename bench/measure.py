@@ -23,30 +23,28 @@ from tests.page_cache import drop_from_page_cache, resident_bytes  # noqa: E402,
 INTERVAL = 0.005
 
 
-def rss_anon(pid: int | str = "self") -> int | None:
-    """The process's resident anonymous memory in bytes; None once it has gone."""
+def _proc_kib(pid: int | str, table: str, field: str) -> int | None:
+    """``field`` (a ``kB`` line) of ``/proc/PID/TABLE`` in bytes; None once the process has gone, or without it."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/{table}") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def rss_anon(pid: int | str = "self") -> int | None:
+    """The process's resident anonymous memory in bytes; None once it has gone."""
+    return _proc_kib(pid, "status", "RssAnon")
 
 
 def pss_anon(pid: int | str = "self") -> int | None:
     """The process's proportional share of anonymous memory in bytes (``Pss_Anon``, smaps_rollup): a page a forked
     child still shares with its parent counts half in each, so a process tree's sum counts it once; None once gone
     (or on a kernel without the field)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss_Anon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_kib(pid, "smaps_rollup", "Pss_Anon")
 
 
 def measure(cmd: list[str], env: dict[str, str] | None = None, settle: float = 0.0) -> tuple[float, int]:

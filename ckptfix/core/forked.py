@@ -69,7 +69,10 @@ class Child:
             elif status != 0:
                 self.done = None, exit_reason(what, status, self._read("stderr"))
             else:
-                self.done = json.loads(self._read("result.json")), None
+                try:
+                    self.done = json.loads(self._read("result.json")), None
+                except ValueError:  # exit 0 without its answer (an os._exit inside the work): no verdict, named
+                    self.done = None, f"{what} exited without writing its answer"
             self.close()
         return self.done
 

@@ -50,3 +50,8 @@ def test_an_exception_in_the_child_is_its_exit_status_with_its_last_line() -> No
     result, why = forked.start(work).wait(30, "the loader's process")
     assert result is None and why is not None
     assert why.startswith("the loader's process exited with status 1 (ValueError: bad") and "\x1b" not in why
+
+
+def test_a_child_that_leaves_without_its_answer_is_named() -> None:
+    result, why = forked.start(lambda: os._exit(0)).wait(30, "the loader's process")
+    assert result is None and why == "the loader's process exited without writing its answer"

@@ -38,8 +38,8 @@ def object_bytes(s3: S3Server, key: str) -> bytes | None:
 
 
 def same_output(got: bytes | None, want: bytes) -> bool:
-    """``got`` is ``want`` byte for byte, but for a torch zip's ``.data/serialization_id`` (random per save, as torch
-    writes it: its 40 bytes and their CRC-32, in the local header and the central directory)."""
+    """``got`` is ``want`` byte for byte, but for a torch zip's ``.data/serialization_id`` (an id of the save, not of
+    its tensors: its 40 bytes and their CRC-32, in the local header and the central directory)."""
     if got is None or len(got) != len(want):
         return False
     if not zipfile.is_zipfile(io.BytesIO(want)):

@@ -43,8 +43,9 @@ def test_mask_leaves_other_text_alone(snapshot: Any, text: str) -> None:
 
 @pytest.mark.parametrize("writer", ["torch.save", "ckptfix.convert"])
 def test_serialization_id_fixed_keeps_a_valid_zip(snapshot: Any, tmp_path: Path, writer: str) -> None:
-    """Two writes of one state dict (ckptfix's torch-free writer draws the serialization_id at random; torch.save
-    has a data descriptor after each record) are the same bytes once fixed, every CRC-32 still right."""
+    """Two writes of one state dict are the same bytes once fixed (as before: both writers' ids are deterministic
+    now, ckptfix's torch-free one drew it at random before; torch.save has a data descriptor after each record),
+    every CRC-32 still right."""
     import torch
 
     import ckptfix

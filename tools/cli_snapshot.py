@@ -65,7 +65,7 @@ def mask(text: str, literals: Mapping[str, str] | None = None) -> str:
 # -- torch zips: serialization_id ----------------------------------------------------------------------------
 
 def fixed_serialization_id(data: bytes) -> bytes:
-    """A torch zip's bytes with its ``.data/serialization_id`` (random when ckptfix's torch-free writer made it)
+    """A torch zip's bytes with its ``.data/serialization_id`` (random where an older ckptfix's torch-free writer made it)
     made all zeros, its CRC-32 rewritten (local header or data descriptor, and central directory) so the file stays
     valid; other bytes unchanged."""
     with zipfile.ZipFile(io.BytesIO(data)) as z:

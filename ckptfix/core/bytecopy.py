@@ -1,5 +1,7 @@
-"""Moving bytes between files without passing them through Python: copy_file_range, sendfile,
-and a bounded-buffer fallback; CRC-32 of a file range computed on the other core meanwhile.
+"""Moving bytes between files without passing them through Python: copy_file_range where source and destination
+offsets sit alike in the page cache's folios, else ``pwrite`` from a mapping of the source (one copy either way), a
+bounded-buffer fallback; CRC-32 of a file range computed on the other core meanwhile. What lands in an output being
+written is reported to its :class:`~ckptfix.core.outputs.Output` (write-back started, hashed, behind the copies).
 
 A source may also be a URL (:class:`Sources` opens it as a :class:`RemoteFile`): its copies are queued and run
 by :meth:`Sources.finish` (:mod:`ckptfix.core.rangecopy`: ranged GETs in bounded windows, written with ``pwrite``,
@@ -15,13 +17,20 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from . import locations
+from . import locations, outputs
 from ..errors import FormatError
 from .checksums import crc32, crc32_between
 from .positional import ByteSource, crc32_range
 from .rangecopy import Batch, Span
 
 _CHUNK = 64 * 2**20
+#: copy_file_range moves whole page-cache folios where the source and destination offsets differ by a multiple of
+#: this (a large folio's size); offsets that don't (a safetensors output, a zip's renamed records) cost it 1.3–2×
+#: here, so those bytes go through a mapping of the source instead (bench/RESULTS.md, "Wave-5")
+_FOLIO = 2 * 2**20
+#: a mapped copy's ``pwrite``: the kernel faults the step's source pages in before copying them, so the step stays
+#: cache-sized (8 MiB steps took 1.5× as long)
+_STEP = 2**20
 
 class _Sink(Protocol):
     def advance(self, nbytes: int) -> None: ...
@@ -33,14 +42,19 @@ class _Sink(Protocol):
 progress: _Sink | None = None
 
 
-def _move(size: int, step: Callable[[int, int], int], what: str, whole: bool = True) -> None:
+def _move(size: int, step: Callable[[int, int], int], what: str, whole: bool = True, dst: tuple[int, int] = (-1, 0),
+          chunk: int = _CHUNK) -> None:
     """Call ``step(done, n)`` (returns bytes moved) until ``size`` bytes are moved; report progress
-    (``whole``: these were a whole tensor's bytes, not one segment of them)."""
+    (``whole``: these were a whole tensor's bytes, not one segment of them) and, where ``dst`` (its descriptor and
+    offset) is an :class:`~ckptfix.core.outputs.Output`'s, what landed there."""
     done = 0
+    out = outputs.active(dst[0])
     while done < size:
-        moved = step(done, min(_CHUNK, size - done))
+        moved = step(done, min(chunk, size - done))
         if moved <= 0:
             raise OSError(5, f"{what}: stopped after {done} of {size} bytes")
+        if out is not None:
+            out.wrote(dst[1] + done, moved)
         done += moved
         if progress is not None:
             progress.advance(moved)
@@ -125,6 +139,9 @@ def copy_range(src_fd: Source, dst_fd: int, src_offset: int, dst_offset: int, si
     if isinstance(src_fd, RemoteFile):
         src_fd.batch.copy(src_fd.source, src_offset, size, dst_fd, dst_offset, whole)
         return
+    if size >= _STEP and (src_offset - dst_offset) % _FOLIO:
+        _mapped_copy(src_fd, dst_fd, src_offset, dst_offset, size, whole)
+        return
     kernel = [hasattr(os, "copy_file_range")]
 
     def step(done: int, n: int) -> int:
@@ -136,12 +153,28 @@ def copy_range(src_fd: Source, dst_fd: int, src_offset: int, dst_offset: int, si
         data = os.pread(src_fd, n, src_offset + done)
         return os.pwrite(dst_fd, data, dst_offset + done) if data else 0
 
-    _move(size, step, "short copy (the source ended early?)", whole)
+    _move(size, step, "short copy (the source ended early?)", whole, (dst_fd, dst_offset))
+
+
+def _mapped_copy(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, size: int, whole: bool) -> None:
+    """Copy through a read-only mapping of the source, ``pwrite`` by ``pwrite`` (where copy_file_range would split
+    folios); a source shorter than the range is refused before anything is mapped."""
+    if src_offset + size > os.fstat(src_fd).st_size:
+        raise OSError(5, "short copy (the source ended early?)")
+    base = src_offset - src_offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(src_fd, src_offset + size - base, access=mmap.ACCESS_READ, offset=base) as mm:
+        view = memoryview(mm)[src_offset - base :]
+        try:
+            _move(size, lambda done, n: os.pwrite(dst_fd, view[done : done + n], dst_offset + done),
+                  "write made no progress", whole, (dst_fd, dst_offset), _STEP)
+        finally:
+            view.release()
 
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:
     """``pwrite`` all of ``data`` at ``offset`` (one call writes at most ~2 GiB on Linux)."""
-    _move(len(data), lambda done, n: os.pwrite(fd, data[done : done + n], offset + done), "write made no progress")
+    _move(len(data), lambda done, n: os.pwrite(fd, data[done : done + n], offset + done), "write made no progress",
+          dst=(fd, offset))
 
 
 class CrcWorker:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core import bytecopy, locations
+from ..core import bytecopy, locations, outputs
 from ..core.checksums import crc32, crc32_combine
 from ..core.devices import storage_id
 from ..core.tensorinfo import StorageInfo, TensorInfo, math_bits
@@ -211,21 +210,35 @@ def _versions_that_matter(meta: Any, keys: Any) -> list[str]:
 Body = Callable[[int, bytecopy.Sources, int], tuple[int, list[int]]]
 
 
-def write_file(path: str, header: bytes, names: list[str], body: Body) -> None:
+def write_file(path: str, header: bytes, names: list[str], body: Body, known: list[int | None] | None = None) -> None:
     """The file: its header, then ``body(out_fd, sources, pos) -> (end, CRC-32s)`` writes the data from ``pos``
     (``sources(path)`` opens each source file once: a descriptor, or a URL's queued copies, run by the body's
     ``CrcCheck.verify``) and gives each tensor's CRC-32 (``names``, in the header's order: from the source's bytes
     as they are copied, or from memory, never read back); the file ends at ``end``. The CRC-32s then replace the
-    digests' placeholders in the header. Both writers use it."""
-    with bytecopy.Sources() as sources, open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header)) + header)
+    digests' placeholders in the header — or, where ``known`` gives every one before the copy (each tensor a whole
+    zip record: the CRC-32 its zip records, which the body's check confirms), the header is final from the start,
+    and the file can be hashed behind the copy (:class:`~ckptfix.core.outputs.Output`). Both writers use it."""
+    placeholder = _escaped(digests.tensors_entry(dict.fromkeys(names, 0)))
+    at = header.index(placeholder)
+    ahead = known is not None and all(crc is not None for crc in known)
+    first = _with_digests(header, at, names, known) if ahead and known is not None else header
+    with bytecopy.Sources() as sources, outputs.open_output(path) as f, outputs.Output(f.fileno(), path) as out:
+        f.write(struct.pack("<Q", len(header)) + first)
         f.flush()
+        if ahead:
+            out.final(8 + len(header))
         end, found = body(f.fileno(), sources, 8 + len(header))
         f.seek(end)
         f.truncate(end)
-        placeholder, final = (_escaped(digests.tensors_entry(dict(zip(names, c)))) for c in ([0] * len(names), found))
-        at = header.index(placeholder)
-        os.pwrite(f.fileno(), final, 8 + at)
+        if not ahead or found != known:  # (a hash made behind the copy is then void: the file is hashed again)
+            final = _with_digests(header, at, names, found)[at : at + len(placeholder)]
+            bytecopy.write_all(f.fileno(), memoryview(final), 8 + at)
+
+
+def _with_digests(header: bytes, at: int, names: list[str], crcs: Sequence[int | None]) -> bytes:
+    """``header`` with the digests' placeholder (at ``at``) replaced by ``crcs`` (same length: fixed-width hex)."""
+    entry = _escaped(digests.tensors_entry({n: c or 0 for n, c in zip(names, crcs)}))
+    return header[:at] + entry + header[at + len(entry) :]
 
 
 def _escaped(value: str) -> bytes:
@@ -283,7 +296,8 @@ def _write_data(path: str, header: bytes, tensors: list[tuple[str, Any]], refs: 
             check.verify()  # (runs the queued remote copies first)
             return pos, [get() for get in found]
 
-    write_file(path, header, [key for key, _t in tensors], body)
+    known = [_recorded_crc(source_record(ref), segments) for (_t, ref), segments in zip(plans, copied)]
+    write_file(path, header, [key for key, _t in tensors], body, known)
 
 
 def _joined(check: bytecopy.CrcCheck, segments: list[tuple[str, int, int]]) -> int:
@@ -331,6 +345,7 @@ def _safetensors_layout(state_dict: Any) -> tuple[bytes, list[tuple[str, TensorI
 
 def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, TensorInfo]]) -> None:
     spans = [(t.storage.path, t.storage.offset + t.storage_offset * t.element_size(), t.nbytes) for _key, t in tensors]
+    known = [_recorded_crc(t.storage.record, [span]) for (_key, t), span in zip(tensors, spans)]
 
     def body(out: int, source_fd: bytecopy.Sources, pos: int) -> tuple[int, list[int]]:
         with bytecopy.CrcCheck((t.storage.record for _key, t in tensors), source_fd, spans) as check:
@@ -340,7 +355,15 @@ def _write_safetensors(path: str, header: bytes, tensors: list[tuple[str, Tensor
             check.verify()  # (runs the queued remote copies first)
             return pos, [check.crc(*span) for span in spans]
 
-    write_file(path, header, [key for key, _t in tensors], body)
+    write_file(path, header, [key for key, _t in tensors], body, known)
+
+
+def _recorded_crc(record: bytecopy.Recorded | None, segments: list[tuple[str, int, int]] | None) -> int | None:
+    """The CRC-32 a tensor's bytes have by its source zip's record, where they are that whole record (else None:
+    computed as they are copied)."""
+    if record is None or segments is None or len(segments) != 1:
+        return None
+    return record.crc if segments[0] == (record.path, record.offset, record.size) else None
 
 
 def recorded_members(path: str, fmt: str, select: str | None, part_members: Any) -> list[Any]:

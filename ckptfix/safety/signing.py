@@ -14,7 +14,6 @@ bundle against a given trust config: :mod:`ckptfix.safety.sigstore`).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import os
@@ -81,17 +80,6 @@ def library(*optional: str) -> SimpleNamespace:
                 del sys.modules["model_signing"]
 
 
-def import_in_background() -> None:
-    """Import :func:`library`'s modules on another thread (~0.2 s of CPU) while a convert copies its bytes in the
-    kernel; the signing step then finds them loaded (an import error surfaces there)."""
-    threading.Thread(target=_import_quietly, daemon=True).start()
-
-
-def _import_quietly() -> None:
-    with contextlib.suppress(SigningError):
-        library()
-
-
 def default_signature(path: str) -> str:
     """Where a signature of ``path`` goes unless told: ``PATH/model.sig`` in a directory, ``PATH.sig`` beside a file."""
     return os.path.join(path, DIR_SIGNATURE) if os.path.isdir(path) else path + FILE_SUFFIX
@@ -143,7 +131,7 @@ def hash_files(files: Mapping[str, str]) -> dict[str, str]:
 
 def hash_in_background(path: str) -> Future[str]:
     """The SHA-256 of a file just written, computed on another thread (from the page cache) while the caller
-    fsyncs it: a signed convert reads its output once more, overlapped with the write-back."""
+    fsyncs it: what a convert does where its writer couldn't hash behind the copy (torch's writer, a patched header)."""
     pool = ThreadPoolExecutor(max_workers=1)
     try:
         return pool.submit(sha256_file, path)

@@ -3,8 +3,8 @@
 - for every committed fixture the torch-free reader describes, and hypothesis-generated checkpoints
   (views, shared storages, offsets, non-contiguous tensors, every dtype, Parameters, ``_metadata``,
   nested training dicts with ``keep_extra``), both paths write the same output: safetensors files
-  byte for byte, torch zips member for member (``data.pkl`` included; only the random
-  ``serialization_id`` differs) and loading to the same objects under ``torch.load(weights_only=True)``;
+  byte for byte, torch zips member for member (``data.pkl`` included; only the ``serialization_id``
+  differs: each writer hashes the records its own way) and loading to the same objects under ``torch.load(weights_only=True)``;
 - the same for sharded output (``max_shard_size``): the same shard files, each as above, and the same
   index JSON byte for byte;
 - ``ckptfix convert a.pth b.pth`` / ``b.safetensors`` / ``--max-shard-size`` into a directory leaves

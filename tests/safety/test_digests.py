@@ -256,6 +256,9 @@ def test_lineage_is_deterministic(source: Path, tmp_path: Path) -> None:
     assert (tmp_path / "a.safetensors").read_bytes() == (lineage("b.safetensors", to="ddp") and
                                                          (tmp_path / "b.safetensors").read_bytes())
     assert first == lineage("c.pth", to="ddp")
+    (tmp_path / "again").mkdir()  # (a torch zip's records are named after its file: the same name, elsewhere)
+    assert (tmp_path / "c.pth").read_bytes() == (lineage("again/c.pth", to="ddp") and
+                                                 (tmp_path / "again" / "c.pth").read_bytes())
     assert first["transform"] == "--to ddp" and first["ckptfix"] == ckptfix.__version__
     assert lineage("d.safetensors", to="ddp", checksums=True)["source"]["sha256"] == ckptfix.convert(
         source, tmp_path / "e.safetensors", to="ddp", checksums=True).sha256_in

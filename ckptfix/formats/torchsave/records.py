@@ -15,7 +15,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any, cast
 
-from ...core import locations
+from ...core import locations, outputs
 from ...core.bytecopy import CrcCheck, CrcWorker, Recorded, RemoteFile, SegmentsCrcWorker, Source, Sources
 from ...core.devices import storage_id
 from ...core.torch_free import NeedsTorch
@@ -199,8 +199,8 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
                 if segments is not None and not any(locations.is_remote(path) for path, _o, _n in segments):
                     pieces[id(ref)] = tuple((cast(int, sources(path)), offset, n) for path, offset, n in segments)
             crcs.start_segments(list(pieces.values()))
-            with open(dst, "wb") as f:
-                z = ZipWriter(f)
+            with outputs.open_output(dst) as f, outputs.Output(f.fileno(), dst) as out:
+                z = ZipWriter(f, out)
                 z.add_bytes(f"{archive}/data.pkl", data_pkl)
                 z.add_bytes(f"{archive}/byteorder", b"little")
                 for key, ref in order:
@@ -217,7 +217,7 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
                     copied += ref.nbytes
                 check.verify()  # (runs the queued remote copies first)
                 z.add_bytes(f"{archive}/version", b"3\n")
-                z.add_bytes(f"{archive}/.data/serialization_id", os.urandom(20).hex().encode())
+                z.add_bytes(f"{archive}/.data/serialization_id", z.serialization_id())
                 for name, data in digest_records.records(archive, z.crcs(), names or {}):
                     z.add_bytes(name, data)
                 z.close()

@@ -10,6 +10,7 @@ torch's own writer does.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from ...core.checksums import crc32
-from ...core import bytecopy
+from ...core import bytecopy, outputs
 from ...parse.zipdir import read_directory
 
 ALIGN = 64
@@ -38,11 +39,19 @@ class _Entry:
 class ZipWriter:
     """Write members one after another into an open binary file, then the central directory."""
 
-    def __init__(self, f: BinaryIO):
-        self.f = f
+    def __init__(self, f: BinaryIO, out: outputs.Output | None = None):
+        self.f, self.out = f, out
         self.entries: list[_Entry] = []
         self.pending: list[tuple[_Entry, Callable[[], int]]] = []  # CRC-32s known once the copies are done
         self.pos = f.tell()
+        self.queued = False  # a remote copy is queued: its bytes land when the write's copies run
+
+    def _final(self) -> None:
+        """Tell the output that the bytes so far are final (it may hash them behind the copies), unless a local
+        header before them waits for its CRC-32 or a queued copy hasn't landed."""
+        if self.out is not None and not self.pending and not self.queued:
+            self.f.flush()
+            self.out.final(self.pos)
 
     def _local_header(self, name: bytes, size: int, crc: int) -> bytes:
         zip64 = size >= _U32 or self.pos >= _U32
@@ -66,11 +75,13 @@ class ZipWriter:
         self._start(name, len(data), crc32(data))
         self.f.write(data)
         self.pos += len(data)
+        self._final()
 
     def add_tensor_data(self, name: str, data: memoryview) -> None:
         """A member of tensor bytes computed in memory (a dtype cast), written with the progress line
         counting it as it does copied tensors."""
         self._start(name, len(data), crc32(data))
+        self._final()
         self.f.flush()
         bytecopy.write_all(self.f.fileno(), data, self.pos)
         self.pos += len(data)
@@ -93,6 +104,9 @@ class ZipWriter:
         size = sum(n for _fd, _offset, n in segments)
         self._start(name, size, crc if isinstance(crc, int) else 0)
         entry = self.entries[-1]
+        self.queued |= any(isinstance(src, bytecopy.RemoteFile) for src, _o, _n in segments)
+        if isinstance(crc, int):
+            self._final()
         self.f.flush()
         if len(segments) == 1:
             bytecopy.copy_range(segments[0][0], self.f.fileno(), segments[0][1], self.pos, size)
@@ -112,6 +126,13 @@ class ZipWriter:
         self.pending.clear()
         self.f.seek(self.pos)
         return {e.name.decode("utf-8"): e.crc for e in self.entries}
+
+    def serialization_id(self) -> bytes:
+        """``.data/serialization_id`` for the records so far, shaped as torch's (40 digits: torch hashes the record
+        names and combines their CRC-32s) and as deterministic: two writes of one state dict are one file."""
+        names = "\n".join(f"{name}:{crc:08x}:{e.size}" for (name, crc), e in zip(self.crcs().items(), self.entries))
+        digest = hashlib.sha256(names.encode("utf-8")).digest()
+        return b"%020d%020d" % (int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:16], "little"))
 
     def close(self) -> None:
         self.crcs()

@@ -14,16 +14,17 @@ The read is one of three, chosen before any tensor byte is touched:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from concurrent.futures import Future
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ... import formats
 from ...formats.base import CastRef, source_record
 from ...statedict import locate, ties, transforms, weights_only, wrappers
-from ...core import locations
+from ...core import locations, outputs
 from ...core.bytecopy import CrcCheck
 from ...core.atomic import hashed_name
 from ...core.upload import check_destination, check_destination_dir, check_scheme, output_path
@@ -86,7 +87,6 @@ def _check_signing(dst: str, key: str) -> None:
                               "sign it (ckptfix sign), then upload both")
     signing.require()
     signing.load_key(key)
-    signing.import_in_background()
 
 
 def _stores_aliases(fmt: str) -> bool:
@@ -295,27 +295,37 @@ def transform(req: Request, ckpt: Checkpoint) -> Output:
 # -- writing -------------------------------------------------------------------------------------------
 
 class _Finalizer:
-    """Called by ``output_path`` on the finished temp file: hashes it, picks the hashed name."""
+    """Called by ``output_path`` on the finished temp file: picks the hashed name; holds the output's SHA-256."""
 
     def __init__(self, req: Request):
         self.req, self.dst = req, req.dst
         self.sha256: str | None = None
         self.size = 0  # the output's bytes (uploaded, for an s3:// destination)
-        self.pending: Future[str] | None = None
+        self.pending: Any = None  # the SHA-256 being computed: ``result()`` gives it
         self.signature: str | None = None
 
-    def written(self, tmp: str) -> None:
-        """The temp file is complete: hash it on another thread (page cache) while ``output_path`` fsyncs it."""
-        if self.req.hash or self.req.checksums or self.req.sign:
-            self.pending = signing.hash_in_background(tmp)
+    @contextlib.contextmanager
+    def writing(self, tmp: str) -> Iterator[None]:
+        """The write of the temp file: where its SHA-256 is wanted, hashed behind the writer as the bytes land
+        (``outputs.hashing``), else — a writer that patched what it wrote, or torch's — on another thread (page
+        cache) once it is written; either finishes while ``output_path`` fsyncs it."""
+        if not (self.req.hash or self.req.checksums or self.req.sign):
+            yield
+            return
+        with outputs.hashing(tmp) as hashed:
+            yield
+        self.pending = hashed.hasher or signing.hash_in_background(tmp)
+
+    def digest(self) -> str | None:
+        """The output's SHA-256 (waiting for its hash), where it was wanted."""
+        if self.pending is not None:
+            self.sha256, self.pending = self.pending.result(), None
+        return self.sha256
 
     def __call__(self, tmp: str) -> str:
         self.size = os.path.getsize(tmp)
-        if self.pending is not None:
-            self.sha256 = self.pending.result()
         if self.req.hash:
-            assert self.sha256 is not None
-            self.dst = hashed_name(self.req.dst, self.sha256)
+            self.dst = hashed_name(self.req.dst, cast(str, self.digest()))
             check_destination(self.req.src, self.dst, self.req.force)
         return self.dst
 
@@ -333,9 +343,8 @@ def write_torch_free(req: Request, ckpt: Checkpoint, out: Output, final: _Finali
     plan = formats.plan_write(out.obj, req.fmt_out, archive=_archive_name(req.dst), keep_keys=keep_keys)
     notes: list[str] = []
     with Progress(_nbytes_out(ckpt, out), ckpt.stats.num_tensors, enabled=req.progress):
-        with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
+        with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp, final.writing(tmp):
             written = plan.write(tmp)
-            final.written(tmp)
     return notes + written
 
 
@@ -379,9 +388,8 @@ def _write_output(req: Request, obj: Any, refs: dict | None, final: _Finalizer) 
     if out.directory_output:
         return formats.write(obj, req.dst, req.fmt_out, force=req.force)
     notes: list[str] = []
-    with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp:
+    with output_path(req.dst, finalize=final, notes=notes, force=req.force) as tmp, final.writing(tmp):
         written = formats.write(obj, tmp, req.fmt_out, refs=refs, archive=_archive_name(req.dst))
-        final.written(tmp)
     return notes + written
 
 
@@ -421,7 +429,9 @@ def _sign(req: Request, final: _Finalizer) -> None:
     hashed in parallel now, from the page cache)."""
     if req.sign is None:
         return
-    digests = {signing.SINGLE: final.sha256} if final.sha256 is not None and os.path.isfile(final.dst) else None
+    signing.library()  # (imported while the output's hash finishes: the import holds the GIL, the hash doesn't)
+    sha256 = final.digest()
+    digests = {signing.SINGLE: sha256} if sha256 is not None and os.path.isfile(final.dst) else None
     final.signature = signing.sign(final.dst, req.sign, digests=digests).signature
 
 
@@ -457,7 +467,7 @@ def report(req: Request, ckpt: Checkpoint, out: Output, written: list[str], fina
         seconds=round(time.perf_counter() - start, 3),
         peak_rss=peak_rss_bytes(),
         sha256_in=lineage.source_sha256(req.src) if req.checksums else None,
-        sha256_out=final.sha256 if req.checksums else None,
+        sha256_out=final.digest() if req.checksums else None,
         dtype_cast=cast.cast if cast is not None else None,
         notes=report_notes,
         signature=final.signature,

@@ -21,7 +21,8 @@ _BEHIND = 64 * 2**20
 _outputs: dict[int, Output] = {}
 #: the temp paths whose SHA-256 a caller asked for (:func:`hashing`)
 _wanted: dict[str, Hashed] = {}
-_HASH_READ = 4 * 2**20
+#: the hash's step: one mapping, one ``update`` (the GIL released throughout: a thread importing beside it, a
+#: signed convert's model-signing, would otherwise stall it at every step)
 _HASH_WINDOW = 64 * 2**20
 _SYNC_FILE_RANGE: Any = None
 
@@ -154,8 +155,7 @@ class _Hasher:
         with mmap.mmap(self.fd, upto - base, access=mmap.ACCESS_READ, offset=base) as mm:
             view = memoryview(mm)
             try:
-                for at in range(self.done - base, upto - base, _HASH_READ):
-                    self.sha.update(view[at : min(at + _HASH_READ, upto - base)])
+                self.sha.update(view[self.done - base :])
             finally:
                 view.release()
         self.done = upto

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import outputs
 from .checksums import crc32
 from .positional import WORKERS, ByteSource
 
@@ -168,11 +169,14 @@ def _finish(span: Span, crc: int, progress: Any) -> None:
 
 
 def _write_all(fd: int, data: memoryview, offset: int, progress: Any) -> None:
-    done = 0
+    """``pwrite`` all of ``data``, told to the output being written (its write-back, its hash behind the copy)."""
+    done, out = 0, outputs.active(fd)
     while done < len(data):
         n = os.pwrite(fd, data[done:], offset + done)
         if n <= 0:
             raise OSError(5, f"write made no progress after {done} of {len(data)} bytes")
+        if out is not None:
+            out.wrote(offset + done, n)
         done += n
         if progress is not None:
             progress.advance(n)

@@ -1,8 +1,8 @@
 """Copying tensors with the NaN/Inf check fused in: each chunk is checked while it is still in cache.
 
 ``torch.isfinite(t).all()`` allocates a bool tensor the size of ``t`` and reads ``t`` a second time from
-memory; on a 1 GiB model it cost 3× the load itself. Here a copy goes chunk by chunk (1 MiB), and each
-chunk just written is reduced to one number (its dot product with itself, or its sum): a finite result proves
+memory; on a 1 GiB model it cost 3× the load itself. Here a copy goes chunk by chunk (:data:`CHUNK_BYTES`), and
+each chunk just written is reduced to one number (its dot product with itself, or its sum): a finite result proves
 every element finite (a NaN or an Inf makes it non-finite), and only a non-finite one — a real NaN/Inf, or
 finite values overflowing — needs the exact test (the chunk's minimum and maximum, which NaN and Inf propagate
 to). No temporary larger than a chunk. Measured here (2 cores): the check adds about a fifth to a copy from the
@@ -10,11 +10,13 @@ page cache (bench/RESULTS.md); the plain `isfinite` pass added three times the c
 
 A built CPU tensor filled from a file (:func:`fill_from_file`, what ``load_into`` does for a CPU-built model) is
 read straight into its memory with ``preadv`` — the kernel copies from the page cache: no page faults on a
-mapping — in chunks of :data:`READ_BYTES`, each checked just after it landed, while it is still in that core's
-cache, by a few threads (each reads and checks its own runs of chunks, :data:`JOB_BYTES` a job; both release the
-GIL). fp32/fp64 chunks are checked with numpy's ``dot`` (single-threaded BLAS): torch's reductions start an
-OpenMP team per call, which on a busy machine waits for a core (measured here: 0.4–1.4 ms per MiB with the other
-core busy, against 35 µs).
+mapping — in chunks of :data:`READ_BYTES` (512 KiB; not :data:`CHUNK_BYTES`), each checked just after it landed,
+while it is still in that core's cache, by a few threads (each reads and checks its own runs of chunks,
+:data:`JOB_BYTES` a job; both release the GIL). fp32/fp64 chunks are checked with numpy's ``dot``: torch's
+reductions start an OpenMP team per call, which on a busy machine waits for a core (measured here: 0.4–1.4 ms per
+MiB with the other core busy, against 35 µs). (numpy's OpenBLAS splits a ``dot`` of over 10 000 elements over its
+own threads too, which spin a while after; still, after a ``preadv`` it was the cheapest check measured here, about
+a fifth of the read: numpy's sum, and its two integer maxima, cost a third.)
 A file not in the page cache is asked for ahead of the reads (``POSIX_FADV_WILLNEED``), found out with
 ``RWF_NOWAIT``: nothing is asked of the kernel when the file is cached.
 

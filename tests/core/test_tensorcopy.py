@@ -18,6 +18,7 @@ from torch import nn
 import ckptfix
 from ckptfix.core import tensorcopy
 from ckptfix.errors import FormatError
+from ckptfix.ops.sources import Sources
 from tests.page_cache import drop_from_page_cache
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.float8_e4m3fn,
@@ -114,8 +115,9 @@ class Net(nn.Module):
 @pytest.mark.parametrize("cache", ["warm", "cold"])
 def test_built_model_is_read_from_the_file_not_copied_from_a_mapping(tmp_path: Path, fmt: str, cache: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU-built model in the file's dtype is filled by reads from the file (no mapped copy), warm or with the
-    file's pages dropped: bit-identical to the plain loader, no warning for finite values whose x·x overflows."""
+    """A CPU-built model in the file's dtype is filled by reads from the file (no mapped copy, and no view of the
+    mapped file made for it), warm or with the file's pages dropped: bit-identical to the plain loader, no warning for
+    finite values whose x·x overflows."""
     sd = Net().state_dict()
     sd["a.weight"].fill_(3e38)  # finite; x·x overflows
     path = tmp_path / f"m.{fmt}"
@@ -127,6 +129,7 @@ def test_built_model_is_read_from_the_file_not_copied_from_a_mapping(tmp_path: P
         raise AssertionError("copied from the mapped file")
 
     monkeypatch.setattr(tensorcopy, "copy_checked", no_mapped_copy)
+    monkeypatch.setattr(Sources, "view", no_mapped_copy)
     if cache == "cold":
         drop_from_page_cache(path)
     got = Net()

@@ -54,7 +54,9 @@ class Slot:
 class Plan:
     """What the commit step does, decided before anything is touched."""
 
-    copy: list[tuple[Slot, Any, Any]] = field(default_factory=list)  # (slot, source view, (path, offset) or None)
+    #: (slot, source, (path, offset) or None): the source a view of the mapped file, or — where the tensor is read
+    #: straight from the file (:func:`_reads`) — the meta tensor itself (no view made that nothing would use)
+    copy: list[tuple[Slot, Any, Any]] = field(default_factory=list)
     assign: list[tuple[Slot, Any, str]] = field(default_factory=list)  # (slot, source view, target device)
     assign_places: list[tuple[str, int] | None] = field(default_factory=list)  # each assigned view's (path, offset)
     sharded: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source on meta)
@@ -229,7 +231,8 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
             plan.assign.append((slot, sources.view(src), target(src)))
             plan.assign_places.append(sources.place(src))
         else:
-            plan.copy.append((slot, sources.view(src), sources.place(src)))
+            place = sources.place(src)
+            plan.copy.append((slot, src if _reads(slot.tensor, src, place) else sources.view(src), place))
     plan.materialise = [(walk.by_name[path], device) for path, device in shards.outermost(roots).items()]
     _refuse_meta_left(walk, slots, plan)
     return plan
@@ -300,7 +303,7 @@ def _precheck(plan: Plan, sources: Sources) -> list[str]:
     """strict_values: the keys whose values in the file are NaN/Inf, found before anything is loaded."""
     bad = []
     for slot, src, _place in plan.copy:
-        bad += [] if tensorcopy.all_finite(src) else slot.keys
+        bad += [] if tensorcopy.all_finite(sources.view(src)) else slot.keys
     for slot, src, _dev in plan.assign:
         bad += [] if tensorcopy.all_finite(src) else slot.keys
     for key, src in plan.by_torch.items():
@@ -329,7 +332,7 @@ def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, un
     fills, keys, bad = [], [], []
     for slot, src, place in copies:
         dst = slot.tensor.detach()
-        if place is None or not (dst.device.type == "cpu" and dst.is_contiguous() and dst.shape == src.shape):
+        if not _reads(dst, src, place):
             if undo is not None:
                 undo.save_tensor(dst)
             bad += [] if tensorcopy.copy_checked(dst, src, check) else slot.keys
@@ -341,6 +344,12 @@ def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, un
             keys.append(slot.keys)
     finite = tensorcopy.fill_from_file(fills, check, undo)
     return bad + [k for ok, names in zip(finite, keys) if not ok for k in names]
+
+
+def _reads(dst: Any, src: Any, place: tuple[str, int] | None) -> bool:
+    """The built tensor ``dst`` is read straight from the file at ``place`` (a contiguous CPU tensor of the source's
+    shape; cast from reads where the dtype differs), not copied from a view of the mapped file."""
+    return place is not None and dst.device.type == "cpu" and dst.is_contiguous() and dst.shape == src.shape
 
 
 def _by_torch(model: Any, plan: Plan, state_dict: Any, check: bool, undo: rollback.Undo | None) -> list[str]:

@@ -5,7 +5,8 @@ of tensors of tens of MB, plus a variant with 20,000 small tensors, then runs ev
 by side in alternating rounds and reports the median wall time and peak anonymous memory
 (RssAnon sampled from /proc/PID/status), as ratios to ``import torch`` + ``cp`` + fsync measured in
 the same run, each command after a ``sync`` and a pause (--settle, 1 s) so one command's writeback doesn't land on
-the next. Replaces the first section of bench/RESULTS.md (the sections after it are other benches').
+the next, and its output deleted once measured (kept, the outputs fill the page cache and evict the sources).
+Replaces the first section of bench/RESULTS.md (the sections after it are other benches').
 
     python bench/convert.py --size-gb 2 --rounds 3 --dir /tmp/ckptfix-bench
 """
@@ -159,6 +160,8 @@ def main() -> None:
             names = list(cmds) if r % 2 == 0 else list(reversed(cmds))  # alternate the order
             for name in names:
                 runs[name].append(measure(cmds[name], settle=args.settle))
+                for written in out.iterdir():  # each output dropped at once: GiBs of them left in the page cache
+                    shutil.rmtree(written) if written.is_dir() else written.unlink()  # push the sources out
                 print(f"round {r + 1}: {name}: {runs[name][-1][0]:.2f} s", file=sys.stderr)
         report = render(runs, files, args)
         print(report)

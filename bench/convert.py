@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from measure import measure  # bench/measure.py (this script's folder is on sys.path)
+from measure import busy, measure  # bench/measure.py (this script's folder is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -143,6 +143,8 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--small-tensors", type=int, default=20_000)
     ap.add_argument("--sign-gb", type=float, default=1.0, help="the --sign pair's checkpoint (issue 30: 1 GB)")
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes spinning through every round (a machine "
+                    "whose cores are shared); write the table elsewhere with --results")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settle", type=float, default=1.0, help="seconds to pause after a sync before each command")
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir, removed after)")
@@ -156,13 +158,12 @@ def main() -> None:
         files = make_checkpoints(workdir, args.size_gb, args.small_tensors, args.sign_gb)
         cmds = commands(files, out, make_key(workdir))
         runs: dict[str, list[tuple[float, int]]] = {name: [] for name in cmds}
-        for r in range(args.rounds):
-            names = list(cmds) if r % 2 == 0 else list(reversed(cmds))  # alternate the order
-            for name in names:
-                runs[name].append(measure(cmds[name], settle=args.settle))
-                for written in out.iterdir():  # each output dropped at once: GiBs of them left in the page cache
-                    shutil.rmtree(written) if written.is_dir() else written.unlink()  # push the sources out
-                print(f"round {r + 1}: {name}: {runs[name][-1][0]:.2f} s", file=sys.stderr)
+        spinners = busy(args.busy)
+        try:
+            rounds(args, cmds, runs, out)
+        finally:
+            for p in spinners:
+                p.kill()
         report = render(runs, files, args)
         print(report)
         old = args.results.read_text() if args.results.exists() else ""
@@ -171,6 +172,18 @@ def main() -> None:
     finally:
         if args.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def rounds(args: argparse.Namespace, cmds: dict[str, list[str]], runs: dict[str, list[tuple[float, int]]],
+           out: Path) -> None:
+    """Every command once a round, the order alternating; each output deleted once measured."""
+    for r in range(args.rounds):
+        names = list(cmds) if r % 2 == 0 else list(reversed(cmds))
+        for name in names:
+            runs[name].append(measure(cmds[name], settle=args.settle))
+            for written in out.iterdir():  # each output dropped at once: GiBs of them left in the page cache
+                shutil.rmtree(written) if written.is_dir() else written.unlink()  # push the sources out
+            print(f"round {r + 1}: {name}: {runs[name][-1][0]:.2f} s", file=sys.stderr)
 
 
 def render(runs: dict[str, list[tuple[float, int]]], files: dict[str, Path], args: argparse.Namespace) -> str:
@@ -186,7 +199,8 @@ def render(runs: dict[str, list[tuple[float, int]]], files: dict[str, Path], arg
         f"`python bench/convert.py --size-gb {args.size_gb} --rounds {args.rounds} --settle {args.settle:g}` "
         f"on {platform.machine()}, "
         f"{os.cpu_count()} cores, Python {platform.python_version()}; checkpoint {size / 2**30:.2f} GiB "
-        f"({len(list(runs))} commands × {args.rounds} alternating rounds, median wall, max peak RssAnon; page cache warm).",
+        f"({len(list(runs))} commands × {args.rounds} alternating rounds, median wall, max peak RssAnon; page cache warm"
+        + (f"; {args.busy} CPU-bound processes spinning throughout" if args.busy else "") + ").",
         "",
         f"Baseline = `import torch` + `cp` + fsync = {base:.2f} s; each command after `sync` + {args.settle:g} s pause. Memory: "
         f"peak RssAnon minus a bare `import torch` process ({torch_mem / 2**20:.0f} MiB) and minus `python -c pass` "

@@ -50,7 +50,6 @@ import platform
 import queue
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,7 +64,7 @@ import torch
 from torch import nn
 
 import first_call  # bench/first_call.py
-from measure import AnonSampler, drop_from_page_cache, read_through, rss_anon  # bench/measure.py
+from measure import AnonSampler, busy, drop_from_page_cache, read_through, rss_anon  # bench/measure.py
 from load_report import render_first_call, render_markdown, summarise, summarise_first_call  # bench/load_report.py
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -388,15 +387,6 @@ def run_once(ctx: Any, sampler: AnonSampler, spec: dict[str, Any]) -> dict[str, 
     finally:
         for p in procs:
             sampler.forget(p.pid)
-
-
-def busy(count: int) -> list[subprocess.Popen[bytes]]:
-    """``count`` CPU-bound processes, spinning before the run starts (a machine whose cores are shared: a server's
-    other workers, a CI neighbour)."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    if spinners:
-        time.sleep(0.3)
-    return spinners
 
 
 # -- the whole bench ---------------------------------------------------------------------------------------

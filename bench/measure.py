@@ -128,3 +128,10 @@ def read_through(path: str | os.PathLike[str]) -> None:
             pass
 
 
+def busy(count: int) -> list[subprocess.Popen[bytes]]:
+    """``count`` CPU-bound processes, spinning before the run starts (a machine whose cores are shared: a server's
+    other workers, a CI neighbour)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    if spinners:
+        time.sleep(0.3)
+    return spinners

@@ -1,7 +1,7 @@
 """An output file as its writer fills it (:class:`Output`): the write-back of what it wrote started behind the
 writes, so the final fsync waits for the last window only, and — where the caller asked (:func:`hashing`: a convert's
 ``--hash``, ``--sign``, checksums) — its SHA-256 computed on another thread behind them, over the bytes the writer
-declared final, as they land. :mod:`~ckptfix.core.bytecopy`'s copies and writes report to it; :func:`open_output`
+declared final, as they land. :mod:`~ckptfix.core.bytecopy`'s copies and writes report to it; :func:`create`
 opens it without the truncation that costs ext4 a flush at close."""
 
 from __future__ import annotations
@@ -81,18 +81,22 @@ class Output:
                 self.hasher.upto(upto)
 
 
-def open_output(path: str) -> BinaryIO:
-    """``open(path, "wb")``, except that a file already empty (an atomic write's temp file) is not truncated again:
-    ext4 takes a truncation to zero bytes as "replace via truncate" and writes the whole file back when it is
-    closed (auto_da_alloc), which costs the close as much as the fsync after it."""
+@contextlib.contextmanager
+def create(path: str) -> Iterator[tuple[BinaryIO, Output]]:
+    """The output file at ``path`` opened for writing, and its :class:`Output`: ``with create(path) as (f, out):``.
+    A file already empty (an atomic write's temp file) is not truncated again: ext4 takes a truncation to zero bytes
+    as "replace via truncate" and writes the whole file back when it is closed (auto_da_alloc), which costs the
+    close as much as the fsync after it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         if os.fstat(fd).st_size:
             os.ftruncate(fd, 0)
-        return os.fdopen(fd, "wb")
+        f = os.fdopen(fd, "wb")
     except BaseException:
         os.close(fd)
         raise
+    with f, Output(f.fileno(), path) as out:
+        yield f, out
 
 
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:

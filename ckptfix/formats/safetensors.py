@@ -222,7 +222,7 @@ def write_file(path: str, header: bytes, names: list[str], body: Body, known: li
     at = header.index(placeholder)
     ahead = known is not None and all(crc is not None for crc in known)
     first = _with_digests(header, at, names, known) if ahead and known is not None else header
-    with bytecopy.Sources() as sources, outputs.open_output(path) as f, outputs.Output(f.fileno(), path) as out:
+    with bytecopy.Sources() as sources, outputs.create(path) as (f, out):
         f.write(struct.pack("<Q", len(header)) + first)
         f.flush()
         if ahead:

@@ -199,7 +199,7 @@ def write_archive(data_pkl: bytes, order: list[tuple[str, StorageRef]], dst: str
                 if segments is not None and not any(locations.is_remote(path) for path, _o, _n in segments):
                     pieces[id(ref)] = tuple((cast(int, sources(path)), offset, n) for path, offset, n in segments)
             crcs.start_segments(list(pieces.values()))
-            with outputs.open_output(dst) as f, outputs.Output(f.fileno(), dst) as out:
+            with outputs.create(dst) as (f, out):
                 z = ZipWriter(f, out)
                 z.add_bytes(f"{archive}/data.pkl", data_pkl)
                 z.add_bytes(f"{archive}/byteorder", b"little")

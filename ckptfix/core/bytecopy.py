@@ -19,8 +19,9 @@ from typing import Any, Protocol
 
 from . import locations, outputs
 from ..errors import FormatError
-from .checksums import crc32, crc32_between
-from .positional import ByteSource, crc32_range
+from .units import shown
+from .checksums import crc32_between
+from .positional import ByteSource, SourceShort, crc32_notes, crc32_range
 from .rangecopy import Batch, Span
 
 _CHUNK = 64 * 2**20
@@ -112,13 +113,38 @@ class Sources:
     def __enter__(self) -> Sources:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            refuse_shrunk(exc, self.fds)
+        finally:
+            self.close()
 
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def refuse_shrunk(exc: BaseException | None, fds: dict[str, int]) -> None:
+    """After ``exc``: a source that ended before a copy or a CRC-32 pass was done (:class:`SourceShort`, on this thread
+    or the CRC-32 thread's) is one of the files ``fds`` (path -> descriptor): raise the FormatError that names it —
+    the source shrank under the convert; the output is not the cause."""
+    if not isinstance(exc, SourceShort):
+        return
+    name = next((path for path, fd in fds.items() if _inode(fd) == exc.inode), None)
+    if name is None:  # (one of another writer's files: that writer names it)
+        return
+    raise FormatError(f"{shown(name)}: ends at byte {exc.now}, but this convert copies bytes up to {exc.needed}: "
+                      "another process truncated or rewrote it while it was converted; nothing was written (convert it "
+                      "again once that process is done)") from exc
+
+
+def _inode(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def copy_segments(segments: list[tuple[Source, int, int]], dst_fd: int, dst_offset: int) -> int:
@@ -135,13 +161,25 @@ def copy_segments(segments: list[tuple[Source, int, int]], dst_fd: int, dst_offs
 
 def copy_range(src_fd: Source, dst_fd: int, src_offset: int, dst_offset: int, size: int, whole: bool = True) -> None:
     """Copy ``size`` bytes from ``src_fd@src_offset`` to ``dst_fd@dst_offset``, in the kernel if it can (a
-    :class:`RemoteFile`: queued, copied when its :class:`Sources` finishes)."""
+    :class:`RemoteFile`: queued, copied when its :class:`Sources` finishes). A source that ends first (it shrank under
+    the copy) is :class:`~ckptfix.core.positional.SourceShort`."""
     if isinstance(src_fd, RemoteFile):
         src_fd.batch.copy(src_fd.source, src_offset, size, dst_fd, dst_offset, whole)
         return
-    if size >= _STEP and (src_offset - dst_offset) % _FOLIO:
-        _mapped_copy(src_fd, dst_fd, src_offset, dst_offset, size, whole)
-        return
+    try:
+        if size >= _STEP and (src_offset - dst_offset) % _FOLIO:
+            _mapped_copy(src_fd, dst_fd, src_offset, dst_offset, size, whole)
+        else:
+            _kernel_copy(src_fd, dst_fd, src_offset, dst_offset, size, whole)
+    except SourceShort:
+        raise
+    except OSError as e:  # a short copy, EFAULT from a mapping past the end: the source's fault if it is short now
+        if os.fstat(src_fd).st_size < src_offset + size:
+            raise SourceShort(src_fd, src_offset + size, "short copy (the source ended early)") from e
+        raise
+
+
+def _kernel_copy(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, size: int, whole: bool) -> None:
     kernel = [hasattr(os, "copy_file_range")]
 
     def step(done: int, n: int) -> int:
@@ -158,9 +196,10 @@ def copy_range(src_fd: Source, dst_fd: int, src_offset: int, dst_offset: int, si
 
 def _mapped_copy(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, size: int, whole: bool) -> None:
     """Copy through a read-only mapping of the source, ``pwrite`` by ``pwrite`` (where copy_file_range would split
-    folios); a source shorter than the range is refused before anything is mapped."""
+    folios); a source shorter than the range is refused before anything is mapped (one that shrinks during the copy
+    makes ``pwrite`` fail with EFAULT: the kernel reads the mapping, nothing here touches the missing pages)."""
     if src_offset + size > os.fstat(src_fd).st_size:
-        raise OSError(5, "short copy (the source ended early?)")
+        raise SourceShort(src_fd, src_offset + size, "short copy (the source ended early?)")
     base = src_offset - src_offset % mmap.ALLOCATIONGRANULARITY
     with mmap.mmap(src_fd, src_offset + size - base, access=mmap.ACCESS_READ, offset=base) as mm:
         view = memoryview(mm)[src_offset - base :]
@@ -239,20 +278,6 @@ class SegmentsCrcWorker(CrcWorker):
         self._thread.join()
 
 
-_SMALL = 2**20
-
-
-def crc32_at(fd: int, offset: int, size: int) -> int:
-    """The CRC-32 of a file range: a small one read with one ``pread`` (no mapping set up per tensor, which 20,000
-    small tensors would feel), a large one through a mapping (:func:`crc32_range`)."""
-    if size > _SMALL:
-        return crc32_range(fd, offset, size)
-    data = os.pread(fd, size, offset)
-    if len(data) < size:
-        raise OSError(5, "short read while computing CRC-32")
-    return crc32(data)
-
-
 class RangeCrcs:
     """The CRC-32s of byte ranges of local files (``fds``: path → descriptor), on another thread, from one pass over
     each file's union of them: the CRC-32 of each run of covered bytes is chained from its start and noted at every
@@ -275,7 +300,7 @@ class RangeCrcs:
                 if self._stop:
                     return
                 try:
-                    notes = _chain(self.fds[path], start, end, sorted({c for o, n in inside for c in (o, o + n)}))
+                    notes = crc32_notes(self.fds[path], start, end, {c for o, n in inside for c in (o, o + n)})
                 except BaseException as e:  # (a file shorter than its records say) re-raised in result()
                     self.found.update(((path, o, n), e) for o, n in inside)
                     continue
@@ -308,38 +333,6 @@ def _runs(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int, list[tuple[
         else:
             runs.append((offset, offset + size, [(offset, size)]))
     return runs
-
-
-def _chain(fd: int, start: int, end: int, cuts: list[int]) -> dict[int, int]:
-    """``{cut: CRC-32 of fd[start:cut]}``, one pass over ``fd[start:end]``: a small run read with one ``pread``
-    (no mapping set up per tensor, which 20,000 small tensors would feel), a large one through a mapping."""
-    if end > os.fstat(fd).st_size:
-        raise OSError(5, "short read while computing CRC-32")
-    if end - start <= _SMALL:
-        data = os.pread(fd, end - start, start)
-        if len(data) < end - start:
-            raise OSError(5, "short read while computing CRC-32")
-        return _noted(memoryview(data), start, start, cuts)
-    base = start - start % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base) as mm:
-        view = memoryview(mm)
-        try:
-            return _noted(view, base, start, cuts)
-        finally:
-            view.release()
-
-
-def _noted(view: memoryview, origin: int, start: int, cuts: list[int]) -> dict[int, int]:
-    """The CRC-32 of the bytes from ``start`` (``view[0]`` is the file's byte ``origin``), chained in steps of at
-    most _CHUNK and noted at each cut."""
-    notes, crc, pos = {start: 0}, 0, start
-    for cut in cuts:
-        while pos < cut:
-            step = min(cut, pos + _CHUNK)
-            crc = crc32(view[pos - origin : step - origin], crc)
-            pos = step
-        notes[cut] = crc
-    return notes
 
 
 @dataclass(frozen=True)
@@ -408,8 +401,11 @@ class CrcCheck:
     def __enter__(self) -> CrcCheck:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            refuse_shrunk(exc, self.fds)
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self.worker is not None:

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from . import libc
+
 #: an output's write-back is started every this many bytes written (``sync_file_range``), so its fsync waits for
 #: the last window only
 _BEHIND = 64 * 2**20
@@ -24,7 +26,6 @@ _wanted: dict[str, Hashed] = {}
 #: the hash's step: one mapping, one ``update`` (the GIL released throughout: a thread importing beside it, a
 #: signed convert's model-signing, would otherwise stall it at every step)
 _HASH_WINDOW = 64 * 2**20
-_SYNC_FILE_RANGE: Any = None
 
 
 def active(fd: int) -> Output | None:
@@ -70,7 +71,7 @@ class Output:
             self.lo = offset
         self.hi = max(self.hi, offset + n)
         if self.hi - self.lo >= _BEHIND:
-            _start_writeback(self.fd, self.lo, self.hi - self.lo)
+            libc.start_writeback(self.fd, self.lo, self.hi - self.lo)
             self.lo = self.hi
 
     def final(self, upto: int) -> None:
@@ -97,23 +98,6 @@ def create(path: str) -> Iterator[tuple[BinaryIO, Output]]:
         raise
     with f, Output(f.fileno(), path) as out:
         yield f, out
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """``sync_file_range(SYNC_FILE_RANGE_WRITE)``: start writing a range back, without waiting (best effort: where
-    libc or the filesystem lacks it, the fsync does it all)."""
-    global _SYNC_FILE_RANGE
-    if _SYNC_FILE_RANGE is None:
-        try:
-            import ctypes
-
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-            fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
-            _SYNC_FILE_RANGE = fn
-        except (OSError, AttributeError):
-            _SYNC_FILE_RANGE = False
-    if _SYNC_FILE_RANGE:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, 2)
 
 
 class _Hasher:

@@ -19,7 +19,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,24 +28,71 @@ from ..errors import FormatError, MissingFileError
 
 #: bytes per preadv call (a bound on one syscall's latency, not on memory: reads land in the caller's buffer)
 _STEP = 64 * 2**20
+#: bytes per read of a CRC-32 pass (:func:`crc32_notes`; measured here: 1–4 MiB best, 256 KiB and 16 MiB slower)
+_CRC_READ = 4 * 2**20
 
 
 def crc32_range(fd: int, offset: int, size: int, crc: int = 0) -> int:
-    """CRC-32 of a file range, read through a memory map (no copy into Python memory); ``crc``: that
-    of the bytes before it, to chain ranges into one checksum."""
-    if size == 0:
-        return crc
-    if offset + size > os.fstat(fd).st_size:
-        raise OSError(5, "short read while computing CRC-32")
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(fd, offset + size - start, access=mmap.ACCESS_READ, offset=start) as mm:
-        view = memoryview(mm)
-        try:
-            for pos in range(offset - start, offset - start + size, _STEP):
-                crc = crc32(view[pos : min(pos + _STEP, offset - start + size)], crc)
-            return crc
-        finally:
-            view.release()
+    """CRC-32 of a file range (:func:`crc32_notes`); ``crc``: that of the bytes before it, to chain ranges into one
+    checksum."""
+    return crc32_notes(fd, offset, offset + size, (), crc)[offset + size]
+
+
+def crc32_notes(fd: int, start: int, end: int, cuts: Iterable[int], crc: int = 0) -> dict[int, int]:
+    """``{cut: CRC-32 of fd[start:cut]}`` (chained from ``crc``) for ``start``, ``end`` and each of ``cuts`` between
+    them, in one pass of reads into this thread's buffer (:data:`_CRC_READ`). Reads, not a mapping: a file truncated
+    under the pass (another process's write) is an OSError here; through a mapping it was SIGBUS, the process killed.
+    Measured here: 77–80 ms per GiB against the mapping's 51, on a thread beside the copy."""
+    notes = {start: crc}
+    if end <= start:
+        return notes
+    buf = _crc_buffer(end - start)[: min(_CRC_READ, end - start)]
+    pending = sorted(c for c in set(cuts) if start < c < end)
+    k, pos = 0, start
+    while pos < end:
+        base, n = pos, min(len(buf), end - pos)
+        _read_fully(fd, buf[:n], base)
+        while k < len(pending) and pending[k] <= base + n:
+            crc = crc32(buf[pos - base : pending[k] - base], crc)
+            pos = pending[k]
+            notes[pos] = crc
+            k += 1
+        crc = crc32(buf[pos - base : n], crc)
+        pos = base + n
+    notes[end] = crc
+    return notes
+
+
+def _crc_buffer(nbytes: int) -> memoryview:
+    """This thread's buffer for :func:`crc32_notes`, at least ``nbytes`` or :data:`_CRC_READ` long (kept: a pass per
+    tensor would otherwise fault a fresh buffer in each time)."""
+    buf: memoryview | None = getattr(_local, "crc", None)
+    want = min(nbytes, _CRC_READ)
+    if buf is None or len(buf) < want:
+        buf = _local.crc = memoryview(bytearray(max(want, 2**16)))
+    return buf
+
+
+def _read_fully(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise SourceShort(fd, offset + len(buf), "short read while computing CRC-32")
+        done += got
+
+
+class SourceShort(OSError):
+    """A source file ends before the bytes a copy or a CRC-32 pass needs: it shrank under the reader. ``inode``
+    (device, inode) and ``path`` (once a caller knows it) say which file; ``now`` its size, ``needed`` the end."""
+
+    def __init__(self, fd: int, needed: int, what: str) -> None:
+        st = os.fstat(fd)
+        self.inode, self.now, self.needed = (st.st_dev, st.st_ino), st.st_size, needed
+        super().__init__(5, f"{what}: the source ends at byte {self.now}, bytes up to {needed} are needed")
+
+
+_local = threading.local()
 
 
 class PositionalReader:

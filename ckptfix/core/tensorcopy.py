@@ -8,17 +8,13 @@ finite values overflowing — needs the exact test (the chunk's minimum and maxi
 to). No temporary larger than a chunk. Measured here (2 cores): the check adds about a fifth to a copy from the
 page cache (bench/RESULTS.md); the plain `isfinite` pass added three times the copy.
 
-A built CPU tensor filled from a file (:func:`fill_from_file`, what ``load_into`` does for a CPU-built model) is
-read straight into its memory with ``preadv`` — the kernel copies from the page cache: no page faults on a
-mapping — in chunks of :data:`READ_BYTES` (512 KiB; not :data:`CHUNK_BYTES`), each checked just after it landed,
-while it is still in that core's cache, by a few threads (each reads and checks its own runs of chunks,
-:data:`JOB_BYTES` a job; both release the GIL). fp32/fp64 chunks are checked with numpy's ``dot``: torch's
-reductions start an OpenMP team per call, which on a busy machine waits for a core (measured here: 0.4–1.4 ms per
-MiB with the other core busy, against 35 µs). (numpy's OpenBLAS splits a ``dot`` of over 10 000 elements over its
-own threads too, which spin a while after; still, after a ``preadv`` it was the cheapest check measured here, about
-a fifth of the read: numpy's sum, and its two integer maxima, cost a third.)
-A file not in the page cache is asked for ahead of the reads (``POSIX_FADV_WILLNEED``), found out with
-``RWF_NOWAIT``: nothing is asked of the kernel when the file is cached.
+A contiguous CPU tensor of a known float kind is checked by numpy on its bytes (:func:`bits_finite`), in
+:data:`READ_BYTES` chunks shared by a few threads (:func:`run_jobs`; both release the GIL), never by an OpenMP team:
+torch's reductions start one per call, which on a busy machine waits for a core (measured here: 0.4–1.4 ms per MiB
+with the other core busy, against 35 µs). fp32/fp64 chunks are checked with numpy's ``dot`` (numpy's OpenBLAS splits
+a ``dot`` of over 10 000 elements over its own threads too, which spin a while after; still, it was the cheapest
+check measured here, about a fifth of a read: numpy's sum, and its two integer maxima, cost a third). A built tensor
+filled from a file: :mod:`ckptfix.core.filefill`, with this check on each chunk as it lands.
 
 A copy to a CUDA device goes through two pinned staging buffers, so reading the next chunk from the
 mapped file overlaps the transfer of the last one.
@@ -26,31 +22,23 @@ mapped file overlaps the transfer of the last one.
 
 from __future__ import annotations
 
-import errno
 import functools
 import math
-import mmap
-import os
 import threading
 from typing import Any
 
-from ..errors import FormatError
+from . import libc
 
 #: bytes per chunk: small enough to stay in a core's cache between the copy and the check (measured best here:
 #: 1 MiB; larger chunks leave the cache, smaller ones cost more in per-call overhead than the check itself)
 CHUNK_BYTES = 2**20
 #: bytes per pinned staging buffer (two are used) for a copy from the CPU to a CUDA device
 STAGING_BYTES = 32 * 2**20
-#: bytes per ``preadv`` (and per check) when a tensor is filled from a file: small enough to be checked in cache
+#: bytes per check of a tensor's bytes (and per read or mapped copy of :mod:`~ckptfix.core.filefill`): small enough
+#: to be checked in cache
 READ_BYTES = 2**19
-#: bytes per job of :func:`fill_from_file`'s threads: a run of :data:`READ_BYTES` reads, each checked as it lands,
-#: under one dispatch (the job queue's lock and numpy's error state are Python under the GIL, which the threads take
-#: in turn: one per job instead of one per read saves 1.5–3 µs of CPU per read here, 3–6 ms per GiB)
-JOB_BYTES = 4 * 2**20
-#: threads filling tensors from files: torch's thread count (what its ``copy_`` uses), at most this many
+#: threads checking (or filling) tensors: torch's thread count (what its ``copy_`` uses), at most this many
 MAX_READERS = 8
-#: bytes asked for ahead of the reads (``POSIX_FADV_WILLNEED``) where the file isn't in the page cache
-READAHEAD_BYTES = 64 * 2**20
 #: bytes of reads and checks per extra thread: starting one (and its first GIL hand-offs) costs about what one core
 #: reads and checks of this many, so a small load (a server's tiny buffers, a test) starts none
 THREAD_BYTES = 8 * 2**20
@@ -187,7 +175,7 @@ def _to_device(dst: Any, src: Any, check: bool) -> bool:
 
 def _on_bytes(t: Any) -> bool:
     """``t`` is checked by numpy on its bytes (:func:`_bytes_finite`): a contiguous CPU tensor of a known kind."""
-    return bool(t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()) and _rule(t.dtype))
+    return bool(t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()) and bit_rule(t.dtype))
 
 
 def _cpu_finite(t: Any) -> bool:
@@ -217,7 +205,7 @@ def all_finite_many(tensors: list[Any], check: bool = True, places: list[tuple[s
             continue
         raw = t.reshape(-1).view(torch.uint8).numpy()
         if raw.nbytes >= READ_BYTES:
-            _will_need(raw.ctypes.data, raw.nbytes)
+            libc.will_need(raw.ctypes.data, raw.nbytes)
         step = max(1, READ_BYTES // t.element_size()) * t.element_size()
         chunks += [(n, raw[i : i + step], None if place is None else (place[0], place[1] + i))
                    for i in range(0, raw.nbytes, step)]
@@ -270,28 +258,7 @@ def run_jobs(count: int, job: Any, workers: int) -> None:
         raise state["error"]
 
 
-def _will_need(address: int, nbytes: int) -> None:
-    """``madvise(MADV_WILLNEED)`` over the pages of ``address .. address + nbytes`` (a mapped file's: the kernel
-    reads them ahead; anonymous memory: nothing happens). Best effort: nothing where libc can't be had."""
-    global _MADVISE
-    if _MADVISE is None:
-        try:
-            import ctypes
-
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-            _MADVISE = fn
-        except (OSError, AttributeError):
-            _MADVISE = False
-    if _MADVISE:
-        start = address - address % mmap.PAGESIZE
-        _MADVISE(start, address + nbytes - start, getattr(mmap, "MADV_WILLNEED", 3))
-
-
-_MADVISE: Any = None
-
-
-def _rule(dtype: Any) -> tuple[int, int | None, int | None, int | None] | None:
+def bit_rule(dtype: Any) -> tuple[int, int | None, int | None, int | None] | None:
     """How NaN and Inf show in ``dtype``'s bits: ``(width in bytes, unsigned max, signed max, signed min)``, each
     bound exclusive (None: no such bound); None for a dtype this table doesn't know (torch checks it).
 
@@ -306,7 +273,7 @@ def _rule(dtype: Any) -> tuple[int, int | None, int | None, int | None] | None:
 
 @functools.cache
 def _rules() -> dict[Any, tuple[int, int | None, int | None, int | None]]:
-    """:func:`_rule`'s table, built once (it is asked once per chunk read)."""
+    """:func:`bit_rule`'s table, built once (it is asked once per chunk read)."""
     import torch
 
     rules = {torch.float64: (8, 0xFFF0000000000000, 0x7FF0000000000000, None),
@@ -328,14 +295,14 @@ def _bytes_finite(raw: Any, dtype: Any) -> bool:
     import numpy as np
 
     with np.errstate(all="ignore"):  # an overflowing x·x is no warning: the exact test decides
-        return _bits_finite(raw, dtype)
+        return bits_finite(raw, dtype)
 
 
-def _bits_finite(raw: Any, dtype: Any) -> bool:
+def bits_finite(raw: Any, dtype: Any) -> bool:
     """:func:`_bytes_finite` under the caller's ``np.errstate(all="ignore")`` (entered once for many chunks)."""
     import numpy as np
 
-    rule = _rule(dtype)
+    rule = bit_rule(dtype)
     assert rule is not None, dtype
     width, umax, smax, smin = rule
     if width >= 4 and raw.nbytes:
@@ -348,145 +315,3 @@ def _bits_finite(raw: Any, dtype: Any) -> bool:
         return True
     return ((umax is None or int(unsigned.max()) < umax) and (smax is None or int(signed.max()) < smax)
             and (smin is None or int(signed.min()) > smin))
-
-
-def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, undo: Any = None,
-                   tally: Any = None) -> list[bool]:
-    """Fill each contiguous CPU tensor ``dst`` of ``fills`` — ``(dst, fd, offset, name)`` — with the bytes of the
-    file ``fd`` from ``offset`` (``dst.nbytes`` of them; ``name`` names the file in errors), read in chunks by up
-    to :data:`MAX_READERS` threads; with ``check``, each chunk is checked for NaN/Inf just after it is read. Returns,
-    per fill, whether its values are all finite (True unchecked or for integer tensors). A file that ends first
-    is a FormatError naming it and the range; with ``undo`` (a ``rollback.Undo``), each chunk's old bytes are
-    saved there just before its read, so the caller can put back what the reads replaced; with ``tally`` (a
-    ``checksums.Tally``), each chunk's CRC-32 is taken too, while it is in cache (digests)."""
-    import torch
-
-    jobs = []  # (fill index, byte view of the span, file offset, bytes per read): a span of reads per job
-    for n, (dst, _fd, offset, _name) in sorted(enumerate(fills), key=lambda f: (f[1][1], f[1][2])):
-        if dst.numel() == 0:
-            continue
-        raw = dst.reshape(-1).view(torch.uint8).numpy()
-        step = max(1, READ_BYTES // dst.element_size()) * dst.element_size()
-        span = max(1, JOB_BYTES // step) * step
-        jobs += [(n, raw[i : i + span], offset + i, step) for i in range(0, raw.size, span)]
-    finite = [True] * len(fills)
-    own = {fd: _sequential(fd) for fd in {f[1] for f in fills}}
-    try:
-        reader = _Reader([(d, own[fd], o, name) for d, fd, o, name in fills], jobs, finite, check, undo, tally)
-        run_jobs(len(jobs), reader.job, workers_for(sum(job[1].nbytes for job in jobs)))
-    finally:
-        for fd, mine in own.items():
-            if mine != fd:
-                os.close(mine)
-    for n, (dst, _fd, _offset, _name) in enumerate(fills):  # a float kind the bit table doesn't know: torch's test
-        if check and checks_values(dst) and _rule(dst.dtype) is None:
-            finite[n] = all_finite(dst)
-    return finite
-
-
-def cast_from_file(dst: Any, fd: int, offset: int, dtype: Any, name: str, check: bool = True,
-                   undo: Any = None, tally: Any = None) -> bool:
-    """Fill the contiguous CPU tensor ``dst`` with the values stored as ``dtype`` in the file ``fd`` from ``offset``,
-    cast as torch casts: chunk by chunk, each read (``preadv``, not a mapping: a truncated file is a FormatError, not
-    SIGBUS) into a staging buffer, then copied into ``dst`` with the check (:func:`copy_checked`), its old values
-    saved in ``undo`` first, its CRC-32 taken into ``tally`` (if any). Returns whether every value is finite (True
-    unchecked)."""
-    import torch
-
-    count = dst.numel()
-    if count == 0:
-        return True
-    width = torch.empty((), dtype=dtype).element_size()
-    step = max(1, CHUNK_BYTES // max(width, dst.element_size()))
-    staged = torch.empty(min(step, count), dtype=dtype)
-    raw = staged.view(torch.uint8).numpy()
-    out = dst.view(-1)
-    mine = _sequential(fd)
-    try:
-        reader, finite = _Reader([], [], [], False), True
-        for i in range(0, count, step):
-            k = min(step, count - i)
-            reader._read(mine, raw[: k * width], offset + i * width, name)
-            if tally is not None:
-                tally.add(name, offset + i * width, raw[: k * width])
-            part = out[i : i + k]
-            if undo is not None:
-                undo.save(part.view(torch.uint8).numpy())
-            finite = copy_checked(part, staged[:k], check) and finite
-    finally:
-        if mine != fd:
-            os.close(mine)
-    return finite
-
-
-def _sequential(fd: int) -> int:
-    """A descriptor of ``fd``'s file of its own (the same file, reopened through /proc), with the kernel's
-    readahead for a sequential read: the caller's may have it off (a positional reader's POSIX_FADV_RANDOM,
-    which makes a cold whole-file read 1.5× slower here); ``fd`` itself where that can't be had."""
-    try:
-        mine = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return fd
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(mine, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    return mine
-
-
-class _Reader:
-    """The shared state of :func:`fill_from_file`'s threads (:func:`run_jobs`): the readahead asked for per file."""
-
-    def __init__(self, fills: list[tuple[Any, int, int, str]], jobs: list[Any], finite: list[bool],
-                 check: bool, undo: Any = None, tally: Any = None) -> None:
-        self.fills, self.jobs, self.finite, self.undo, self.tally = fills, jobs, finite, undo, tally
-        self.checks = [check and checks_values(f[0]) and _rule(f[0].dtype) is not None for f in fills]
-        self.lock = threading.Lock()
-        self.ahead: dict[int, tuple[int, int]] = {}  # fd -> the range last asked for
-        self.nowait = getattr(os, "RWF_NOWAIT", 0)
-
-    def job(self, j: int) -> None:
-        """Read span ``j`` into its tensor a chunk at a time, each chunk checked just after its read, while it is
-        still in this core's cache."""
-        import numpy as np
-
-        n, span, offset, step = self.jobs[j]
-        dst, fd, _start, name = self.fills[n]
-        with np.errstate(all="ignore"):  # once per span (:func:`_bits_finite`)
-            for i in range(0, span.nbytes, step):
-                buf = span[i : i + step]
-                if self.undo is not None:
-                    self.undo.save(buf)  # the bytes this read replaces, while they are in this core's cache
-                self._read(fd, buf, offset + i, name)
-                if self.checks[n] and self.finite[n] and not _bits_finite(buf, dst.dtype):
-                    self.finite[n] = False
-                if self.tally is not None:
-                    self.tally.add(name, offset + i, buf)
-
-    def _read(self, fd: int, buf: Any, offset: int, name: str) -> None:
-        done, total = 0, buf.nbytes
-        if self.nowait:  # the page cache first, without waiting: a miss means the file is cold, so read ahead
-            try:
-                done = max(0, os.preadv(fd, [buf], offset, self.nowait))
-            except BlockingIOError:
-                pass
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                self.nowait = 0
-            if done < total:
-                self._advise(fd, offset + done)
-        while done < total:
-            got = os.preadv(fd, [buf[done:]], offset + done)
-            if got <= 0:
-                raise FormatError(f"{name}: ends at byte {offset + done}, but bytes {offset}..{offset + total} are "
-                                  "needed: the file was truncated while it was read")
-            done += got
-
-    def _advise(self, fd: int, offset: int) -> None:
-        """POSIX_FADV_WILLNEED from ``offset`` for :data:`READAHEAD_BYTES`, unless half of that is asked for."""
-        with self.lock:
-            start, end = self.ahead.get(fd, (0, 0))
-            if start <= offset and offset + READAHEAD_BYTES // 2 <= end:
-                return
-            self.ahead[fd] = (offset, offset + READAHEAD_BYTES)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, offset, READAHEAD_BYTES, os.POSIX_FADV_WILLNEED)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core import locations
-from ..core.bytecopy import crc32_at
+from ..core.positional import crc32_range
 from ..core.checksums import Tally, crc32
 from ..errors import FormatError
 from ..parse import checkpoint_dirs
@@ -224,7 +224,7 @@ def mismatches(digests: list[Digest]) -> list[tuple[Digest, int]]:
 
         def crc(d: Digest) -> int:
             try:
-                return crc32_at(fds[d.path], d.offset, d.size)
+                return crc32_range(fds[d.path], d.offset, d.size)
             except OSError:
                 return -1  # the file ends before the range: it was truncated
 
@@ -296,7 +296,7 @@ def _same(path: str) -> str:
 def _reader(path: str, fd: int | None) -> Callable[[int, int], int]:
     """CRC-32 of a range of ``path``: read from ``fd``, or a URL's fetched by a Range request."""
     if fd is not None:
-        return lambda offset, size: crc32_at(fd, offset, size)
+        return lambda offset, size: crc32_range(fd, offset, size)
 
     def fetched(offset: int, size: int) -> int:
         with locations.opened(path) as source:

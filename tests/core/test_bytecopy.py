@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
+import zlib
 from pathlib import Path
 
 import pytest
+import safetensors.torch as st
 import torch
 
 import ckptfix
-from ckptfix.core import bytecopy, outputs
+from ckptfix.core import bytecopy, libc, outputs, positional
 from ckptfix.ops.convert import steps
 from tests.file_server import FileServer
 from tests.remote_servers import http_server
@@ -63,7 +67,7 @@ def test_write_back_starts_behind_the_writes_and_never_beyond(source: Path, tmp_
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[tuple[int, int]] = []
     monkeypatch.setattr(outputs, "_BEHIND", 2 * STEP)
-    monkeypatch.setattr(outputs, "_start_writeback", lambda fd, offset, n: started.append((offset, n)))
+    monkeypatch.setattr(libc, "start_writeback", lambda fd, offset, n: started.append((offset, n)))
     header = 300
     with open(source, "rb") as src, open(tmp_path / "out", "wb") as dst, outputs.Output(dst.fileno(), str(dst.name)):
         pos = header
@@ -140,3 +144,78 @@ def test_a_remote_converts_sha256_is_its_files(http_server: FileServer, tmp_path
     src = _saved(http_server.root, view=False)
     report = ckptfix.convert(http_server.url(src.name), tmp_path / name, checksums=True)
     assert report.to_dict()["sha256_out"] == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [5, 5, 2**18 + 3], [2**18 * k + k for k in range(1, 11)]])
+def test_crc32_notes_chain_every_cut_in_one_pass_of_reads(source: Path, cuts: list[int],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each cut's note is the CRC-32 of the bytes from the start to it, read in windows smaller than the run (cuts
+    inside a window, on a window's edge, repeated)."""
+    monkeypatch.setattr(positional, "_CRC_READ", 2**18)
+    data = source.read_bytes()
+    start, end = 7, 2**18 * 11 + 11
+    with open(source, "rb") as f:
+        notes = positional.crc32_notes(f.fileno(), start, end, [start + c for c in cuts])
+    assert notes == {c: zlib.crc32(data[start:c]) for c in [start, end, *(start + c for c in cuts)]}
+
+
+def test_a_crc32_pass_over_a_file_truncated_under_it_is_an_oserror(source: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass reads (a mapping would be SIGBUS here: this test's process killed): short, it says so."""
+    path = tmp_path / "cut.bin"
+    path.write_bytes(source.read_bytes())
+    real = positional.crc32
+
+    def crc32(data: memoryview, crc: int = 0) -> int:
+        os.truncate(path, 2**20)
+        return real(data, crc)
+
+    monkeypatch.setattr(positional, "crc32", crc32)
+    monkeypatch.setattr(positional, "_CRC_READ", 2**18)
+    with open(path, "rb") as f, pytest.raises(positional.SourceShort, match="short read while computing CRC-32"):
+        positional.crc32_range(f.fileno(), 0, 3 * STEP)
+
+
+_CUT_CHILD = """
+import os, sys
+from ckptfix.core import bytecopy, positional
+src, dst, where = sys.argv[1:4]
+size, state = os.path.getsize(src), {}
+def cut():
+    if not state:
+        state["cut"] = os.truncate(src, size // 4)
+def hooked(real):
+    def call(*a, **k):
+        cut()
+        return real(*a, **k)
+    return call
+if where == "crc":  # the CRC-32 pass, on its thread, mid-run
+    positional.crc32 = hooked(positional.crc32)
+else:  # the copy's first step: copy_file_range or a pwrite from the mapping
+    os.copy_file_range, os.pwrite = hooked(os.copy_file_range), hooked(os.pwrite)
+from ckptfix.cli import main
+sys.argv = ["ckptfix", "convert", src, dst]
+main()
+"""
+
+
+@pytest.mark.parametrize("src_fmt, dst_fmt, where", [
+    ("pth", "safetensors", "crc"), ("pth", "pth", "crc"), ("safetensors", "pth", "crc"),
+    ("pth", "safetensors", "copy"), ("pth", "pth", "copy"), ("safetensors", "pth", "copy"),
+])
+def test_a_source_truncated_mid_convert_is_named_and_nothing_is_written(tmp_path: Path, src_fmt: str, dst_fmt: str,
+                                                                       where: str) -> None:
+    """Another process truncates the source while a torch-free convert copies it (in the CRC-32 pass on its thread,
+    or in the copy itself): exit 1 naming the source and what happened, not SIGBUS and not a destination error; no
+    output and no temp file left. Run in a child process: a SIGBUS would kill it, not the test run."""
+    sd = {f"w{i}": torch.randn(2**20 // 4 + i) for i in range(12)}  # ~12 MiB, tensors over a copy step each
+    src = tmp_path / f"src.{src_fmt}"
+    torch.save(sd, src) if src_fmt == "pth" else st.save_file(sd, src)
+    dst = tmp_path / "out" / f"dst.{dst_fmt}"
+    dst.parent.mkdir()
+    run = subprocess.run([sys.executable, "-c", _CUT_CHILD, str(src), str(dst), where], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1, (run.returncode, run.stderr[-2000:])
+    assert f"{src}: ends at byte " in run.stderr, run.stderr[-2000:]
+    assert "truncated or rewrote it while it was converted; nothing was written" in run.stderr
+    assert os.listdir(dst.parent) == []

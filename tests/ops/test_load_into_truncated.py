@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import ckptfix
-from ckptfix.core import rollback, tensorcopy
+from ckptfix.core import filefill, rollback, tensorcopy
 from ckptfix.errors import FormatError
 
 
@@ -113,8 +113,8 @@ def _truncate_after(monkeypatch: pytest.MonkeyPatch, path: Path, reads: int, siz
         return call
 
     monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(tensorcopy, "fill_from_file", armed(tensorcopy.fill_from_file))
-    monkeypatch.setattr(tensorcopy, "cast_from_file", armed(tensorcopy.cast_from_file))
+    monkeypatch.setattr(filefill, "fill_from_file", armed(filefill.fill_from_file))
+    monkeypatch.setattr(filefill, "cast_from_file", armed(filefill.cast_from_file))
     return state
 
 
@@ -214,7 +214,7 @@ def test_a_truncation_by_another_process_waits_for_the_lease(tmp_path: Path, mon
     leases = _spy(monkeypatch, "Leases")
     child = subprocess.Popen([sys.executable, "-c", _WAITER, str(path), str(size // 4)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
-    fill = tensorcopy.fill_from_file
+    fill = filefill.fill_from_file
 
     def go(*args: Any, **kwargs: Any) -> Any:
         assert leases[-1].held and leases[-1].intact()
@@ -229,7 +229,7 @@ def test_a_truncation_by_another_process_waits_for_the_lease(tmp_path: Path, mon
         assert os.path.getsize(path) == size
         return out
 
-    monkeypatch.setattr(tensorcopy, "fill_from_file", go)
+    monkeypatch.setattr(filefill, "fill_from_file", go)
     try:
         ckptfix.load_into(model, path)
     finally:

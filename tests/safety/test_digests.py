@@ -231,7 +231,7 @@ def test_a_meta_built_load_checks_digests_in_its_value_pass(kind: str, outputs: 
     def reread(*args: Any) -> int:
         raise AssertionError(f"read again: {args}")
 
-    monkeypatch.setattr(digests, "crc32_at", reread)
+    monkeypatch.setattr(digests, "crc32_range", reread)
     monkeypatch.setattr(digests, "mismatches", reread)
     model = _linear(built=False)
     report = ckptfix.load_into(model, outputs[kind])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ...core.bytecopy import crc32_at
+from ...core.positional import crc32_range
 from ...safety import digests
 
 
@@ -23,7 +23,7 @@ def add(directory: str) -> None:
                 fds[info.relative_path] = os.open(os.path.join(directory, info.relative_path), os.O_RDONLY)
             offset = tuple(index.offset or ())  # (None: a value that is not a tensor, stored whole)
             name = f"{index.fqn}@{','.join(map(str, offset))}" if any(offset) else index.fqn
-            crc = crc32_at(fds[info.relative_path], info.offset, info.length)
+            crc = crc32_range(fds[info.relative_path], info.offset, info.length)
             items.append((name, info.relative_path, info.offset, info.length, crc))
     finally:
         for fd in fds.values():

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core import checksums, locations, rollback, tensorcopy
+from ...core import checksums, filefill, locations, rollback, tensorcopy
 from ...core.devices import DevicePlan, storage_id
 from ...core.positional import PositionalReader
 from ...core.units import few
@@ -338,11 +338,11 @@ def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, un
             bad += [] if tensorcopy.copy_checked(dst, src, check) else slot.keys
         elif dst.dtype != src.dtype:
             fd = sources.reader.fd(place[0])
-            bad += [] if tensorcopy.cast_from_file(dst, fd, place[1], src.dtype, place[0], check, undo) else slot.keys
+            bad += [] if filefill.cast_from_file(dst, fd, place[1], src.dtype, place[0], check, undo) else slot.keys
         else:
             fills.append((dst, sources.reader.fd(place[0]), place[1], place[0]))
             keys.append(slot.keys)
-    finite = tensorcopy.fill_from_file(fills, check, undo)
+    finite = filefill.fill_from_file(fills, check, undo)
     return bad + [k for ok, names in zip(finite, keys) if not ok for k in names]
 
 

@@ -1,0 +1,178 @@
+"""Built CPU tensors filled straight from a file, each chunk checked for NaN/Inf as it lands (``load_into`` of a
+CPU-built model): the file's bytes go into the tensor's own memory, no staging copy, no mapped view kept.
+
+A fill is split into jobs of :data:`JOB_BYTES`, shared by a few threads (:func:`~ckptfix.core.tensorcopy.run_jobs`:
+torch's thread count at most, none started for a small load); each job reads :data:`~ckptfix.core.tensorcopy.READ_BYTES`
+at a time and checks each chunk (:func:`~ckptfix.core.tensorcopy.bits_finite`) just after it landed, while it is in that
+core's cache. A file that ends first is a :class:`~ckptfix.errors.FormatError` naming it and the range, not SIGBUS.
+A file not in the page cache is asked for ahead of the reads (``POSIX_FADV_WILLNEED``), found out with
+``RWF_NOWAIT``: nothing is asked of the kernel when the file is cached.
+
+Measured and not taken (bench/RESULTS.md, wave 6): copying a leased, cached file from a mapping instead (``memcpy``
+from the page cache, 1 MiB at a time, each checked as it landed; safe from SIGBUS only while the lease holds). Steady
+in one process it took 0.8× the reads (1 GiB: 67 against 82 ms); in a fresh process's first call, with the pages
+known cached by three ``RWF_NOWAIT`` probes per job, about the same as the reads (82–95 against 85–102 ms); with
+``mincore`` telling it (50 ns a page), slower than the reads.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from typing import Any
+
+from ..errors import FormatError
+from . import tensorcopy
+from .tensorcopy import all_finite, bit_rule, bits_finite, checks_values, copy_checked, run_jobs, workers_for
+
+#: bytes per job of :func:`fill_from_file`'s threads: a run of reads, each checked as it lands,
+#: under one dispatch (the job queue's lock and numpy's error state are Python under the GIL, which the threads take
+#: in turn: one per job instead of one per read saves 1.5–3 µs of CPU per read here, 3–6 ms per GiB)
+JOB_BYTES = 4 * 2**20
+#: bytes asked for ahead of the reads (``POSIX_FADV_WILLNEED``) where the file isn't in the page cache
+READAHEAD_BYTES = 64 * 2**20
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, undo: Any = None,
+                   tally: Any = None) -> list[bool]:
+    """Fill each contiguous CPU tensor ``dst`` of ``fills`` — ``(dst, fd, offset, name)`` — with the bytes of the
+    file ``fd`` from ``offset`` (``dst.nbytes`` of them; ``name`` names the file in errors), in chunks by up to
+    :data:`~ckptfix.core.tensorcopy.MAX_READERS` threads; with ``check``, each chunk is checked for NaN/Inf just after
+    it landed. Returns, per fill, whether its values are all finite (True unchecked or for integer tensors). A file
+    that ends first is a FormatError naming it and the range. With ``undo`` (a ``rollback.Undo``: the files are not
+    leased), each chunk's old bytes are saved there just before its read, so the caller can put back what the reads
+    replaced; with ``tally`` (a ``checksums.Tally``), each chunk's CRC-32 is taken too, while it is in cache
+    (digests)."""
+    import torch
+
+    jobs = []  # (fill index, byte view of the span, file offset, bytes per read): a span of reads per job
+    for n, (dst, _fd, offset, _name) in sorted(enumerate(fills), key=lambda f: (f[1][1], f[1][2])):
+        if dst.numel() == 0:
+            continue
+        raw = dst.reshape(-1).view(torch.uint8).numpy()
+        step = max(1, tensorcopy.READ_BYTES // dst.element_size()) * dst.element_size()
+        span = max(1, JOB_BYTES // step) * step
+        jobs += [(n, raw[i : i + span], offset + i, step) for i in range(0, raw.size, span)]
+    finite = [True] * len(fills)
+    own = {fd: _sequential(fd) for fd in {f[1] for f in fills}}
+    try:
+        reader = _Reader([(d, own[fd], o, name) for d, fd, o, name in fills], jobs, finite, check, undo, tally)
+        run_jobs(len(jobs), reader.job, workers_for(sum(job[1].nbytes for job in jobs)))
+    finally:
+        for fd, mine in own.items():
+            if mine != fd:
+                os.close(mine)
+    for n, (dst, _fd, _offset, _name) in enumerate(fills):  # a float kind the bit table doesn't know: torch's test
+        if check and checks_values(dst) and bit_rule(dst.dtype) is None:
+            finite[n] = all_finite(dst)
+    return finite
+
+
+def cast_from_file(dst: Any, fd: int, offset: int, dtype: Any, name: str, check: bool = True,
+                   undo: Any = None, tally: Any = None) -> bool:
+    """Fill the contiguous CPU tensor ``dst`` with the values stored as ``dtype`` in the file ``fd`` from ``offset``,
+    cast as torch casts: chunk by chunk, each read (``preadv``, not a mapping: a truncated file is a FormatError, not
+    SIGBUS) into a staging buffer, then copied into ``dst`` with the check (:func:`copy_checked`), its old values
+    saved in ``undo`` first, its CRC-32 taken into ``tally`` (if any). Returns whether every value is finite (True
+    unchecked)."""
+    import torch
+
+    count = dst.numel()
+    if count == 0:
+        return True
+    width = torch.empty((), dtype=dtype).element_size()
+    step = max(1, tensorcopy.CHUNK_BYTES // max(width, dst.element_size()))
+    staged = torch.empty(min(step, count), dtype=dtype)
+    raw = staged.view(torch.uint8).numpy()
+    out = dst.view(-1)
+    mine = _sequential(fd)
+    try:
+        reader, finite = _Reader([], [], [], False), True
+        for i in range(0, count, step):
+            k = min(step, count - i)
+            reader._read(mine, raw[: k * width], offset + i * width, name)
+            if tally is not None:
+                tally.add(name, offset + i * width, raw[: k * width])
+            part = out[i : i + k]
+            if undo is not None:
+                undo.save(part.view(torch.uint8).numpy())
+            finite = copy_checked(part, staged[:k], check) and finite
+    finally:
+        if mine != fd:
+            os.close(mine)
+    return finite
+
+
+def _sequential(fd: int) -> int:
+    """A descriptor of ``fd``'s file of its own (the same file, reopened through /proc), with the kernel's
+    readahead for a sequential read: the caller's may have it off (a positional reader's POSIX_FADV_RANDOM,
+    which makes a cold whole-file read 1.5× slower here); ``fd`` itself where that can't be had."""
+    try:
+        mine = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return fd
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(mine, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    return mine
+
+
+class _Reader:
+    """The shared state of :func:`fill_from_file`'s threads (:func:`run_jobs`): the readahead asked for per file."""
+
+    def __init__(self, fills: list[tuple[Any, int, int, str]], jobs: list[Any], finite: list[bool],
+                 check: bool, undo: Any = None, tally: Any = None) -> None:
+        self.fills, self.jobs, self.finite, self.undo, self.tally = fills, jobs, finite, undo, tally
+        self.checks = [check and checks_values(f[0]) and bit_rule(f[0].dtype) is not None for f in fills]
+        self.lock = threading.Lock()
+        self.ahead: dict[int, tuple[int, int]] = {}  # fd -> the range last asked for
+        self.nowait = _NOWAIT
+
+    def job(self, j: int) -> None:
+        """Read span ``j`` into its tensor a chunk at a time, each chunk checked just after its read, while it is
+        still in this core's cache."""
+        import numpy as np
+
+        n, span, offset, step = self.jobs[j]
+        dst, fd, _start, name = self.fills[n]
+        with np.errstate(all="ignore"):  # once per span (:func:`~ckptfix.core.tensorcopy.bits_finite`)
+            for i in range(0, span.nbytes, step):
+                buf = span[i : i + step]
+                if self.undo is not None:
+                    self.undo.save(buf)  # the bytes this read replaces, while they are in this core's cache
+                self._read(fd, buf, offset + i, name)
+                if self.checks[n] and self.finite[n] and not bits_finite(buf, dst.dtype):
+                    self.finite[n] = False
+                if self.tally is not None:
+                    self.tally.add(name, offset + i, buf)
+
+    def _read(self, fd: int, buf: Any, offset: int, name: str) -> None:
+        done, total = 0, buf.nbytes
+        if self.nowait:  # the page cache first, without waiting: a miss means the file is cold, so read ahead
+            try:
+                done = max(0, os.preadv(fd, [buf], offset, self.nowait))
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                self.nowait = 0
+            if done < total:
+                self._advise(fd, offset + done)
+        while done < total:
+            got = os.preadv(fd, [buf[done:]], offset + done)
+            if got <= 0:
+                raise FormatError(f"{name}: ends at byte {offset + done}, but bytes {offset}..{offset + total} are "
+                                  "needed: the file was truncated while it was read")
+            done += got
+
+    def _advise(self, fd: int, offset: int) -> None:
+        """POSIX_FADV_WILLNEED from ``offset`` for :data:`READAHEAD_BYTES`, unless half of that is asked for."""
+        with self.lock:
+            start, end = self.ahead.get(fd, (0, 0))
+            if start <= offset and offset + READAHEAD_BYTES // 2 <= end:
+                return
+            self.ahead[fd] = (offset, offset + READAHEAD_BYTES)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, READAHEAD_BYTES, os.POSIX_FADV_WILLNEED)

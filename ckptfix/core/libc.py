@@ -1,5 +1,5 @@
-"""The C library's calls Python's ``os`` and ``mmap`` lack (``madvise`` and
-``mincore`` on an address, ``sync_file_range``), looked up once through ctypes. Each is best effort: where libc or the call can't be had, the
+"""The C library's calls Python's ``os`` and ``mmap`` lack (``madvise`` and ``mincore`` on an address,
+``sync_file_range``), looked up once through ctypes. Each is best effort: where libc or the call can't be had, the
 lookup gives None and the caller does without (a hint not given, the slower path)."""
 
 from __future__ import annotations

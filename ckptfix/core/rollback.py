@@ -44,7 +44,8 @@ class Undo:
         self._fd: int | None = None
         self._end = 0
         self._lock = threading.Lock()
-        self._saved: list[tuple[Any, int]] = []  # (numpy byte view, or a tensor restored by copy_; its offset)
+        self._saved: list[tuple[Any, Any]] = []  # (numpy byte view, or a tensor restored by copy_; its offset in
+        # the log, or a quantized tensor's copy in memory)
         self._objects: list[tuple[Any, str, Any]] = []  # (module, attribute name, the object it held)
 
     def save(self, raw: Any) -> None:
@@ -56,6 +57,10 @@ class Undo:
         """Keep the values of ``t`` (any device, any layout), about to be copied into."""
         import torch
 
+        if t.is_quantized:  # its scale and zero point are the object's own: the object itself restored, in memory
+            with self._lock:
+                self._saved.append((t, t.detach().clone()))
+            return
         t = t.detach()
         if t.numel() == 0:
             return
@@ -91,7 +96,10 @@ class Undo:
             setattr(module, name, value)
         for target, offset in reversed(self._saved):
             try:
-                if isinstance(target, torch.Tensor):
+                if isinstance(offset, torch.Tensor):  # a quantized tensor's copy (copy_ sets its quantizer too)
+                    with torch.no_grad():
+                        target.copy_(offset)
+                elif isinstance(target, torch.Tensor):
                     staged = torch.empty(target.shape, dtype=target.dtype)
                     _all(os.preadv, self._fd, staged.reshape(-1).view(torch.uint8).numpy(), offset)
                     with torch.no_grad():

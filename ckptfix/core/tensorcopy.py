@@ -99,6 +99,8 @@ def all_finite(t: Any) -> bool:
     OpenMP team: on a busy machine those wait for every core, on page faults too."""
     if not checks_values(t) or t.numel() == 0:
         return True
+    if is_sparse(t):  # (its values: the elements it doesn't store are zeros)
+        return all_finite(sparse_values(t))
     if _on_bytes(t):
         return _cpu_finite(t)
     if not t.is_contiguous():  # a strided view: its rows, in chunk-sized groups
@@ -174,8 +176,24 @@ def _to_device(dst: Any, src: Any, check: bool) -> bool:
 
 
 def _on_bytes(t: Any) -> bool:
-    """``t`` is checked by numpy on its bytes (:func:`_bytes_finite`): a contiguous CPU tensor of a known kind."""
-    return bool(t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()) and bit_rule(t.dtype))
+    """``t`` is checked by numpy on its bytes (:func:`bits_finite`): a contiguous CPU tensor of a known kind."""
+    return bool(t.device.type == "cpu" and not is_sparse(t) and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+                and bit_rule(t.dtype))
+
+
+def is_sparse(t: Any) -> bool:
+    """``t`` has a sparse layout (COO, CSR, CSC, BSR, BSC): its values and indices are tensors of their own, it has no
+    strides, and torch's ``copy_`` into a dense tensor refuses it."""
+    import torch
+
+    return bool(t.layout != torch.strided)
+
+
+def sparse_values(t: Any) -> Any:
+    """The stored values of the sparse tensor ``t`` (a COO one's as stored: coalescing would sum duplicates)."""
+    import torch
+
+    return t._values() if t.layout == torch.sparse_coo else t.values()
 
 
 def _cpu_finite(t: Any) -> bool:
@@ -188,8 +206,9 @@ def all_finite_many(tensors: list[Any], check: bool = True, places: list[tuple[s
     file, say) are checked on their bytes in :data:`READ_BYTES` chunks, all tensors' chunks shared by up to
     :data:`MAX_READERS` threads (torch's thread count at most), each tensor's pages asked for first unless they are
     cached already (``MADV_WILLNEED``: a mapped file's tensor region is read ahead whatever the mapping's advice; the
-    header reads ask for ``MADV_RANDOM``; :func:`~ckptfix.core.libc.cached` tells a warm one). With ``tally`` (a ``checksums.Tally``), each chunk of a tensor whose ``places`` entry says
-    where its bytes lie — ``(file, offset)`` — has its CRC-32 taken too, while it is in cache (digests)."""
+    header reads ask for ``MADV_RANDOM``; :func:`~ckptfix.core.libc.cached` tells a warm one). With ``tally`` (a
+    ``checksums.Tally``), each chunk of a tensor whose ``places`` entry says where its bytes lie — ``(file, offset)`` —
+    has its CRC-32 taken too, while it is in cache (digests). A sparse tensor's stored values are checked."""
     import torch
 
     finite = [True] * len(tensors)
@@ -201,7 +220,8 @@ def all_finite_many(tensors: list[Any], check: bool = True, places: list[tuple[s
             continue
         if checked and not _on_bytes(t):  # a strided view, a kind the bit table doesn't know: torch's test
             finite[n] = all_finite(t)
-        if not (_on_bytes(t) or (place is not None and t.is_contiguous() and t.device.type == "cpu")):
+        if not (_on_bytes(t) or (place is not None and not is_sparse(t) and t.is_contiguous()
+                                 and t.device.type == "cpu")):
             continue
         raw = t.reshape(-1).view(torch.uint8).numpy()
         if raw.nbytes >= READ_BYTES and not libc.cached(raw.ctypes.data, raw.nbytes):

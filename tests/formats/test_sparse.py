@@ -1,7 +1,8 @@
 """Sparse tensors (issue 27, item 9): COO, CSR, CSC, BSR and BSC, as ``torch.save`` writes them
 (``_rebuild_sparse_tensor`` of the layout, the indices and the values). ``convert`` writes them to ``.pth``
 exactly as torch saves them, refuses ``.safetensors`` in one line naming the key and the layout, and
-``inspect`` shows the layout of each sparse tensor (a strided tensor's row is unchanged).
+``inspect`` shows the layout of each sparse tensor (a strided tensor's row is unchanged). ``load_into`` assigns them
+to a meta-built model as torch's ``assign=True`` does, and refuses them for a built dense tensor, as torch does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.core.torch_free import ENV_SWITCH
-from ckptfix.errors import ConversionError
+from ckptfix.errors import ConversionError, LoadError
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning",
                                         "ignore:Validating sparse tensor invariants:UserWarning")
@@ -123,3 +124,47 @@ def test_a_cast_keeps_sparse_tensors_as_saved(tmp_path: Path, cli_runner: Any) -
     assert "cast to float16: float32->float16 ×1; kept float32 ×1" in res.output
     got, want = torch.load(out, weights_only=True), torch.load(src, weights_only=True)
     assert _same(got["w"], want["w"]) and got["b"].dtype == torch.float16
+
+
+class _Holder(torch.nn.Module):
+    """A module whose ``w`` parameter the checkpoint's sparse ``w`` fills, beside a dense ``b`` buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 4))
+        self.register_buffer("b", torch.zeros(3))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_load_into_a_meta_built_model_assigns_them_as_torch_does(layout: str, tmp_path: Path) -> None:
+    """Meta-built (or ``assign=True``): the parameter becomes the sparse tensor as stored, as torch's
+    ``load_state_dict(assign=True)`` makes it — same layout, indices, values, Parameter and requires_grad; its values
+    checked (a NaN among them named)."""
+    path = _source(layout, tmp_path)
+    plain = _Holder().to("meta")
+    plain.load_state_dict(torch.load(path, weights_only=True), assign=True)
+    for assign in (None, True):
+        got = _Holder().to("meta") if assign is None else _Holder()
+        report = ckptfix.load_into(got, path, assign=assign)
+        assert report.nonfinite == []
+        assert type(got.w) is type(plain.w) and got.w.requires_grad == plain.w.requires_grad
+        assert _same(got.w.detach(), plain.w.detach()) and torch.equal(got.b, plain.b)
+    sd = torch.load(path, weights_only=True)
+    _parts(sd["w"])[-1][0] = float("nan")
+    torch.save(sd, path)
+    with pytest.warns(UserWarning, match="NaN/Inf"):
+        assert ckptfix.load_into(_Holder().to("meta"), path).nonfinite == ["w"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_load_into_a_built_dense_tensor_is_refused_and_loads_nothing(layout: str, tmp_path: Path) -> None:
+    """A built (dense) parameter can't take a sparse tensor — torch's load_state_dict raises too — so load_into refuses
+    it in one LoadError naming the key and both layouts, before anything is loaded (``b`` stays as it was)."""
+    path = _source(layout, tmp_path)
+    with pytest.raises(RuntimeError):
+        _Holder().load_state_dict(torch.load(path, weights_only=True))
+    model = _Holder()
+    with pytest.raises(LoadError, match=rf"w \(torch\.{layout} in the file, torch\.strided in the model\); nothing "
+                                        "was loaded"):
+        ckptfix.load_into(model, path)
+    assert torch.equal(model.b, torch.zeros(3)) and torch.equal(model.w, torch.zeros(4, 4))

@@ -181,3 +181,46 @@ def test_the_signature_is_declared_once(tmp_path: Path) -> None:
     assert by_position.missing == by_keyword.missing == ["bias"]
     with pytest.raises(TypeError, match="no_such_option"):
         ckptfix.load_into(nn.Linear(2, 2), tmp_path / "m.pth", no_such_option=True)
+
+
+def _quantized(kind: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 6, generator=g)
+    if kind == "per_channel":
+        return torch.quantize_per_channel(x, torch.rand(4, generator=g) / 10 + 0.01, torch.arange(4) - 2, 0,
+                                          torch.qint8)
+    return torch.quantize_per_tensor(x, 0.05 + seed / 100, seed, torch.quint8 if kind == "quint8" else torch.qint8)
+
+
+class _QNet(nn.Module):
+    """A legacy quantized buffer (torch.ao's qint8/quint8 tensors) beside a Linear."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.register_buffer("q", _quantized(kind, 1))
+        self.lin = nn.Linear(6, 3)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # (torch deprecates its legacy quantized tensors; TypedStorage)
+@pytest.mark.parametrize("kind", ["qint8", "quint8", "per_channel"])
+@pytest.mark.parametrize("assign", [None, True])
+def test_a_quantized_buffer_takes_the_files_scale_and_zero_point_as_torch_does(kind: str, assign: bool | None,
+                                                                               tmp_path: Path) -> None:
+    """A quantized tensor's values are its integers and its quantizer: copied in place (a built model) or assigned,
+    the model holds the file's scale(s) and zero point(s), as torch's load_state_dict gives them — a copy of the
+    integers alone (into a detached alias, whose quantizer is its own) kept the model's old scale."""
+    sd = {"q": _quantized(kind, 7), "lin.weight": torch.randn(3, 6), "lin.bias": torch.randn(3)}
+    path = tmp_path / "q.pth"
+    torch.save(sd, path)
+    want = _QNet(kind)
+    want.load_state_dict(torch.load(path, weights_only=True), assign=bool(assign))
+    got = _QNet(kind)
+    ckptfix.load_into(got, path, assign=assign)
+    a, b = got.q, want.q
+    assert a.qscheme() == b.qscheme() and a.dtype == b.dtype and torch.equal(a.int_repr(), b.int_repr())
+    if a.qscheme() == torch.per_tensor_affine:
+        assert (a.q_scale(), a.q_zero_point()) == (b.q_scale(), b.q_zero_point()) == (sd["q"].q_scale(), 7)
+    else:
+        assert torch.equal(a.q_per_channel_scales(), b.q_per_channel_scales())
+        assert torch.equal(a.q_per_channel_zero_points(), b.q_per_channel_zero_points())
+    assert torch.equal(a.dequantize(), sd["q"].dequantize()) and torch.equal(got.lin.weight, sd["lin.weight"])

@@ -338,3 +338,19 @@ def test_meta_built_model_truncated_later_is_sigbus(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-c", _META_THEN_TRUNCATE, str(path)], capture_output=True, text=True,
                          timeout=120)
     assert run.stdout == "truncated\n" and run.returncode == -signal.SIGBUS, (run.returncode, run.stderr[-2000:])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # (torch deprecates its legacy quantized tensors)
+def test_the_log_puts_back_a_quantized_tensor_with_its_own_scale() -> None:
+    """rollback.Undo: a quantized buffer torch's load copied into (copy_ takes the source's scale and zero point with
+    its integers) is put back whole — the same object, its old quantizer and values."""
+    q = torch.quantize_per_tensor(torch.randn(8, 8), 0.1, 3, torch.qint8)
+    before = q.clone()
+    undo = rollback.Undo()
+    undo.save_tensor(q)
+    with torch.no_grad():
+        q.copy_(torch.quantize_per_tensor(torch.randn(8, 8), 0.02, 9, torch.qint8))
+    assert (q.q_scale(), q.q_zero_point()) == (pytest.approx(0.02), 9)
+    undo.restore()
+    undo.close()
+    assert (q.q_scale(), q.q_zero_point()) == (pytest.approx(0.1), 3) and torch.equal(q.int_repr(), before.int_repr())

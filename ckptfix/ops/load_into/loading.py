@@ -207,6 +207,7 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
     sources.fetch_ahead(state_dict[key] for key, slot in slots.items()  # a URL's storages, at once (not a shard's)
                         if key == slot.keys[0] and not shards.is_dtensor(slot.tensor))
     roots: dict[str, str] = {}  # modules whose to_empty materialises the DTensors whose shards are on meta
+    sparse: list[str] = []  # built tensors a sparse tensor would be copied into (or out of)
     for key, slot in slots.items():
         if key != slot.keys[0]:
             continue  # a tied name: filled with its group's first
@@ -220,7 +221,9 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
                 device = shards.local_device(key, slot.tensor, devices, _tag(src, sources))
                 roots.setdefault(shards.empty_root(key, walk.by_name), device)
             plan.sharded.append((slot, src))
-        elif module in walk.own:  # torch's load_state_dict assigns as given: the model's dtype and device first
+        elif module in walk.own or (_quantized(src, slot.tensor) and not (slot.tensor.is_meta or assign)):
+            # torch's load_state_dict assigns as given (the model's dtype and device first); a quantized tensor's
+            # copy_ takes the source's scale and zero point, which a copy into a detached alias would drop
             view = sources.view(src)
             if slot.tensor.is_meta or assign:
                 view = view.to(dtype=slot.tensor.dtype, device=target(src))
@@ -230,12 +233,33 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
         elif slot.tensor.is_meta or assign:
             plan.assign.append((slot, sources.view(src), target(src)))
             plan.assign_places.append(sources.place(src))
+        elif tensorcopy.is_sparse(src) or tensorcopy.is_sparse(slot.tensor):
+            sparse.append(key)
         else:
             place = sources.place(src)
             plan.copy.append((slot, src if _reads(slot.tensor, src, place) else sources.view(src), place))
+    _refuse_sparse_copies(sparse, state_dict, slots)
     plan.materialise = [(walk.by_name[path], device) for path, device in shards.outermost(roots).items()]
     _refuse_meta_left(walk, slots, plan)
     return plan
+
+
+def _quantized(src: Any, dst: Any) -> bool:
+    """Either is a quantized tensor (qint8, quint8 …: its values need its scale and zero point)."""
+    return bool(getattr(src, "is_quantized", False) or getattr(dst, "is_quantized", False))
+
+
+def _refuse_sparse_copies(keys: list[str], state_dict: Any, slots: dict[str, Slot]) -> None:
+    """A sparse tensor (COO, CSR …) can't be copied into a built dense one, nor a dense one into a sparse one: torch's
+    ``load_state_dict`` refuses it too (``copy_`` between dense and sparse tensors). Refused before anything is
+    loaded; a meta-built model (or ``assign=True``) takes the sparse tensor itself, as torch's ``assign=True`` does."""
+    if not keys:
+        return
+    shown_ = [f"{k} ({state_dict[k].layout} in the file, {slots[k].tensor.layout} in the model)" for k in keys]
+    raise LoadError(f"{len(keys)} tensor(s) can't be copied between a sparse and a dense layout: {few(shown_)}; nothing "
+                    "was loaded (torch's load_state_dict refuses this too). Densify them in the checkpoint "
+                    "(tensor.to_dense()), or build the model on meta (or pass assign=True) to take the sparse tensors "
+                    "as they are stored")
 
 
 def _tag(src: Any, sources: Sources) -> str:
@@ -396,6 +420,9 @@ def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bo
             want = slot.tensor.dtype
             if device == "cpu" and src.dtype == want:
                 value, finite = src, next(views_finite)
+            elif tensorcopy.is_sparse(src):  # (assigned as torch assigns it: the layout kept)
+                value = src.to(device=device, dtype=want)
+                finite = not check or tensorcopy.all_finite(value)
             else:
                 value = torch.empty(src.shape, dtype=want, device=device)
                 finite = tensorcopy.copy_checked(value, src, check)

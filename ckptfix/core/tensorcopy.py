@@ -101,6 +101,8 @@ def all_finite(t: Any) -> bool:
         return True
     if is_sparse(t):  # (its values: the elements it doesn't store are zeros)
         return all_finite(sparse_values(t))
+    if t.is_conj() or t.is_neg():  # the stored values, finite alike (a view without the bit: no copy)
+        return all_finite(_stored(t))
     if _on_bytes(t):
         return _cpu_finite(t)
     if not t.is_contiguous():  # a strided view: its rows, in chunk-sized groups
@@ -179,6 +181,15 @@ def _on_bytes(t: Any) -> bool:
     """``t`` is checked by numpy on its bytes (:func:`bits_finite`): a contiguous CPU tensor of a known kind."""
     return bool(t.device.type == "cpu" and not is_sparse(t) and t.is_contiguous() and not (t.is_conj() or t.is_neg())
                 and bit_rule(t.dtype))
+
+
+def _stored(t: Any) -> Any:
+    """The conjugate or negative view ``t`` without its bits: the values as stored (conj and neg are involutions)."""
+    import torch
+
+    if t.is_conj():
+        t = t.conj()
+    return torch._neg_view(t) if t.is_neg() else t
 
 
 def is_sparse(t: Any) -> bool:

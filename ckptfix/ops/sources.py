@@ -66,7 +66,9 @@ class Sources:
 
     def view(self, t: Any) -> Any:
         """``t`` with its bytes: a zero-copy view of the mapped file (a remote file's storage: fetched once; a
-        DCP tensor split over files: read whole once); ``t`` itself when it isn't on meta."""
+        DCP tensor split over files: read whole once); ``t`` itself when it isn't on meta. A conjugate or negative
+        view (``is_conj``/``is_neg``: the values are the stored ones conjugated or negated, as torch rebuilds them) keeps
+        its bit."""
         import torch
 
         if not t.is_meta:
@@ -76,6 +78,10 @@ class Sources:
             out.set_(self.storage(t), t.storage_offset(), t.shape, t.stride())
         else:
             out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        if t.is_conj():
+            out = out.conj()
+        if t.is_neg():
+            out = torch._neg_view(out)
         return out
 
     def storage(self, t: Any) -> Any:

@@ -224,3 +224,39 @@ def test_a_quantized_buffer_takes_the_files_scale_and_zero_point_as_torch_does(k
         assert torch.equal(a.q_per_channel_scales(), b.q_per_channel_scales())
         assert torch.equal(a.q_per_channel_zero_points(), b.q_per_channel_zero_points())
     assert torch.equal(a.dequantize(), sd["q"].dequantize()) and torch.equal(got.lin.weight, sd["lin.weight"])
+
+
+class _Complex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("c", torch.zeros(3, 70, dtype=torch.complex64))
+        self.register_buffer("n", torch.zeros(3, 70, dtype=torch.complex64))
+        self.register_buffer("r", torch.zeros(3, 70))
+
+
+@pytest.mark.parametrize("model", ["built", "assign", "meta"])
+def test_conjugate_and_negative_views_load_as_torch_rebuilds_them(model: str, tmp_path: Path) -> None:
+    """torch.save keeps a conjugate (``x.conj()``) or negative (``_neg_view``) view as its stored values plus the bit,
+    and torch.load rebuilds the view: the model gets the values torch's load_state_dict gives (copied resolved, or
+    assigned with the bit kept) — not the stored bytes read as they lie (which were the unconjugated values)."""
+    x = torch.randn(3, 70, dtype=torch.complex64)
+    sd = {"c": x.conj(), "n": torch._neg_view(x), "r": torch._neg_view(torch.randn(3, 70))}
+    assert sd["c"].is_conj() and sd["n"].is_neg() and sd["r"].is_neg()
+    path = tmp_path / "views.pth"
+    torch.save(sd, path)
+    want = _Complex()
+    want.load_state_dict(torch.load(path, weights_only=True), assign=model != "built")
+    got = _Complex().to("meta") if model == "meta" else _Complex()
+    report = ckptfix.load_into(got, path, assign=True if model == "assign" else None)
+    for k in sd:
+        a, b = getattr(got, k), getattr(want, k)
+        assert torch.equal(a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()), k
+        assert torch.equal(a.resolve_conj().resolve_neg(), sd[k].resolve_conj().resolve_neg()), k
+        assert (a.is_conj(), a.is_neg()) == (b.is_conj(), b.is_neg()), k
+    assert report.nonfinite == []
+    x[1, 5] = complex(float("nan"), 0)
+    torch.save({"c": x.conj(), "n": torch._neg_view(x), "r": sd["r"]}, path)
+    with pytest.warns(UserWarning, match="NaN/Inf"):
+        report = ckptfix.load_into(_Complex().to("meta") if model == "meta" else _Complex(), path,
+                                   assign=True if model == "assign" else None)
+    assert sorted(report.nonfinite) == ["c", "n"]

@@ -373,7 +373,8 @@ def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, un
 def _reads(dst: Any, src: Any, place: tuple[str, int] | None) -> bool:
     """The built tensor ``dst`` is read straight from the file at ``place`` (a contiguous CPU tensor of the source's
     shape; cast from reads where the dtype differs), not copied from a view of the mapped file."""
-    return place is not None and dst.device.type == "cpu" and dst.is_contiguous() and dst.shape == src.shape
+    return (place is not None and dst.device.type == "cpu" and dst.is_contiguous() and dst.shape == src.shape
+            and not (src.is_conj() or src.is_neg()))  # (a conjugate or negative view: its values aren't its bytes)
 
 
 def _by_torch(model: Any, plan: Plan, state_dict: Any, check: bool, undo: rollback.Undo | None) -> list[str]:

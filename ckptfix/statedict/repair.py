@@ -18,6 +18,7 @@ from typing import Any
 from . import wrappers
 from ..core import tensorcopy
 from ..core.units import SHOWN_ITEMS, dtype_name, few, shown
+from ..errors import LoadError
 
 _MAX_PREFIX_DEPTH = 3
 
@@ -49,6 +50,10 @@ def describe_target(model: Any, float_dtype: Any = None, state_dict: Any = None,
     dtypes: dict[str, str | None] = {}
     for key, value in sd.items():
         is_t = isinstance(value, torch.Tensor)
+        if is_t and value.is_nested:
+            raise LoadError(f"{shown(key)}: the model's tensor is a nested tensor, which has no one shape to fill; "
+                            "nothing was loaded (torch's load_state_dict fails on it too). Set it yourself, e.g. "
+                            f"model.{shown(key)} = ckptfix.load(PATH)[{shown(key)!r}]")
         shapes[key] = tuple(value.shape) if is_t else None
         dtypes[key] = dtype_name(value.dtype) if is_t else None
         if is_t and float_dtype is not None and value.is_floating_point():

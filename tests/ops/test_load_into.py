@@ -260,3 +260,26 @@ def test_conjugate_and_negative_views_load_as_torch_rebuilds_them(model: str, tm
         report = ckptfix.load_into(_Complex().to("meta") if model == "meta" else _Complex(), path,
                                    assign=True if model == "assign" else None)
     assert sorted(report.nonfinite) == ["c", "n"]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+def test_a_model_with_a_nested_tensor_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A nested tensor has no one shape: torch's load_state_dict fails on it with an internal error; load_into
+    refuses it before anything is loaded, naming the key and how to set it."""
+
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("nt", torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)]))
+            self.w = nn.Parameter(torch.zeros(3))
+
+    path = tmp_path / "nt.pth"
+    torch.save({"nt": torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)]), "w": torch.ones(3)}, path)
+    with pytest.raises(RuntimeError):
+        Nested().load_state_dict(torch.load(path, weights_only=True))
+    model = Nested()
+    with pytest.raises(LoadError, match=r"^nt: the model's tensor is a nested tensor.*nothing was loaded.*"
+                                        r"model\.nt = ckptfix\.load\(PATH\)\['nt'\]"):
+        ckptfix.load_into(model, path)
+    assert not model.w.any()
+    assert [t.shape for t in ckptfix.load(path)["nt"].unbind()] == [(2, 3), (4, 3)]

@@ -84,7 +84,8 @@ def _read_fully(fd: int, buf: memoryview, offset: int) -> None:
 
 class SourceShort(OSError):
     """A source file ends before the bytes a copy or a CRC-32 pass needs: it shrank under the reader. ``inode``
-    (device, inode) and ``path`` (once a caller knows it) say which file; ``now`` its size, ``needed`` the end."""
+    (device, inode) says which file (the caller that opened it by path names it); ``now`` its size, ``needed`` the
+    end."""
 
     def __init__(self, fd: int, needed: int, what: str) -> None:
         st = os.fstat(fd)

@@ -34,8 +34,8 @@ from . import libc
 CHUNK_BYTES = 2**20
 #: bytes per pinned staging buffer (two are used) for a copy from the CPU to a CUDA device
 STAGING_BYTES = 32 * 2**20
-#: bytes per check of a tensor's bytes (and per read or mapped copy of :mod:`~ckptfix.core.filefill`): small enough
-#: to be checked in cache
+#: bytes per check of a tensor's bytes (and per read of :mod:`~ckptfix.core.filefill`): small enough to be checked
+#: in cache
 READ_BYTES = 2**19
 #: threads checking (or filling) tensors: torch's thread count (what its ``copy_`` uses), at most this many
 MAX_READERS = 8
@@ -184,9 +184,12 @@ def _on_bytes(t: Any) -> bool:
 
 
 def _stored(t: Any) -> Any:
-    """The conjugate or negative view ``t`` without its bits: the values as stored (conj and neg are involutions)."""
+    """``t`` without its conjugate or negative bit: the values as stored (finite alike; conj and neg are involutions,
+    so this is a view, no copy). A sparse tensor, or one without either bit, is itself."""
     import torch
 
+    if is_sparse(t):
+        return t
     if t.is_conj():
         t = t.conj()
     return torch._neg_view(t) if t.is_neg() else t
@@ -222,6 +225,7 @@ def all_finite_many(tensors: list[Any], check: bool = True, places: list[tuple[s
     has its CRC-32 taken too, while it is in cache (digests). A sparse tensor's stored values are checked."""
     import torch
 
+    tensors = [_stored(t) for t in tensors]  # (a conjugate or negative view: its stored bytes, where its place is)
     finite = [True] * len(tensors)
     chunks = []  # (tensor index, its bytes' chunk, (its file, offset) or None)
     for n, t in enumerate(tensors):

@@ -134,7 +134,9 @@ def _output_mode(dst: str) -> int:
 
 
 def _fsync_path(path: str) -> None:
-    with open(path, "rb+") as f:
+    """fsync ``path`` through a read-only descriptor where fsync takes one (POSIX): an open for writing would break a
+    read lease on it (``locations.hold``) and wait on it, this process's own included."""
+    with open(path, "rb" if os.name == "posix" else "rb+") as f:
         os.fsync(f.fileno())
 
 

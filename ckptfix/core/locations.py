@@ -10,7 +10,9 @@ question below about a URL is asked of its scheme's backend.
 A :class:`RangeBuffer` stands in for the memory map the format readers slice (``len()`` and ``buf[a:b]``): each
 slice is served from a small block cache that fetches what is missing, concurrently where a reader announces many
 ranges at once (``prefetch``: a zip's local headers). Every remote fetch is checked against the validator (ETag,
-Last-Modified, the Hub's commit) taken on the first one, so a file that changes mid-read is refused, not mixed.
+Last-Modified, the Hub's commit) taken on the first one, so a file that changes mid-read is refused, not mixed. A
+local file read inside a :func:`session` is held under a read lease until it ends (:func:`hold`): another process's
+truncation waits instead of turning the verb's mapped reads into SIGBUS.
 
 >>> with session() as s:                                     # doctest: +SKIP
 ...     buf = open_source("s3://bucket/model.pth").buffer()
@@ -27,19 +29,53 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import remote
+from . import remote, rollback
+from .atomic import TEMP_SUFFIX
 from .checksums import Tally
 from ..errors import MissingFileError
 from .positional import WORKERS, ByteSource, LocalSource, RangeBuffer, SourceFile, prefetch, window
 
-__all__ = ["ByteSource", "RangeBuffer", "Session", "as_file", "dirname", "first_file", "is_dir", "is_file", "is_remote",
-           "join", "listdir", "open_buffer", "open_source", "opened", "prefetch", "read_all", "read_head", "session",
-           "size_of", "warm", "window"]
+__all__ = ["ByteSource", "Holder", "RangeBuffer", "Session", "as_file", "dirname", "first_file", "hold", "holding",
+           "is_dir", "is_file", "is_remote", "join", "listdir", "open_buffer", "open_source", "opened", "prefetch",
+           "read_all", "read_head", "session", "size_of", "warm", "window"]
 
 
 def is_remote(location: Any) -> bool:
     """Whether ``location`` names a remote object: a URL of a scheme registered in :mod:`ckptfix.core.remote`."""
     return remote.backend_for(location) is not None
+
+
+class Holder:
+    """Read leases on the local files read while it is current (:func:`holding`; every :func:`session` is inside one),
+    each taken once (:meth:`hold`), dropped by :meth:`release`."""
+
+    def __init__(self) -> None:
+        self.leases: dict[str, int | None] = {}  # a local file's real path -> its lease's descriptor (None: none had)
+        self._real: dict[str, str] = {}  # a path as given -> its real path
+
+    def hold(self, path: str) -> bool:
+        """A read lease on the local file ``path`` until the holder is released (:func:`~ckptfix.core.rollback.lease`),
+        taken once: another process that opens it for writing or truncates it (``torch.save`` to the same path)
+        waits until the verb is done — up to lease-break-time —, instead of shrinking what the verb has mapped
+        (reading a mapped page past the new end is SIGBUS: the process killed, no message). Whether one is held;
+        none where the file is open for writing already, is another user's, or its filesystem has no leases, nor
+        past :data:`MAX_LEASES` files, nor on ckptfix's own temp outputs (this process writes them)."""
+        key = self._real.get(path)
+        if key is None:
+            key = self._real[path] = os.path.realpath(path)
+        if key not in self.leases:
+            held = sum(fd is not None for fd in self.leases.values())
+            ours = TEMP_SUFFIX in key  # an output being written (no other process knows it): never held
+            self.leases[key] = (rollback.lease(key) if held < MAX_LEASES and not ours and os.path.isfile(key)
+                                else None)
+        return self.leases[key] is not None
+
+    def release(self) -> None:
+        """Drop every lease (the writers waiting on one go on)."""
+        for fd in self.leases.values():
+            if fd is not None:
+                os.close(fd)
+        self.leases.clear()
 
 
 class Session:
@@ -75,25 +111,56 @@ class Session:
         if self.failure is not None:
             raise self.failure
 
-
+#: read leases one holder holds at most (a descriptor each): a directory of more shards leases the first ones
+MAX_LEASES = 256
+_HOLDER: contextvars.ContextVar[Holder | None] = contextvars.ContextVar("ckptfix_leases", default=None)
 _SESSION: contextvars.ContextVar[Session | None] = contextvars.ContextVar("ckptfix_sources", default=None)
 
 
 @contextlib.contextmanager
+def holding() -> Iterator[Holder]:
+    """Hold read leases on the local files read inside until it ends (:meth:`Holder.hold`): a verb whose checks
+    read mapped values after its reads' sessions ended (``verify``, ``diff``) holds them through; a nested call joins
+    the outer one."""
+    outer = _HOLDER.get()
+    if outer is not None:
+        yield outer
+        return
+    h = Holder()
+    token = _HOLDER.set(h)
+    try:
+        yield h
+    finally:
+        _HOLDER.reset(token)
+        h.release()
+
+
+@contextlib.contextmanager
 def session() -> Iterator[Session]:
-    """Share the remote sources opened inside (a nested call joins the outer session)."""
+    """Share the remote sources opened inside, and hold read leases on the local files read inside (:func:`holding`)
+    until it ends; a nested call joins the outer session."""
     outer = _SESSION.get()
     if outer is not None:
         yield outer
         return
     s = Session()
-    token = _SESSION.set(s)
-    try:
-        yield s
-    finally:
-        _SESSION.reset(token)
-        for source in s.sources.values():
-            source.close()
+    with holding():
+        token = _SESSION.set(s)
+        try:
+            yield s
+        finally:
+            _SESSION.reset(token)
+            for source in s.sources.values():
+                source.close()
+
+
+def hold(location: str) -> None:
+    """Inside :func:`holding` (a :func:`session`), a read lease on the local file ``location`` until it ends
+    (:meth:`Holder.hold`; a URL: nothing, its fetches are checked against its validator instead). Every reader that
+    maps a local file, and :func:`open_source`, call this first."""
+    current = _HOLDER.get()
+    if current is not None and not is_remote(location):
+        current.hold(location)
 
 
 def fetched() -> Tally:
@@ -106,6 +173,7 @@ def open_source(location: str) -> ByteSource:
     """The :class:`ByteSource` for a local path or a remote URL (inside a :func:`session`, opened once)."""
     backend = remote.backend_for(location)
     if backend is None:
+        hold(location)
         return LocalSource(location)
     current = _SESSION.get()
     if current is not None and location in current.sources:
@@ -124,6 +192,7 @@ def open_buffer(location: str, whole: bool = False) -> Iterator[Any]:
     if is_remote(location):
         yield open_source(location).buffer()
         return
+    hold(location)
     with open(location, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if not whole and hasattr(buf, "madvise") and hasattr(mmap, "MADV_RANDOM"):
             buf.madvise(mmap.MADV_RANDOM)

@@ -153,27 +153,15 @@ class Leases:
             self.release()
 
     def _lease(self, path: str, size: int) -> bool:
-        if SETLEASE is None:
-            return False
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        fd = lease(path)
+        if fd is None:
             return False
         self._fds.append(fd)
-        try:
-            # a break is announced by a signal, SIGIO unless told otherwise, and SIGIO's default ends the process:
-            # SIGURG's default is to ignore it (the writer waits all the same)
-            fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
-            fcntl.fcntl(fd, SETLEASE, fcntl.F_RDLCK)
-        except OSError as e:
-            if e.errno in _NO_LEASE:
-                return False
-            raise
         return os.fstat(fd).st_size == size  # shrunk (or grown) since the plan checked it: the log's path
 
     def intact(self) -> bool:
         """Every lease still unbroken (False once a writer waits on one)."""
-        return all(fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK for fd in self._fds)
+        return all(intact(fd) for fd in self._fds)
 
     def release(self) -> None:
         """Let the writers in: closing a descriptor drops its lease."""
@@ -188,3 +176,34 @@ def break_time() -> int | None:
             return int(f.read())
     except (OSError, ValueError):
         return None
+
+
+def lease(path: str) -> int | None:
+    """A new read-only descriptor of ``path`` holding a read lease (``F_SETLEASE``), which closing it drops; None where
+    none can be had (see :data:`_NO_LEASE`; not Linux). While it is held, another process's open of the file for
+    writing, or its truncation, waits (up to :func:`break_time`); so does this process's own, on another descriptor."""
+    if SETLEASE is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        # a break is announced by a signal, SIGIO unless told otherwise, and SIGIO's default ends the process:
+        # SIGURG's default is to ignore it (the writer waits all the same)
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, SETLEASE, fcntl.F_RDLCK)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in _NO_LEASE:
+            return None
+        raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def intact(fd: int) -> bool:
+    """The lease ``fd`` holds is unbroken (False once a writer waits on it)."""
+    return bool(fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK)

@@ -134,6 +134,7 @@ def mapped(path: str) -> Any:
 
     if path not in _MAPPED:
         _MAPPED.clear()
+        locations.hold(path)
         _MAPPED[path] = torch.UntypedStorage.from_file(path, shared=False, nbytes=os.path.getsize(path))
     return _MAPPED[path]
 

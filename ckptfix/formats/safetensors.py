@@ -40,6 +40,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
     size = locations.size_of(path)
     whole: Any = None
     if dev != "meta" and size > start:
+        locations.hold(path)
         whole = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
 
     tensors: dict[str, Any] = {}

@@ -10,7 +10,6 @@ and never run, keep the names to what ``state_dict()`` holds.
 from __future__ import annotations
 
 import ast
-import mmap
 import re
 import warnings
 from collections import OrderedDict
@@ -19,6 +18,7 @@ from typing import Any
 from ..parse import pickle_walk, zipcheck
 from ..safety import scanner
 from ..safety.allowlist import REBUILD_PARAMETER, REBUILD_PARAMETER_WITH_STATE, REBUILD_TENSOR, REBUILD_TENSOR_V2
+from ..core import locations
 from ..core.devices import storage_id
 from ..errors import CkptfixError, FormatError, UnsafeCheckpointError, trust_advice
 from ..parse.format_registry import TORCHSCRIPT
@@ -66,7 +66,7 @@ _DECLARED = re.compile(r"^\s+__(?:parameters|buffers)__ = (\[.*\])\s*$")
 def read_meta(path: str) -> RawRead:
     """The archive's state dict on ``meta``, with each storage's saved device as its tag."""
     scanner.ensure_safe(path, TORCHSCRIPT, structure_only=True)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with locations.open_buffer(path, whole=True) as buf:
         layout = zipcheck.check_zip(path, buf, len(buf), torchscript=True, check_crc=False)
         member = layout.unique(f"{layout.root}/data.pkl")
         if member is None:

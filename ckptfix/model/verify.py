@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from ..core import locations
 from ..ops.convert_options import takes
 from . import checks, gate as gates
 from .findings import VerifyReport, add
@@ -66,14 +67,15 @@ def verify(path: Any, model: Any = None, *args: Any, **kwargs: Any) -> VerifyRep
     modelled = None if model is not None else option_needing_model({f.name: getattr(options, f.name) for f in fields(options)})
     if modelled is not None:
         raise without_model_error(modelled, getattr(options, modelled.name))
-    gate = gates.open_gate(path, model, options)
-    try:
-        report = gates.first_report(gate)
-        for check in checks.CHECKS:
-            if model is not None or not gates.needs_model(check):
-                add(report, check(gate, report))
-    finally:
-        if isinstance(gate, gates.Gate):
-            gate.close()
+    with locations.holding():  # the file's read leases held until the last check has read it (no SIGBUS)
+        gate = gates.open_gate(path, model, options)
+        try:
+            report = gates.first_report(gate)
+            for check in checks.CHECKS:
+                if model is not None or not gates.needs_model(check):
+                    add(report, check(gate, report))
+        finally:
+            if isinstance(gate, gates.Gate):
+                gate.close()
     report.ok = not report.failures
     return report

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import text
+from ..core import locations
 from . import quant_compare
 from .api import load, read
 from ..errors import DeviceError
@@ -76,18 +77,19 @@ def diff(
             return ckpt.state_dict
         return load(path, map_location=map_location, select=select, trust=trust)
 
-    sa, sb = state_dict(a), state_dict(b)
-    report = DiffReport(os.fspath(a), os.fspath(b), raw, atol, rtol)
-    sa, sb = _dequantized(report, a, sa, b, sb)
-    report.only_a, report.only_b = [k for k in sa if k not in sb], [k for k in sb if k not in sa]
-    common = [k for k in sa if k in sb]
-    equal = sum(_compare(report, key, sa[key], sb[key], (os.fspath(a), os.fspath(b))) for key in common)
-    report.counts = {
-        "common": len(common), "equal": equal, "values": len(report.value_mismatch),
-        "shape": len(report.shape_mismatch), "dtype": len(report.dtype_mismatch),
-        "only_a": len(report.only_a), "only_b": len(report.only_b),
-    }
-    return report
+    with locations.holding():  # both files' read leases held until the last value is compared (no SIGBUS)
+        sa, sb = state_dict(a), state_dict(b)
+        report = DiffReport(os.fspath(a), os.fspath(b), raw, atol, rtol)
+        sa, sb = _dequantized(report, a, sa, b, sb)
+        report.only_a, report.only_b = [k for k in sa if k not in sb], [k for k in sb if k not in sa]
+        common = [k for k in sa if k in sb]
+        equal = sum(_compare(report, key, sa[key], sb[key], (os.fspath(a), os.fspath(b))) for key in common)
+        report.counts = {
+            "common": len(common), "equal": equal, "values": len(report.value_mismatch),
+            "shape": len(report.shape_mismatch), "dtype": len(report.dtype_mismatch),
+            "only_a": len(report.only_a), "only_b": len(report.only_b),
+        }
+        return report
 
 
 def _compare(report: DiffReport, key: str, x: Any, y: Any, paths: tuple[str, str]) -> bool:

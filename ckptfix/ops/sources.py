@@ -178,6 +178,7 @@ class Sources:
         import torch
 
         if path not in self._maps:
+            locations.hold(path)
             self._maps[path] = torch.UntypedStorage.from_file(path, shared=False, nbytes=self.reader.size(path))
         return self._maps[path]
 

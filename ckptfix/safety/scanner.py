@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bz2
 import lzma
-import mmap
 import os
 import struct
 import zlib
@@ -107,7 +106,7 @@ def _scan_torchscript(path: str, fmt: str, check_crc: bool, unpickled_by_caller:
 def _scan_legacy(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
     """A legacy torch file: a tar when tarfile takes it (torch.load tries tar first), else its pickle stream."""
     c = Collector(path, fmt)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with locations.open_buffer(path, whole=True) as buf:
         if opens_as_tar(path):
             scan_tar(c, legacy_too=starts_with_magic(buf))
         else:
@@ -118,7 +117,7 @@ def _scan_legacy(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str 
 def _scan_pickle(path: str, fmt: str, check_crc: bool, unpickled_by_caller: str | None) -> ScanReport:
     """A plain pickle (not a checkpoint, but scannable): every pickle in it walked."""
     c = Collector(path, fmt)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with locations.open_buffer(path, whole=True) as buf:
         size = len(buf)
         for w in pickle_walk.walk_stack(buf, 0, min(size, _limits.current().max_pickle_bytes), "pickle"):
             c.add_walk(w)
@@ -206,7 +205,7 @@ def _scan_deepspeed(path: str, fmt: str, check_crc: bool, unpickled_by_caller: s
     c = Collector(path, DEEPSPEED)
     for file in [*layout.model_files, *layout.optim_files]:
         part = Collector(os.path.basename(file), TORCH_ZIP)
-        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        with locations.open_buffer(file, whole=True) as buf:
             scan_zip(part, buf, len(buf), False, check_crc, also=optim_names() if file in layout.optim_files
                       else frozenset())
         c.merge(part)

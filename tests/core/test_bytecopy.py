@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 import ckptfix
 from ckptfix.core import bytecopy, libc, outputs, positional
 from ckptfix.ops.convert import steps
+from tests import concurrent_writer
 from tests.file_server import FileServer
 from tests.remote_servers import http_server
 
@@ -176,46 +175,34 @@ def test_a_crc32_pass_over_a_file_truncated_under_it_is_an_oserror(source: Path,
         positional.crc32_range(f.fileno(), 0, 3 * STEP)
 
 
-_CUT_CHILD = """
-import os, sys
-from ckptfix.core import bytecopy, positional
-src, dst, where = sys.argv[1:4]
-size, state = os.path.getsize(src), {}
-def cut():
-    if not state:
-        state["cut"] = os.truncate(src, size // 4)
-def hooked(real):
-    def call(*a, **k):
-        cut()
-        return real(*a, **k)
-    return call
-if where == "crc":  # the CRC-32 pass, on its thread, mid-run
-    positional.crc32 = hooked(positional.crc32)
-else:  # the copy's first step: copy_file_range or a pwrite from the mapping
-    os.copy_file_range, os.pwrite = hooked(os.copy_file_range), hooked(os.pwrite)
-from ckptfix.cli import main
-sys.argv = ["ckptfix", "convert", src, dst]
-main()
-"""
-
-
+@pytest.mark.parametrize("leased", [False, True])
 @pytest.mark.parametrize("src_fmt, dst_fmt, where", [
     ("pth", "safetensors", "crc"), ("pth", "pth", "crc"), ("safetensors", "pth", "crc"),
     ("pth", "safetensors", "copy"), ("pth", "pth", "copy"), ("safetensors", "pth", "copy"),
 ])
-def test_a_source_truncated_mid_convert_is_named_and_nothing_is_written(tmp_path: Path, src_fmt: str, dst_fmt: str,
-                                                                       where: str) -> None:
-    """Another process truncates the source while a torch-free convert copies it (in the CRC-32 pass on its thread,
-    or in the copy itself): exit 1 naming the source and what happened, not SIGBUS and not a destination error; no
-    output and no temp file left. Run in a child process: a SIGBUS would kill it, not the test run."""
+def test_a_source_truncated_mid_convert(tmp_path: Path, src_fmt: str, dst_fmt: str, where: str, leased: bool) -> None:
+    """Another writer truncates the source while a torch-free convert copies it (in the CRC-32 pass on its thread,
+    or in the copy itself). Leased (the convert holds a read lease on its source): the writer waits, the output is
+    the file as it was, bit for bit, and the cut lands after. Without a lease: exit 1 naming the source and what
+    happened, not SIGBUS and not a destination error; no output and no temp file left. In a child process: a
+    SIGBUS would kill it, not the test run."""
+    if leased and not concurrent_writer.leases_work(tmp_path):
+        pytest.skip(f"{tmp_path}: no read leases here")
     sd = {f"w{i}": torch.randn(2**20 // 4 + i) for i in range(12)}  # ~12 MiB, tensors over a copy step each
     src = tmp_path / f"src.{src_fmt}"
     torch.save(sd, src) if src_fmt == "pth" else st.save_file(sd, src)
+    size = os.path.getsize(src)
     dst = tmp_path / "out" / f"dst.{dst_fmt}"
     dst.parent.mkdir()
-    run = subprocess.run([sys.executable, "-c", _CUT_CHILD, str(src), str(dst), where], capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 1, (run.returncode, run.stderr[-2000:])
-    assert f"{src}: ends at byte " in run.stderr, run.stderr[-2000:]
-    assert "truncated or rewrote it while it was converted; nothing was written" in run.stderr
+    out = concurrent_writer.run(src, ["convert", str(src), str(dst)], where, leased)
+    assert "signal" not in out and out["cut"], out
+    assert out["size_after"] == size // 4, out
+    if leased:
+        assert out["code"] == 0 and out["waited"] and out["waiting_at_end"], out
+        got = st.load_file(dst) if dst_fmt == "safetensors" else torch.load(dst, weights_only=True)
+        assert got.keys() == sd.keys() and all(torch.equal(got[k], v) for k, v in sd.items())
+        return
+    assert out["code"] == 1, out
+    assert f"{src}: ends at byte " in out["stderr"], out["stderr"]
+    assert "truncated or rewrote it while it was converted; nothing was written" in out["stderr"]
     assert os.listdir(dst.parent) == []

@@ -282,6 +282,7 @@ class Chunks:
         if nbytes == 0:
             return torch.empty(shell.shape, dtype=dtype)
         if file not in self.maps:
+            locations.hold(file)
             self.maps[file] = torch.UntypedStorage.from_file(file, shared=False, nbytes=os.path.getsize(file))
         start = info.offset + offset
         t = torch.empty(0, dtype=dtype)

@@ -19,6 +19,7 @@ import os
 from collections import OrderedDict
 from typing import Any
 
+from ...core import locations
 from ...core.devices import DevicePlan, storage_id
 from ...core.torch_free import NeedsTorch
 from ...core.units import dtype_name
@@ -73,6 +74,7 @@ class _Source:
             return t
         ref = self.refs[storage_id(t)]
         if ref.path not in self.maps:
+            locations.hold(ref.path)
             self.maps[ref.path] = torch.UntypedStorage.from_file(ref.path, shared=False, nbytes=os.path.getsize(ref.path))
         out = torch.empty(0, dtype=t.dtype)
         out.set_(self.maps[ref.path][ref.offset : ref.offset + ref.nbytes], t.storage_offset(), t.shape, t.stride())

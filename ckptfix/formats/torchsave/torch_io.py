@@ -35,6 +35,7 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     tags: dict[int, str] = {}
     # torch.load routes any path ending in .safetensors to safetensors: hand it a file object then.
     by_name = not path.endswith(".safetensors")
+    locations.hold(path)  # (torch maps a zip: mmap=True)
     try:
         with open(path, "rb") as f:
             obj = torch_load(path if by_name else f, plan.torch_map_location(tags), trust=trust,

@@ -207,8 +207,9 @@ def load_into(model: Any, path: Any, *args: Any, **options: Any) -> LoadReport:
     raise LoadError and nothing is loaded. A file that records per-tensor digests (ckptfix's outputs) is
     checked against them before the model is touched, by default where that rides on a pass the load makes anyway
     (a model built on meta: the value check's pass; a URL: its fetch), with ``check_digests=True`` a built model's
-    too (one CRC-32 pass of its own before the fill); a mismatch a FormatError naming the tensor, nothing loaded;
-    ``check_digests=False`` skips it.
+    too (one CRC-32 pass of its own before the fill) and a DTensor-sharded model's (each rank checks a share of the
+    digests: docs/digests.md); a mismatch a FormatError naming the tensor, nothing loaded; ``check_digests=False``
+    skips it.
 
     ``path`` may be a URL (as :func:`read` takes one): each tensor's bytes are fetched once, before the model is
     touched, and a DTensor rank fetches only its own shards' ranges; ``LoadReport.bytes_fetched`` counts them.

@@ -356,3 +356,27 @@ def group_keys(keys: Iterable[str], limit: int = 12) -> list[str]:
     lines = [(f"{shown(p)}." if p else "") + (shown(leaves[0]) if len(leaves) == 1 else "{" + few(leaves, SHOWN_ITEMS) + "}")
              for p, leaves in islice(groups.items(), limit)]
     return lines + [f"… and {len(groups) - limit} more groups"] if len(groups) > limit else lines
+
+
+def fit_report(path: str, fit: Fit, chosen: Repair) -> str:
+    """One paragraph: what is missing / unexpected / mismatched after the repair, and the likely cause."""
+    parts = [f"{path}: does not load into the model"]
+    if chosen.description:
+        parts.append(f"after the repair ({chosen.summary})")
+    if fit.missing:
+        parts.append(f"{len(fit.missing)} missing: {few(fit.missing)}")
+    if fit.unexpected:
+        parts.append(f"{len(fit.unexpected)} unexpected: {few(fit.unexpected)}")
+    if fit.shape_mismatch:
+        parts.append(
+            f"{len(fit.shape_mismatch)} shape mismatch: "
+            + ", ".join(f"{r['key']} {r['checkpoint']} vs model {r['model']}" for r in fit.shape_mismatch[:5])
+        )
+    if fit.non_tensor:
+        parts.append(f"{len(fit.non_tensor)} not tensors: {few(fit.non_tensor)}")
+    if fit.missing and fit.unexpected:
+        parts.append("the names differ: a renamed layer, or a different architecture (`ckptfix verify` suggests renames)")
+    elif fit.missing or fit.shape_mismatch:
+        parts.append("likely a different architecture or configuration (e.g. num_classes)")
+    return "; ".join(parts)
+

@@ -103,7 +103,8 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
                                             module_names=model_walk.module_names)
             ckpt, chosen, fit, sources = _read_fitted(path, o, target, reader, model_walk.state_dict)
             plan = _plan(model_walk, fit.state_dict, sources, plan_devices, o.assign)
-            recorded = _digests(ckpt, plan, o.check_digests, o.check_values) if o.check_digests is not False else None
+            recorded = (_digests(ckpt, plan, o.check_digests, o.check_values, distributed)
+                        if o.check_digests is not False else None)
             if o.strict_values:
                 _check_records(plan, sources, distributed)
                 local_bad = _precheck(plan, sources)
@@ -171,7 +172,7 @@ def _fit(ckpt: Any, target: repair.Target, strict: bool) -> tuple[repair.Repair,
     """The checkpoint's keys repaired against the model; a LoadError (the short report) where they don't fit."""
     chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
     if fit.shape_mismatch or fit.non_tensor or (strict and (fit.missing or fit.unexpected)):
-        raise LoadError(short_report(ckpt.path, fit, chosen))
+        raise LoadError(repair.fit_report(ckpt.path, fit, chosen))
     _zero_filled(fit)
     return chosen, fit
 
@@ -296,13 +297,19 @@ def _refuse_meta_left(walk: modelwalk.ModelWalk, slots: dict[str, Slot], plan: P
                         "initialisation, e.g. non-persistent buffers), or load a checkpoint that holds them")
 
 
-def _digests(ckpt: Any, plan: Plan, asked: bool | None, values: bool) -> list[digests.Digest] | None:
+def _digests(ckpt: Any, plan: Plan, asked: bool | None, values: bool,
+             distributed: shards.Agreement) -> list[digests.Digest] | None:
     """The digests a local file records, to check in the commit's pass over the mapped file (every tensor assigned:
     the value check's pass, or with ``asked`` (True) one for the CRC-32s alone where ``values`` are not checked);
     None where there are none, or after a pass of their own here — only when ``asked``: a fill writes into the
-    model's tensors, and with its files leased nothing keeps what it replaces (docs/digests.md). Not with DTensors:
-    each rank reads its own share of the file, and a tensor's digest covers all of it."""
+    model's tensors, and with its files leased nothing keeps what it replaces (docs/digests.md). With DTensors each
+    rank reads only its share of the file, and a tensor's digest covers all of it: only when ``asked``, each rank
+    checks its share of the digests (:func:`_share`) in a pass of its own, every rank told of any mismatch by the
+    plan's agreement (a URL's: not checked)."""
     if plan.sharded:
+        if asked and not locations.is_remote(ckpt.path):
+            recorded = digests.read(ckpt.path, ckpt.format).digests
+            digests.refuse(digests.mismatched(_share(recorded or [], lambda d: d.size, *distributed.rank_and_world())))
         return None
     if locations.is_remote(ckpt.path):  # the storages the plan fetched, each CRC-32 taken as it arrived
         digests.check(ckpt.path, ckpt.format)
@@ -313,6 +320,18 @@ def _digests(ckpt: Any, plan: Plan, asked: bool | None, values: bool) -> list[di
             digests.refuse(digests.mismatched(recorded))
         return None
     return recorded if asked or values else None
+
+
+def _share(items: list[Any], size: Any, rank: int, world: int) -> list[Any]:
+    """Rank ``rank``'s share of ``items`` to check: the largest first (``size(item)`` bytes), each to the rank with the
+    fewest bytes so far (every rank computes the same split), so each reads about 1/world of them."""
+    loads, mine = [0] * world, []
+    for n in sorted(range(len(items)), key=lambda n: (-size(items[n]), n)):
+        least = loads.index(min(loads))
+        loads[least] += size(items[n])
+        if least == rank:
+            mine.append(items[n])
+    return mine
 
 
 def _check_done(walk: modelwalk.ModelWalk, path: str) -> None:
@@ -342,8 +361,7 @@ def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) 
     its share of the records); a mismatch raises FormatError naming the record, before anything is loaded."""
     records = list(dict.fromkeys(r for t in plan.sources if t.is_meta
                                  and (r := source_record(sources.refs.get(storage_id(t)))) is not None))
-    rank, world = distributed.rank_and_world()
-    for record in records[rank::world]:
+    for record in _share(records, lambda r: r.size, *distributed.rank_and_world()):
         crc = sources.crc32(record.path, record.offset, record.size)
         if crc != record.crc:
             raise damaged(record, crc)
@@ -474,27 +492,3 @@ def _nbytes(t: Any) -> int:
 
 def _values(keys: list[str]) -> str:
     return f"{len(keys)} tensor(s) hold NaN/Inf values: {few(keys)}"
-
-
-def short_report(path: str, fit: Any, chosen: Any) -> str:
-    """One paragraph: what is missing / unexpected / mismatched after the repair, and the likely cause."""
-    parts = [f"{path}: does not load into the model"]
-    if chosen.description:
-        parts.append(f"after the repair ({chosen.summary})")
-    if fit.missing:
-        parts.append(f"{len(fit.missing)} missing: {few(fit.missing)}")
-    if fit.unexpected:
-        parts.append(f"{len(fit.unexpected)} unexpected: {few(fit.unexpected)}")
-    if fit.shape_mismatch:
-        parts.append(
-            f"{len(fit.shape_mismatch)} shape mismatch: "
-            + ", ".join(f"{r['key']} {r['checkpoint']} vs model {r['model']}" for r in fit.shape_mismatch[:5])
-        )
-    if fit.non_tensor:
-        parts.append(f"{len(fit.non_tensor)} not tensors: {few(fit.non_tensor)}")
-    if fit.missing and fit.unexpected:
-        parts.append("the names differ: a renamed layer, or a different architecture (`ckptfix verify` suggests renames)")
-    elif fit.missing or fit.shape_mismatch:
-        parts.append("likely a different architecture or configuration (e.g. num_classes)")
-    return "; ".join(parts)
-

@@ -119,5 +119,5 @@ def leases_work(folder: Path) -> bool:
     fd = rollback.lease(str(probe))
     if fd is None:
         return False
-    os.close(fd)
+    rollback.drop(fd)
     return True

@@ -74,7 +74,7 @@ class Holder:
         """Drop every lease (the writers waiting on one go on)."""
         for fd in self.leases.values():
             if fd is not None:
-                os.close(fd)
+                rollback.drop(fd)
         self.leases.clear()
 
 

@@ -166,7 +166,7 @@ class Leases:
     def release(self) -> None:
         """Let the writers in: closing a descriptor drops its lease."""
         while self._fds:
-            os.close(self._fds.pop())
+            drop(self._fds.pop())
 
 
 def break_time() -> int | None:
@@ -201,7 +201,35 @@ def lease(path: str) -> int | None:
     except BaseException:
         os.close(fd)
         raise
+    _LEASED.add(fd)
     return fd
+
+
+def drop(fd: int) -> None:
+    """End the lease ``fd`` holds (:func:`lease`): close it — in this process only; a forked child's copy is closed
+    at the fork (:func:`_forked`), never here."""
+    if fd in _LEASED:
+        _LEASED.discard(fd)
+        os.close(fd)
+
+
+#: the descriptors holding a lease in this process. A lease lives as long as any copy of its descriptor: a child forked
+#: while one is held (a DataLoader worker started beside a load) would keep it for its life, and every later
+#: ``torch.save`` to the file would wait out lease-break-time. A forked child closes its copies at once.
+_LEASED: set[int] = set()
+
+
+def _forked() -> None:
+    for fd in list(_LEASED):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LEASED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def intact(fd: int) -> bool:

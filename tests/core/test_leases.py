@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,31 @@ def test_no_lease_where_the_file_is_open_for_writing(tmp_path: Path) -> None:
     with open(path, "r+b"), locations.holding() as h:
         assert not h.hold(str(path))
         assert h.leases == {os.path.realpath(path): None}
+
+
+def test_a_child_forked_while_a_lease_is_held_does_not_keep_it(tmp_path: Path) -> None:
+    """A child forked while a verb holds a lease (a DataLoader worker started beside a load) closes its copy of the
+    lease's descriptor: once the verb is done, a writer goes on at once — not after lease-break-time (45 s) — though
+    the child lives on."""
+    if not concurrent_writer.leases_work(tmp_path):
+        pytest.skip(f"{tmp_path}: no read leases here")
+    path = _save(tmp_path, "safetensors")
+    r, w = os.pipe()
+    with locations.holding() as h:
+        assert h.hold(str(path))
+        pid = os.fork()
+        if pid == 0:  # the child: lives until the test is done
+            try:
+                os.close(w)
+                os.read(r, 1)
+            finally:
+                os._exit(0)
+    os.close(r)
+    try:
+        cut = "import os, sys; os.truncate(sys.argv[1], 10)"
+        subprocess.run([sys.executable, "-c", cut, str(path)], check=True, timeout=40)  # (waiting: 45 s)
+        assert os.path.getsize(path) == 10
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)

@@ -17,7 +17,6 @@ before the verb reads through it), ``crc`` (the CRC-32 pass: ``positional.crc32`
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -88,6 +88,22 @@ class Placed(nn.Module):
                 self.register_parameter(name, nn.Parameter(t))
 
 
+class Bits(nn.Module):
+    """A complex64 weight (Shard(0)) and a float32 one (Shard(1)): their checkpoint stores them as a conjugate and a
+    negative view (torch.save keeps the bits; the values are the bits applied to the stored bytes)."""
+
+    def __init__(self, mesh: Any = None, seed: int = 0) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        g = torch.Generator().manual_seed(seed)
+        z, w = torch.randn(6, 4, dtype=torch.complex64, generator=g), torch.randn(5, 3, generator=g)
+        if mesh is not None:
+            z = distribute_tensor(z, mesh, (Shard(0),), src_data_rank=None)
+            w = distribute_tensor(w, mesh, (Shard(1),), src_data_rank=None)
+        self.z, self.w = nn.Parameter(z), nn.Parameter(w)
+
+
 def mlp() -> nn.Sequential:
     """fixtures/train.py's MLP (the real DDP and FSDP2 fixtures were trained on it)."""
     return nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
@@ -129,6 +145,8 @@ def build_model(kind: str, meshes: dict[str, Any]) -> nn.Module:
         return parallelize_module(TPNet(), mesh, plan)
     if kind in ("dtensor-1d", "dtensor-2d"):
         return Placed(meshes["2d"] if kind == "dtensor-2d" else mesh)
+    if kind == "dtensor-bits":
+        return Bits(mesh)
     raise ValueError(kind)
 
 
@@ -148,6 +166,8 @@ def full_state_dict(family: str | Path) -> dict[str, torch.Tensor]:
         model = TPNet()
     elif family == "placed":
         model = Placed(seed=1)
+    elif family == "bits":
+        model = Bits(seed=1)
     elif family == BIG:
         g = torch.Generator().manual_seed(1)
         return {"0.weight": torch.rand(8192, 2048, generator=g), "1.weight": torch.rand(2048, 8192, generator=g)}

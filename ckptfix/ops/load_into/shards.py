@@ -63,6 +63,11 @@ def check_placements(key: str, dt: Any, src: Any) -> None:
                         "load a consolidated state dict with torch.distributed.checkpoint instead")
     if tuple(dt.shape) != tuple(src.shape):
         raise LoadError(f"{key}: the model's global shape {list(dt.shape)} differs from the checkpoint's {list(src.shape)}")
+    kind = "quantized" if getattr(src, "is_quantized", False) else "sparse" if tensorcopy.is_sparse(src) else None
+    if kind is not None:  # (its values need its scale, or its indices: not a box of bytes)
+        raise LoadError(f"{key}: the checkpoint's tensor is {kind} and the model's is a DTensor, whose shards ckptfix "
+                        "fills from plain tensors only; load it into an unsharded model (then shard), or dequantize / "
+                        "densify it first; nothing was loaded")
 
 
 def local_device(key: str, dt: Any, devices: DevicePlan, tag: str) -> str:
@@ -132,13 +137,24 @@ def _read_box(src: Any, sources: Sources, offsets: list[int], sizes: list[int], 
     runs = sources.box_runs(src, offsets, sizes) if src.is_meta else None
     if runs is not None:
         sources.read_runs(runs, byte_view(out))
+        _apply_bits(src, out)
         return
     pieces = source_pieces(src, sources)
     if pieces is not None:
         _read_pieces(pieces, src, sources, offsets, sizes, out)
+        _apply_bits(src, out)
         return
     view = sources.view(src)
     out.copy_(view[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+
+
+def _apply_bits(src: Any, out: Any) -> None:
+    """``out`` holds stored bytes of ``src``: the values torch's rebuild gives them (a conjugate or negative view's
+    bit applied; the mapped view's copy above applies them itself)."""
+    if src.is_conj():
+        out.conj_physical_()
+    if src.is_neg():
+        out.neg_()
 
 
 def source_pieces(src: Any, sources: Sources) -> list[tuple[list[int], list[int], Segment]] | None:

@@ -1,17 +1,25 @@
-"""``load_into(..., check_digests=True)`` into a DTensor-sharded (FSDP2) model: each rank checks a share of the file's
-recorded digests (a tensor's digest covers all its bytes, which no one rank reads), every rank hears of a mismatch
-before anything is loaded, and a clean file loads as without the check. Files written by ``ckptfix convert`` (one
-safetensors file, HF shards, a DCP directory), and a copy of each with one byte of its largest tensor flipped."""
+"""DTensor-sharded models (FSDP2, placed by hand) from files whose tensors need more than their bytes read.
+
+- ``check_digests=True``: each rank checks a share of the file's recorded digests (a tensor's digest covers all its
+  bytes, which no one rank reads), every rank hears of a mismatch before anything is loaded, and a clean file loads
+  as without the check. Files written by ``ckptfix convert`` (one safetensors file, HF shards, a DCP directory), and a
+  copy of each with one byte of its largest tensor flipped.
+- a conjugate and a negative view (``torch.save`` keeps the bits): each rank's shard holds the values torch's
+  rebuild gives, not the stored bytes.
+- a quantized tensor for a plain DTensor: refused on every rank before anything loads, naming it.
+"""
 
 from __future__ import annotations
 
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import ckptfix
 from ckptfix.formats import resolve
@@ -29,9 +37,7 @@ def run_cases(rank: int, world: int, payload: dict[str, Any]) -> dict[str, dict[
 
 
 def _write(root: Path) -> dict[str, dict[str, Path]]:
-    """format → the clean file and the damaged copy."""
-    import torch
-
+    """format → the clean file and the damaged copy; ``bits`` → the views' file (ok) and its quantized twin."""
     plain = root / "mixed.pth"
     torch.save(sharded_ranks.full_state_dict("mixed"), plain)
     files: dict[str, dict[str, Path]] = {}
@@ -49,6 +55,15 @@ def _write(root: Path) -> dict[str, dict[str, Path]]:
             f.seek(-1, 1)
             f.write(bytes([byte ^ 0x10]))
         files[fmt] = {"clean": clean, "damaged": damaged}
+    full = sharded_ranks.full_state_dict("bits")
+    stored = {"z": full["z"].conj().resolve_conj().conj(), "w": (-full["w"])._neg_view()}  # the bits: the values
+    assert stored["z"].is_conj() and stored["w"].is_neg() and all(torch.equal(stored[k], full[k]) for k in full)
+    torch.save(stored, root / "bits.pth")
+    with warnings.catch_warnings():  # (torch deprecates its legacy quantized tensors; files still hold them)
+        warnings.simplefilter("ignore", UserWarning)
+        quantized = torch.quantize_per_tensor(full["w"], 0.1, 0, torch.qint8)
+    torch.save({**stored, "w": quantized}, root / "quantized.pth")
+    files["bits"] = {"ok": root / "bits.pth", "quantized": root / "quantized.pth"}
     return files
 
 
@@ -62,7 +77,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[s
         if world not in runs:
             cases = [{"id": f"{state}/{fmt}", "loader": "ckptfix", "model": "fsdp2", "path": str(paths[state]),
                       "expected": "mixed" if state == "clean" else None, "kwargs": {"check_digests": True}}
-                     for fmt, paths in files.items() for state in paths]
+                     for fmt, paths in files.items() if fmt != "bits" for state in paths]
+            cases += [{"id": f"bits/{state}", "loader": "ckptfix", "model": "dtensor-bits", "path": str(path),
+                       "expected": "bits" if state == "ok" else None} for state, path in files["bits"].items()]
             try:
                 per_rank = dist_harness.run(f"{__name__}:run_cases", world, tmp_path_factory.mktemp(f"w{world}"),
                                             {"cases": cases}, timeout=400)
@@ -98,3 +115,22 @@ def test_a_damaged_tensor_is_refused_on_every_rank_and_changes_nothing(outcomes:
         assert res["changed"] == [], f"rank {rank} left half-loaded: {res['changed']} changed"
     finders = [rank for rank, res in enumerate(ranks) if not res["message"].startswith("rank ")]
     assert len(finders) == 1, [r["message"][:80] for r in ranks]  # the digest was one rank's to check
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_conjugate_and_negative_views_are_loaded_as_their_values(outcomes: Callable[[int], Any], world: int) -> None:
+    """z (complex64, Shard(0)) stored as a conjugate view, w (float32, Shard(1): strided runs) as a negative one:
+    each rank's shard is its slice of the values, bit for bit (read as bytes, the bits dropped, it was not)."""
+    for rank, res in enumerate(outcomes(world)["bits/ok"]):
+        assert res["outcome"] == "ok", f"rank {rank}: {res.get('type', '')} {res['message']}\n{res['traceback']}"
+        assert res["sharded"] and res["wrong"] == [], f"rank {rank}: {res['wrong']} {res['on_meta']}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_quantized_tensor_for_a_plain_dtensor_is_refused_on_every_rank(outcomes: Callable[[int], Any],
+                                                                         world: int) -> None:
+    ranks = outcomes(world)["bits/quantized"]
+    for rank, res in enumerate(ranks):
+        assert res["outcome"] == "raised" and res["load_error"], f"rank {rank}: {res.get('type')} {res['message']}"
+        assert "w" in res["message"] and "quantized" in res["message"], res["message"]
+        assert res["changed"] == [], f"rank {rank} left half-loaded: {res['changed']} changed"

@@ -117,7 +117,7 @@ def test_plain_pickle_and_tar_legacy(tmp_path: Path) -> None:
     (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"a": [1, 2]}, protocol=4))
     report = ckptfix.scan(tmp_path / "plain.pkl")
     assert report.format == "pickle" and report.ok
-    payload = pickle.dumps({"w": adversarial._Reduce(print, "x")}, protocol=2)
+    payload = pickle.dumps({"w": adversarial.Reduce(print, "x")}, protocol=2)
     tar_path = tmp_path / "old.tar"
     with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
         for name, data in (("sys_info", pickle.dumps({}, protocol=2)), ("pickle", payload),

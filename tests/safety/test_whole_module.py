@@ -41,7 +41,7 @@ def test_whole_module_refused_in_a_short_line(name: str, legacy: bool, command: 
 
 def test_whole_module_with_a_call_still_names_the_call(tmp_path: Path, cli_runner: Any) -> None:
     """A model pickled beside a call of os.system: the short form still names the call."""
-    torch.save({"model": adversarial.TinyNet(), "x": adversarial._Reduce(os.system, "true")}, tmp_path / "both.pth")
+    torch.save({"model": adversarial.TinyNet(), "x": adversarial.Reduce(os.system, "true")}, tmp_path / "both.pth")
     res = cli_runner.invoke(cli, ["inspect", str(tmp_path / "both.pth")])
     assert res.exit_code == 1, res.output
     assert res.stderr.count("\n") == 1 and ROOT_CLASSES["tiny"] in res.stderr, res.stderr

@@ -52,7 +52,7 @@ CASES: dict[str, tuple[Callable[[OrderedDict, Path], Any], str | None, list[str]
     "normal": (lambda md, d: md, None, []),
     "extra-plain-data": (lambda md, d: (md["bn"].update(note="kept", sizes=[1, 2.5, None]),
                                         md.update(other={"x": {"y": "z"}}), md)[-1], None, []),
-    "placeholder-os-system": (lambda md, d: (md["bn"].update(cmd=adversarial._Reduce(os.system, f"touch {d / CANARY}")),
+    "placeholder-os-system": (lambda md, d: (md["bn"].update(cmd=adversarial.Reduce(os.system, f"touch {d / CANARY}")),
                                              md)[-1], "Weights only load failed", ["bn"]),
     "namespace": (lambda md, d: (md["fc"].update(cfg=argparse.Namespace(lr=0.1)), md)[-1], "Weights only load failed",
                   ["fc"]),

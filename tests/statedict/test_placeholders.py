@@ -138,14 +138,14 @@ def _payloads(directory: Path) -> dict[str, Any]:
         return str(directory / f"canary-{name}")
 
     nested = types.SimpleNamespace()  # a placeholder whose BUILD state holds the call
-    nested.__dict__["cmd"] = adversarial._Reduce(os.system, f"touch {canary('nested-in-state')}")
+    nested.__dict__["cmd"] = adversarial.Reduce(os.system, f"touch {canary('nested-in-state')}")
     return {
-        "os-system": adversarial._Reduce(os.system, f"touch {canary('os-system')}"),
-        "subprocess-popen": adversarial._Reduce(subprocess.Popen, ["touch", canary("subprocess-popen")]),
-        "builtins-exec": adversarial._Reduce(exec, f"open({canary('builtins-exec')!r}, 'w').close()"),
-        "builtins-eval": adversarial._Reduce(eval, f"open({canary('builtins-eval')!r}, 'w').close()"),
+        "os-system": adversarial.Reduce(os.system, f"touch {canary('os-system')}"),
+        "subprocess-popen": adversarial.Reduce(subprocess.Popen, ["touch", canary("subprocess-popen")]),
+        "builtins-exec": adversarial.Reduce(exec, f"open({canary('builtins-exec')!r}, 'w').close()"),
+        "builtins-eval": adversarial.Reduce(eval, f"open({canary('builtins-eval')!r}, 'w').close()"),
         "nested-in-state": nested,
-        "list-of-payloads": [1, {"deep": adversarial._Reduce(os.system, f"touch {canary('list-of-payloads')}")}],
+        "list-of-payloads": [1, {"deep": adversarial.Reduce(os.system, f"touch {canary('list-of-payloads')}")}],
         "import-time-module": "import-time",  # made below: a module whose import creates the canary
     }
 
@@ -165,7 +165,7 @@ def beside(tmp_path_factory: pytest.TempPathFactory) -> Path:
         module = __import__(CANARY_MODULE)  # (its import creates the canary: removed below)
         for name, payload in _payloads(directory).items():
             if name == "import-time-module":
-                payload = adversarial._Reduce(module.boom)
+                payload = adversarial.Reduce(module.boom)
             weights = {"w": torch.arange(4.0)}
             torch.save({"state_dict": weights, "config": payload}, directory / f"{name}.pt")
             torch.save({"state_dict": {**weights, "x": payload}}, directory / f"inside-{name}.pt")

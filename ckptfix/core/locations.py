@@ -111,6 +111,7 @@ class Session:
         if self.failure is not None:
             raise self.failure
 
+
 #: read leases one holder holds at most (a descriptor each): a directory of more shards leases the first ones
 MAX_LEASES = 256
 _HOLDER: contextvars.ContextVar[Holder | None] = contextvars.ContextVar("ckptfix_leases", default=None)

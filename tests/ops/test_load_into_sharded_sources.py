@@ -59,6 +59,8 @@ def _write(root: Path) -> dict[str, dict[str, Path]]:
     stored = {"z": full["z"].conj().resolve_conj().conj(), "w": (-full["w"])._neg_view()}  # the bits: the values
     assert stored["z"].is_conj() and stored["w"].is_neg() and all(torch.equal(stored[k], full[k]) for k in full)
     torch.save(stored, root / "bits.pth")
+    loaded = torch.load(root / "bits.pth", weights_only=True)  # what torch's rebuild gives: the values, bits applied
+    assert loaded["z"].is_conj() and loaded["w"].is_neg() and all(torch.equal(loaded[k], full[k]) for k in full)
     with warnings.catch_warnings():  # (torch deprecates its legacy quantized tensors; files still hold them)
         warnings.simplefilter("ignore", UserWarning)
         quantized = torch.quantize_per_tensor(full["w"], 0.1, 0, torch.qint8)

@@ -19,7 +19,7 @@ PYTEST_ARGS ?= -n auto --dist loadfile
 
 .PHONY: demo test test-other-torch install clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py ckptfix/core/_scan.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'

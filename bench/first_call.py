@@ -11,7 +11,8 @@ LayerNorm), its width set by the size. Rounds alternate the rows' order; "ms abo
 of the row's time minus the plain loader's on the same file in the same round (7 rounds unless ``--rounds`` says
 otherwise; the issue asks for at least 7). The import of each row's loader is timed too (its own column: excluded
 from the call on both sides). One row loads with ``check_values=False``: beside the checked row, what the NaN/Inf check
-costs of the call (no bound: the issue's is the checked call's).
+costs of the call; one with ``CKPTFIX_NO_NATIVE=1``: what a build without the compiled kernels (no C compiler at
+install) takes (no bound on either: the issue's is the default checked call's).
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class Row:
     file: str
     model: str = "cpu"
     check: bool = True  # ckptfix's NaN/Inf check (False: the row shows what the check costs; the bound is not its)
+    native: bool = True  # ckptfix's compiled kernels (False: CKPTFIX_NO_NATIVE=1, the numpy check a build without a
+    # C compiler runs; the bound is the default's)
 
     @property
     def vs(self) -> str:
@@ -109,6 +112,7 @@ ROWS = [
     Row("st.plain", "model.load_state_dict(load_file(p))", "plain", "st"),
     Row("st.ckptfix", "ckptfix.load_into(model, p)", "ckptfix", "st"),
     Row("st.ckptfix.unchecked", "ckptfix.load_into(model, p, check_values=False)", "ckptfix", "st", check=False),
+    Row("st.ckptfix.numpy", "ckptfix.load_into(model, p), CKPTFIX_NO_NATIVE=1", "ckptfix", "st", native=False),
     Row("st.ckptfix.meta", "ckptfix.load_into(model, p), meta-built", "ckptfix", "st", "meta"),
     Row("pth.plain", "model.load_state_dict(torch.load(p, weights_only=True, mmap=True))", "plain", "pth"),
     Row("pth.ckptfix", "ckptfix.load_into(model, p)", "ckptfix", "pth"),
@@ -151,8 +155,9 @@ def run_once(row: Row, files: dict[str, str], shape: tuple[int, int, int], timeo
     """One fresh process of ``row``: its call's seconds, CPU seconds, the loader's import and what the call imported."""
     spec = {"loader": row.loader, "file": files[row.file], "model": row.model, "shape": list(shape), "truth": files["st"],
             "check": row.check}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
-                                                                       os.environ.get("PYTHONPATH")]))}
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "CKPTFIX_NO_NATIVE": "" if row.native else "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     try:
         out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True,
                              timeout=timeout, env=env)
@@ -180,7 +185,7 @@ def run(workdir: Path, size_mib: float, rounds: int, timeout: float) -> dict[str
             shown = f"{run_['seconds'] * 1000:.1f} ms" if "seconds" in run_ else f"FAILED {run_['error']}"
             print(f"first-call round {r + 1}: {row.id}: {shown}", file=sys.stderr)
     rows = [{"id": row.id, "label": row.label, "file": FILES[row.file], "model": row.model, "vs": row.vs,
-             "bounded": row.check}
+             "bounded": row.check and row.native}
             for row in ROWS]
     setup = {"size_mib": os.path.getsize(files["st"]) / 2**20, "size_mib_arg": size_mib, "rounds": rounds,
              "shape": list(shape), "tensors": 148, "target_ms": TARGET_MS, "when": time.strftime("%Y-%m-%d")}

@@ -80,3 +80,24 @@ def refused_as_damage(cli_runner: Any, tmp_path: Path) -> Callable[[str, Path], 
         return res.stderr
 
     return run
+
+
+@pytest.fixture(params=["avx2", "portable", "numpy"])
+def check_kernels(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way the NaN/Inf check runs: the compiled kernels (``ckptfix.core._scan``) with AVX2 and without, and numpy
+    (``CKPTFIX_NO_NATIVE=1``, a build without a C compiler); a kernel this build or CPU lacks is skipped
+    (tests/core/test_scan.py fails where a compiler is but the kernels weren't built)."""
+    from ckptfix.core import tensorcopy
+
+    kernels = tensorcopy.native()
+    if request.param == "numpy":
+        monkeypatch.setenv("CKPTFIX_NO_NATIVE", "1")
+        return "numpy"
+    if kernels is None:
+        pytest.skip("ckptfix.core._scan is not built")
+    try:
+        before = kernels.set_isa(request.param)
+    except ValueError:
+        pytest.skip(f"no {request.param} kernels on this CPU")
+    request.addfinalizer(lambda: kernels.set_isa(before))
+    return str(request.param)

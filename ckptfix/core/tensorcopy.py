@@ -24,10 +24,16 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import libc
+
+try:  # (imported with this module: a load's first call imports nothing)
+    from . import _scan
+except ImportError:  # not built (no C compiler at install): numpy checks
+    _scan = None  # type: ignore[assignment]
 
 #: bytes per chunk: small enough to stay in a core's cache between the copy and the check (measured best here:
 #: 1 MiB; larger chunks leave the cache, smaller ones cost more in per-call overhead than the check itself)
@@ -293,35 +299,64 @@ def run_jobs(count: int, job: Any, workers: int) -> None:
         raise state["error"]
 
 
-def bit_rule(dtype: Any) -> tuple[int, int | None, int | None, int | None] | None:
-    """How NaN and Inf show in ``dtype``'s bits: ``(width in bytes, unsigned max, signed max, signed min)``, each
-    bound exclusive (None: no such bound); None for a dtype this table doesn't know (torch checks it).
+class BitRule(NamedTuple):
+    """How NaN and Inf show in a dtype's bits. numpy's test: ``umax``, ``smax``, ``smin``, each bound exclusive (None:
+    no such bound) — the element as an unsigned integer ``< umax``, as a signed one ``< smax`` and ``> smin``; the
+    compiled kernels' (:func:`native`): NaN or Inf exactly when ``bits & mask == value`` (``mask`` 0: none can be)."""
+
+    width: int
+    umax: int | None
+    smax: int | None
+    smin: int | None
+    mask: int
+    value: int
+
+
+def bit_rule(dtype: Any) -> BitRule | None:
+    """How NaN and Inf show in ``dtype``'s bits (:class:`BitRule`); None for a dtype this table doesn't know (torch
+    checks it).
 
     A float is NaN or Inf exactly when its exponent bits are all ones (IEEE kinds): as an unsigned integer that is
     ``>= sign | exponent`` for the negative ones and, as a signed integer, ``>= exponent`` for the positive ones —
-    so two maxima over the chunk's bits decide it, exactly, without a temporary. float8 ``e4m3fn`` has only NaN
-    (``S.1111.111``); ``e8m0fnu`` NaN is 0xFF; the ``fnuz`` kinds' one NaN is 0x80 (-128 as int8); ``float4`` has
-    none. tests/core/test_tensorcopy.py checks every bit pattern of the 8- and 16-bit kinds against ``torch.isfinite``.
+    so two maxima over the chunk's bits decide it, exactly, without a temporary; or, one element at a time,
+    ``bits & exponent == exponent``. float8 ``e4m3fn`` has only NaN (``S.1111.111``); ``e8m0fnu`` NaN is 0xFF; the
+    ``fnuz`` kinds' one NaN is 0x80 (-128 as int8); ``float4`` has none. tests/core/test_tensorcopy.py checks every bit
+    pattern of the 8- and 16-bit kinds against ``torch.isfinite``, both ways.
     """
     return _rules().get(dtype)
 
 
 @functools.cache
-def _rules() -> dict[Any, tuple[int, int | None, int | None, int | None]]:
+def _rules() -> dict[Any, BitRule]:
     """:func:`bit_rule`'s table, built once (it is asked once per chunk read)."""
     import torch
 
-    rules = {torch.float64: (8, 0xFFF0000000000000, 0x7FF0000000000000, None),
-             torch.float32: (4, 0xFF800000, 0x7F800000, None), torch.complex64: (4, 0xFF800000, 0x7F800000, None),
-             torch.complex128: (8, 0xFFF0000000000000, 0x7FF0000000000000, None),
-             torch.float16: (2, 0xFC00, 0x7C00, None), torch.complex32: (2, 0xFC00, 0x7C00, None),
-             torch.bfloat16: (2, 0xFF80, 0x7F80, None),
-             torch.float8_e5m2: (1, 0xFC, 0x7C, None), torch.float8_e4m3fn: (1, 0xFF, 0x7F, None),
-             torch.float8_e5m2fnuz: (1, None, None, -128), torch.float8_e4m3fnuz: (1, None, None, -128)}
-    for name, rule in (("float8_e8m0fnu", (1, 0xFF, None, None)), ("float4_e2m1fn_x2", (1, None, None, None))):
+    f64, f32 = (8, 0xFFF0000000000000, 0x7FF0000000000000, None), (4, 0xFF800000, 0x7F800000, None)
+    rules = {torch.float64: BitRule(*f64, 0x7FF0000000000000, 0x7FF0000000000000),
+             torch.float32: BitRule(*f32, 0x7F800000, 0x7F800000),
+             torch.complex64: BitRule(*f32, 0x7F800000, 0x7F800000),
+             torch.complex128: BitRule(*f64, 0x7FF0000000000000, 0x7FF0000000000000),
+             torch.float16: BitRule(2, 0xFC00, 0x7C00, None, 0x7C00, 0x7C00),
+             torch.complex32: BitRule(2, 0xFC00, 0x7C00, None, 0x7C00, 0x7C00),
+             torch.bfloat16: BitRule(2, 0xFF80, 0x7F80, None, 0x7F80, 0x7F80),
+             torch.float8_e5m2: BitRule(1, 0xFC, 0x7C, None, 0x7C, 0x7C),
+             torch.float8_e4m3fn: BitRule(1, 0xFF, 0x7F, None, 0x7F, 0x7F),
+             torch.float8_e5m2fnuz: BitRule(1, None, None, -128, 0xFF, 0x80),
+             torch.float8_e4m3fnuz: BitRule(1, None, None, -128, 0xFF, 0x80)}
+    for name, rule in (("float8_e8m0fnu", BitRule(1, 0xFF, None, None, 0xFF, 0xFF)),
+                       ("float4_e2m1fn_x2", BitRule(1, None, None, None, 0, 0))):
         if hasattr(torch, name):
             rules[getattr(torch, name)] = rule
     return rules
+
+
+def native() -> Any:
+    """The compiled kernels (``ckptfix.core._scan``, built at install from ``_scan.c`` where a C compiler is: the check
+    fused into the copy, see :mod:`ckptfix.core.filefill`), or None: not built, or ``CKPTFIX_NO_NATIVE=1`` (numpy
+    checks, as measured beside them in bench/)."""
+    if os.environ.get("CKPTFIX_NO_NATIVE", "") not in ("", "0"):
+        return None
+    return _scan
 
 
 def _bytes_finite(raw: Any, dtype: Any) -> bool:
@@ -339,7 +374,10 @@ def bits_finite(raw: Any, dtype: Any) -> bool:
 
     rule = bit_rule(dtype)
     assert rule is not None, dtype
-    width, umax, smax, smin = rule
+    kernels = native()
+    if kernels is not None:
+        return not kernels.scan(raw, rule.width, rule.mask, rule.value)
+    width, umax, smax, smin = rule[:4]
     if width >= 4 and raw.nbytes:
         x = raw.view(np.float32 if width == 4 else np.float64)
         if math.isfinite(float(np.dot(x, x))):

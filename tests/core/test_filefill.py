@@ -1,5 +1,6 @@
-"""filefill.fill_from_file: built CPU tensors read straight from a file (preadv, by several threads) with the
-NaN/Inf check on each chunk just read — bit-identical to the file, exact for every float dtype, per tensor."""
+"""filefill.fill_from_file: built CPU tensors read straight from a file (preadv, by several threads; a leased file's
+mapped copy: tests/core/test_scan.py) with the NaN/Inf check on each chunk just read — bit-identical to the file,
+exact for every float dtype, per tensor."""
 
 from __future__ import annotations
 
@@ -113,11 +114,12 @@ class Net(nn.Module):
 
 @pytest.mark.parametrize("fmt", ["safetensors", "pth"])
 @pytest.mark.parametrize("cache", ["warm", "cold"])
-def test_built_model_is_read_from_the_file_not_copied_from_a_mapping(tmp_path: Path, fmt: str, cache: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU-built model in the file's dtype is filled by reads from the file (no mapped copy, and no view of the
-    mapped file made for it), warm or with the file's pages dropped: bit-identical to the plain loader, no warning for
-    finite values whose x·x overflows."""
+def test_built_model_is_filled_from_the_file_not_from_a_mapped_view(tmp_path: Path, fmt: str, cache: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-built model in the file's dtype is filled by filefill (reads, or the kernels' copy from the leased file's
+    mapping: tests/core/test_scan.py), never by torch from a view of the mapped file (none is made for it), warm or
+    with the file's pages dropped: bit-identical to the plain loader, no warning for finite values whose x·x
+    overflows."""
     sd = Net().state_dict()
     sd["a.weight"].fill_(3e38)  # finite; x·x overflows
     path = tmp_path / f"m.{fmt}"

@@ -1,5 +1,5 @@
-"""tensorcopy: the NaN/Inf check on a tensor's bytes (numpy, no torch reduction), exact for every bit pattern of
-the 8- and 16-bit kinds, and the jobs its threads share."""
+"""tensorcopy: the NaN/Inf check on a tensor's bytes (numpy or the compiled kernels, no torch reduction), exact for
+every bit pattern of the 8- and 16-bit kinds, and the jobs its threads share."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ BIT_KINDS = [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5
 
 
 @pytest.mark.parametrize("dtype", BIT_KINDS, ids=str)
-def test_bit_test_agrees_with_torch_on_every_bit_pattern(dtype: torch.dtype) -> None:
-    """The 8- and 16-bit kinds: every bit pattern, one at a time, judged as torch.isfinite judges it."""
+def test_bit_test_agrees_with_torch_on_every_bit_pattern(dtype: torch.dtype, check_kernels: str) -> None:
+    """The 8- and 16-bit kinds: every bit pattern, one at a time, judged as torch.isfinite judges it — by each
+    kernel (numpy's maxima, the compiled mask test with AVX2 and without)."""
     width = torch.empty((), dtype=dtype).element_size()
     ints = torch.arange(2 ** (8 * width), dtype=torch.int32)
     patterns = (ints.to(torch.uint8) if width == 1 else ints.to(torch.int16)).view(dtype)
@@ -38,7 +39,7 @@ def test_bit_test_agrees_with_torch_on_every_bit_pattern(dtype: torch.dtype) -> 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "big", "none"])
 @pytest.mark.parametrize("where", ["first", "chunk_edge", "last"])
 def test_all_finite_of_a_cpu_tensor_needs_no_torch_reduction(dtype: torch.dtype, value: str, where: str,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                                             monkeypatch: pytest.MonkeyPatch, check_kernels: str) -> None:
     """A CPU tensor of three chunks and a bit is checked on its bytes by numpy (torch's reductions, which start an
     OpenMP team per call, are made to fail here): a NaN/Inf anywhere is found, huge finite values are finite."""
     size = torch.empty((), dtype=dtype).element_size()

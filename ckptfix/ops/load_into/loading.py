@@ -367,7 +367,8 @@ def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) 
             raise damaged(record, crc)
 
 
-def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, undo: rollback.Undo | None) -> list[str]:
+def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, undo: rollback.Undo | None,
+          leases: rollback.Leases) -> list[str]:
     """Fill built tensors, each one's old values saved in ``undo`` first (if any): read straight from the file into each
     CPU tensor whose bytes are as stored (contiguous, the same shape; the dtype as stored, else cast chunk by chunk from
     reads), else copied from the mapped view (strides, a device). The keys whose values are NaN/Inf (``check``)."""
@@ -384,7 +385,7 @@ def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, un
         else:
             fills.append((dst, sources.reader.fd(place[0]), place[1], place[0]))
             keys.append(slot.keys)
-    finite = filefill.fill_from_file(fills, check, undo)
+    finite = filefill.fill_from_file(fills, check, undo, leases=leases)
     return bad + [k for ok, names in zip(finite, keys) if not ok for k in names]
 
 
@@ -450,7 +451,7 @@ def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bo
         if recorded is not None and tally is not None:
             digests.refuse(digests.tallied(recorded, tally))
         shards.materialise(plan.materialise)  # DTensors whose shards are on meta, allocated (or, failing, none)
-        bad += _fill(model, plan, state_dict, sources, check, None if leases.held else rollback.Undo())
+        bad += _fill(model, plan, state_dict, sources, check, None if leases.held else rollback.Undo(), leases)
     finally:
         leases.release()
     for slot, value in new:
@@ -462,13 +463,13 @@ def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bo
 
 
 def _fill(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool,
-          undo: rollback.Undo | None) -> list[str]:
+          undo: rollback.Undo | None, leases: rollback.Leases) -> list[str]:
     """Write into the model's own tensors; on any failure, with ``undo``, put back what was replaced. Without it
     (leased files) a read fails only if a writer waited out lease-break-time: the model is partly loaded."""
     try:
         bad = _by_torch(model, plan, state_dict, check, undo) if plan.by_torch else []
         shards.reshard(model)
-        bad += _copy(plan.copy, sources, check, undo)
+        bad += _copy(plan.copy, sources, check, undo, leases)
         for slot, src in plan.sharded:
             bad += [] if shards.fill_local(slot.tensor, src, sources, check) else slot.keys
         return bad

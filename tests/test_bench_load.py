@@ -122,8 +122,8 @@ def test_bench_first_call_mode_produces_every_row(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rows" not in report  # the forked rows weren't asked for
     rows = {row["id"]: row for row in report["first_call"]["rows"]}
-    assert list(rows) == ["st.plain", "st.ckptfix", "st.ckptfix.unchecked", "st.ckptfix.meta", "pth.plain", "pth.ckptfix",
-                          "pth.ckptfix.meta"]
+    assert list(rows) == ["st.plain", "st.ckptfix", "st.ckptfix.unchecked", "st.ckptfix.numpy", "st.ckptfix.meta", "pth.plain",
+                          "pth.ckptfix", "pth.ckptfix.meta"]
     for case_id, row in rows.items():
         assert row["status"] == "ok", (case_id, row["status"])
         assert len(row["runs_ms"]) == 1 and row["median_ms"] > 0 and row["cpu_ms"] >= 0, case_id
@@ -132,5 +132,6 @@ def test_bench_first_call_mode_produces_every_row(tmp_path: Path) -> None:
             assert row["vs"] == f"{case_id.split('.')[0]}.plain" and None not in (row["above_ms"], row["cpu_above_ms"]), case_id
             assert row["imported"] == [], (case_id, row["imported"])
     assert rows["st.ckptfix.unchecked"]["met"] is None  # (what the check costs: the bound is the checked row's)
+    assert rows["st.ckptfix.numpy"]["met"] is None  # (a build without the kernels: no bound either)
     assert isinstance(rows["st.ckptfix"]["met"], bool)
     assert report["first_call"]["setup"]["tensors"] == 148

@@ -8,11 +8,14 @@ core's cache. A file that ends first is a :class:`~ckptfix.errors.FormatError` n
 A file not in the page cache is asked for ahead of the reads (``POSIX_FADV_WILLNEED``), found out with
 ``RWF_NOWAIT``: nothing is asked of the kernel when the file is cached.
 
-Measured and not taken (bench/RESULTS.md, wave 6): copying a leased, cached file from a mapping instead (``memcpy``
-from the page cache, 1 MiB at a time, each checked as it landed; safe from SIGBUS only while the lease holds). Steady
-in one process it took 0.8× the reads (1 GiB: 67 against 82 ms); in a fresh process's first call, with the pages
-known cached by three ``RWF_NOWAIT`` probes per job, about the same as the reads (82–95 against 85–102 ms); with
-``mincore`` telling it (50 ns a page), slower than the reads.
+With the compiled kernels (:func:`~ckptfix.core.tensorcopy.native`) and every file leased (``rollback.Leases``: no
+writer can shrink it while the lease holds), a job whose first read found its pages cached copies the rest from a
+mapping of the file instead: each element checked between its load and its store, by non-temporal stores (no read of
+the destination's old lines). Measured here (bench/RESULTS.md, wave 8): a fresh process's 1 GiB fill 0.6× of torch's
+copy from a mapping, the check included. Without the kernels this was measured and not taken (wave 6): a numpy copy
+from the mapping then a check took about what the reads do. A job asks whether its leases still hold first: a writer
+that breaks one waits lease-break-time (:data:`MIN_BREAK_SECONDS` at least) — the job's milliseconds — before it can
+shrink the file, and the jobs after it read instead.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ JOB_BYTES = 4 * 2**20
 READAHEAD_BYTES = 64 * 2**20
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 #: the least lease-break-time (seconds) under which a leased file is copied from its mapping (a job takes milliseconds)
-MIN_BREAK_SECONDS = 1
+MIN_BREAK_SECONDS = 10
 
 
 def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, undo: Any = None,

@@ -8,13 +8,13 @@ finite values overflowing — needs the exact test (the chunk's minimum and maxi
 to). No temporary larger than a chunk. Measured here (2 cores): the check adds about a fifth to a copy from the
 page cache (bench/RESULTS.md); the plain `isfinite` pass added three times the copy.
 
-A contiguous CPU tensor of a known float kind is checked by numpy on its bytes (:func:`bits_finite`), in
-:data:`READ_BYTES` chunks shared by a few threads (:func:`run_jobs`; both release the GIL), never by an OpenMP team:
-torch's reductions start one per call, which on a busy machine waits for a core (measured here: 0.4–1.4 ms per MiB
-with the other core busy, against 35 µs). fp32/fp64 chunks are checked with numpy's ``dot`` (numpy's OpenBLAS splits
-a ``dot`` of over 10 000 elements over its own threads too, which spin a while after; still, it was the cheapest
-check measured here, about a fifth of a read: numpy's sum, and its two integer maxima, cost a third). A built tensor
-filled from a file: :mod:`ckptfix.core.filefill`, with this check on each chunk as it lands.
+A contiguous CPU tensor of a known float kind is checked on its bytes (:func:`bits_finite`), in :data:`READ_BYTES`
+chunks shared by a few threads (:func:`run_jobs`), never by an OpenMP team: torch's reductions start one per call,
+which on a busy machine waits for a core (measured here: 0.4–1.4 ms per MiB with the other core busy, against 35 µs).
+The check is the compiled kernels' where they were built (:func:`native`, ``_scan.c``: one pass testing each element's
+bits against its dtype's NaN/Inf pattern, AVX2 where the CPU has it; they also copy a leased file's mapped bytes with
+the check fused in, :mod:`ckptfix.core.filefill`), else numpy's: fp32/fp64 chunks by ``dot`` (finite proves them
+finite; numpy's OpenBLAS doesn't thread it at this size), others by two integer maxima. Both release the GIL.
 
 A copy to a CUDA device goes through two pinned staging buffers, so reading the next chunk from the
 mapped file overlaps the transfer of the last one.
@@ -33,6 +33,8 @@ from . import libc
 try:  # (imported with this module: a load's first call imports nothing)
     from . import _scan
 except ImportError:  # not built (no C compiler at install): numpy checks
+    _scan = None  # type: ignore[assignment]
+if os.environ.get("CKPTFIX_NO_NATIVE", "") not in ("", "0"):  # (read once: the check asks per chunk)
     _scan = None  # type: ignore[assignment]
 
 #: bytes per chunk: small enough to stay in a core's cache between the copy and the check (measured best here:
@@ -353,9 +355,7 @@ def _rules() -> dict[Any, BitRule]:
 def native() -> Any:
     """The compiled kernels (``ckptfix.core._scan``, built at install from ``_scan.c`` where a C compiler is: the check
     fused into the copy, see :mod:`ckptfix.core.filefill`), or None: not built, or ``CKPTFIX_NO_NATIVE=1`` (numpy
-    checks, as measured beside them in bench/)."""
-    if os.environ.get("CKPTFIX_NO_NATIVE", "") not in ("", "0"):
-        return None
+    checks, as measured beside them in bench/; read when this module is imported)."""
     return _scan
 
 
@@ -374,10 +374,9 @@ def bits_finite(raw: Any, dtype: Any) -> bool:
 
     rule = bit_rule(dtype)
     assert rule is not None, dtype
-    kernels = native()
-    if kernels is not None:
-        return not kernels.scan(raw, rule.width, rule.mask, rule.value)
-    width, umax, smax, smin = rule[:4]
+    width, umax, smax, smin, mask, value = rule
+    if _scan is not None:  # (:func:`native`)
+        return not _scan.scan(raw, width, mask, value)
     if width >= 4 and raw.nbytes:
         x = raw.view(np.float32 if width == 4 else np.float64)
         if math.isfinite(float(np.dot(x, x))):

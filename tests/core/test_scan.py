@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,15 @@ def test_built_where_a_compiler_is() -> None:
         pytest.skip(f"no C compiler ({compiler}): the kernels are optional")
     assert tensorcopy.native() is not None, "ckptfix.core._scan was not built: pip install -e . shows why"
     assert tensorcopy.native().isa() in ("avx2", "portable")
+
+
+@pytest.mark.parametrize("value", ["1", "0", ""])
+def test_ckptfix_no_native_turns_the_kernels_off(value: str) -> None:
+    """``CKPTFIX_NO_NATIVE=1`` (read at import): the numpy check, as a build without a C compiler runs it."""
+    code = "from ckptfix.core import tensorcopy; print(tensorcopy.native() is None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "CKPTFIX_NO_NATIVE": value})
+    assert out.stdout.strip() == str(value == "1" or tensorcopy.native() is None)
 
 
 def _elements(rng: np.random.Generator, width: int, mask: int, value: int, n: int) -> np.ndarray:
@@ -198,3 +210,48 @@ def test_no_mapped_copy_under_a_broken_lease_or_from_a_cold_file(tmp_path: Path,
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
     if state == "broken_lease":
         assert counting.copies == 0
+
+
+_TRUNCATE = "import os, sys, time; sys.stdin.readline(); os.truncate(sys.argv[1], int(sys.argv[2])); print(time.monotonic())"
+
+
+def test_a_writer_that_comes_mid_fill_waits_and_the_jobs_after_it_read(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real truncation from another process while a mapped copy runs: the lease makes it wait, the copy in flight
+    finishes from pages that are still there, every later job reads (its lease is breaking), and only the release
+    lets the writer through — the values are the file's as it was, nothing is SIGBUS."""
+    kernels = tensorcopy.native()
+    if kernels is None:
+        pytest.skip("ckptfix.core._scan is not built")
+    counting = _Counting(kernels)
+    monkeypatch.setattr(tensorcopy, "_scan", counting)
+    monkeypatch.setattr(tensorcopy, "MAX_READERS", 1)  # (one thread: the jobs in order)
+    path, tensors = _saved(tmp_path, torch.float32, None)
+    size = os.path.getsize(path)
+    writer = subprocess.Popen([sys.executable, "-c", _TRUNCATE, str(path), str(size // 4)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    real = filefill._Reader._copy_mapped
+    copying: list[float] = []
+
+    def writer_comes(self: Any, *args: Any) -> None:
+        if counting.copies == 0:
+            writer.stdin.write("go\n")  # type: ignore[union-attr]
+            writer.stdin.flush()  # type: ignore[union-attr]
+            for _ in range(600):  # blocked in truncate(2): the kernel breaks the lease, then waits for us
+                if not self.leases.intact():
+                    break
+                time.sleep(0.05)
+            assert not self.leases.intact(), "the truncation never reached the lease"
+            time.sleep(0.2)  # (a writer the lease didn't hold would be through by now)
+            copying.append(time.monotonic())
+        real(self, *args)
+
+    monkeypatch.setattr(filefill._Reader, "_copy_mapped", writer_comes)
+    try:
+        got, finite = _fill(path, tensors)
+    finally:
+        cut_at = float(writer.communicate(timeout=60)[0])
+    assert finite == [True, True, True]
+    assert all(torch.equal(_bits(got[k]), _bits(v)) for k, v in tensors.items())
+    assert counting.copies == 1 and cut_at > copying[0]
+    assert os.path.getsize(path) == size // 4

@@ -4,9 +4,6 @@ Optional: where no C compiler is, the install goes on without it and ckptfix che
 (ckptfix/core/tensorcopy.py). Everything else is declared in pyproject.toml.
 """
 
-import os
-
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("ckptfix.core._scan", ["ckptfix/core/_scan.c"], optional=True,
-                             extra_compile_args=["-O2"] if os.name == "posix" else [])])
+setup(ext_modules=[Extension("ckptfix.core._scan", ["ckptfix/core/_scan.c"], optional=True)])

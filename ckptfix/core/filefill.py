@@ -11,11 +11,12 @@ A file not in the page cache is asked for ahead of the reads (``POSIX_FADV_WILLN
 With the compiled kernels (:func:`~ckptfix.core.tensorcopy.native`) and every file leased (``rollback.Leases``: no
 writer can shrink it while the lease holds), a job whose first read found its pages cached copies the rest from a
 mapping of the file instead: each element checked between its load and its store, by non-temporal stores (no read of
-the destination's old lines). Measured here (bench/RESULTS.md, wave 8): a fresh process's 1 GiB fill 0.6× of torch's
-copy from a mapping, the check included. Without the kernels this was measured and not taken (wave 6): a numpy copy
-from the mapping then a check took about what the reads do. A job asks whether its leases still hold first: a writer
-that breaks one waits lease-break-time (:data:`MIN_BREAK_SECONDS` at least) — the job's milliseconds — before it can
-shrink the file, and the jobs after it read instead.
+the destination's old lines). Measured here (bench/RESULTS.md, wave 8), 1 GiB, the check included: steady in one
+process 0.88× of torch's unchecked copy from a mapping (108.7 against 124.1 ms, each mapping made and unmapped); a
+fresh process's whole first call 6.8–18.5 ms below the plain loader's. Without the kernels this was measured and not
+taken (wave 6): a numpy copy from the mapping then a check took about what the reads do. A job asks whether its leases
+still hold first: a writer that breaks one waits lease-break-time (:data:`MIN_BREAK_SECONDS` at least) — the job's
+milliseconds — before it can shrink the file, and the jobs after it read instead.
 """
 
 from __future__ import annotations
@@ -205,8 +206,7 @@ class _Reader:
     def _copy_mapped(self, n: int, rest: Any, mapped: Any, offset: int) -> None:
         """``rest`` of a span copied from ``mapped`` (the file's bytes, the file leased) by the compiled kernel, each
         element checked between its load and its store; with no ``tally`` to read it back, by non-temporal stores (the
-        destination's old lines aren't read first: 2 bytes of memory traffic per byte, not 3). Measured here (1 GiB,
-        fresh process): 0.6× the plain loader's copy, the check included (bench/RESULTS.md, wave 8)."""
+        destination's old lines aren't read first; 256 MiB here: 19.1 against 24.0 ms, bench/RESULTS.md wave 8)."""
         dst, _fd, _start, name = self.fills[n]
         rule = bit_rule(dst.dtype) if self.checks[n] else None
         width, mask, value = (rule.width, rule.mask, rule.value) if rule else (1, 0, 0)
@@ -214,7 +214,7 @@ class _Reader:
         if self.tally is None:
             bad = kernels.copy(rest, mapped[offset : offset + rest.nbytes], width, mask, value, True)
         else:
-            bad, step = False, tensorcopy.READ_BYTES - tensorcopy.READ_BYTES % max(width, 1)
+            bad, step = False, tensorcopy.READ_BYTES // width * width
             for i in range(0, rest.nbytes, step):
                 buf = rest[i : i + step]
                 bad = kernels.copy(buf, mapped[offset + i : offset + i + buf.nbytes], width, mask, value, False) or bad

@@ -151,18 +151,23 @@ class Interrupted(KeyboardInterrupt):
     A KeyboardInterrupt, so whatever stops on Ctrl-C stops on it too. ``signum`` is the signal and
     ``exit_code`` the shell's 128 + signum (130 SIGINT, 143 SIGTERM, 129 SIGHUP); ``written`` is
     True when the signal came while the finished output was being renamed into place (it is kept).
+    ``outcome`` says what became of the work where it isn't a written output (``load_into``: nothing was loaded, or
+    the model was loaded first).
     """
 
-    def __init__(self, signum: int, written: bool = False):
+    def __init__(self, signum: int, written: bool = False, outcome: str | None = None):
         import signal
 
         self.signum = signum
         self.signal_name = signal.Signals(signum).name
         self.exit_code = 128 + signum
         self.written = written
+        self.outcome = outcome
         super().__init__(self.describe())
 
     def describe(self) -> str:
         """``interrupted; nothing was written`` / ``terminated (SIGTERM); nothing was written``."""
         what = "interrupted" if self.signal_name == "SIGINT" else f"terminated ({self.signal_name})"
+        if self.outcome:
+            return f"{what}; {self.outcome}"
         return what + ("; the output was already complete and is in place" if self.written else f"; {NOTHING_WRITTEN}")

@@ -31,7 +31,15 @@ from ckptfix.core import positional, rollback
 if not spec["leased"]:
     rollback.SETLEASE = None
 state, lock = {}, threading.Lock()
-CUT = "import os, sys; os.truncate(sys.argv[1], int(sys.argv[2]))"
+CUT = "import os, sys, time; os.truncate(sys.argv[1], int(sys.argv[2])); print(time.monotonic(), flush=True)"
+real_drop = rollback.drop
+
+def drop(fd):  # the last release of this file's lease, timed (CLOCK_MONOTONIC: the writer's clock too)
+    if os.fstat(fd).st_ino == ino:
+        state["released"] = time.monotonic()
+    real_drop(fd)
+
+rollback.drop = drop
 
 def breaking():
     with open("/proc/locks") as f:
@@ -40,13 +48,13 @@ def breaking():
 
 def cut():
     with lock:
-        if state:
+        if "cut" in state:
             return
         state["cut"] = True
         if not spec["leased"]:
             os.truncate(path, size // 4)
             return
-        writer = subprocess.Popen([sys.executable, "-c", CUT, path, str(size // 4)])
+        writer = subprocess.Popen([sys.executable, "-c", CUT, path, str(size // 4)], stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while writer.poll() is None and not breaking() and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -86,11 +94,11 @@ except SystemExit as e:
     code = e.code if isinstance(e.code, int) else 1
 else:
     code = 0
-writer = state.get("writer")
-still = writer is not None and writer.poll() is None  # (the verb has returned: its leases are released)
-if writer is not None:
-    writer.wait(60)
-print(json.dumps({"code": code, "cut": bool(state), "waited": state.get("waited", False), "waiting_at_end": still,
+writer, still = state.get("writer"), False
+if writer is not None:  # the writer's cut landed only after the verb's last lease on the file was released
+    cut_at = writer.communicate(timeout=60)[0].strip()
+    still = bool(cut_at) and "released" in state and float(cut_at) >= state["released"]
+print(json.dumps({"code": code, "cut": "cut" in state, "waited": state.get("waited", False), "waiting_at_end": still,
                   "size_after": os.path.getsize(path)}))
 sys.exit(0)
 """

@@ -6,7 +6,8 @@ and SIGHUP (a closed terminal) kill the process outright, leaving a half-written
 KeyboardInterrupt), so one cleanup path serves them all. Only handlers still at their defaults are
 replaced (an application's own handler is left alone), only in the main thread (Python delivers
 signals there), and they are restored on leaving; the context nests. ``held()`` defers signals
-over a cleanup or a final rename that must not be cut short.
+over a cleanup or a final rename that must not be cut short; ``interruptible()`` inside it lets them
+through again over work that can still be undone (``load_into``'s copies with their undo log).
 """
 
 from __future__ import annotations
@@ -67,22 +68,61 @@ def signals_as_interrupts() -> Iterator[None]:
             _State.previous = {}
 
 
+class Said:
+    """What an interrupt deferred by ``held()`` says of the work, by how the work inside ended; the work sets it as
+    it learns (``outcome`` None: the output's words, :meth:`~ckptfix.errors.Interrupted.describe`)."""
+
+    def __init__(self, outcome: str | None, failed: str | None) -> None:
+        self.outcome = outcome
+        self.failed = failed
+
+
 @contextlib.contextmanager
-def held(written: bool = False) -> Iterator[None]:
+def held(written: bool = False, outcome: str | None = None, failed: str | None = None) -> Iterator[Said]:
     """Signals arriving inside are deferred; on leaving, the first is raised as ``Interrupted``
-    (``written``: the output is complete by then, e.g. after the final rename)."""
+    (``written``: the output is complete by then, e.g. after the final rename; ``outcome``: what the work
+    inside did, said instead; ``failed``: the same where it raised, the error then the interrupt's context — both
+    on the :class:`Said` yielded). One arriving while an interrupt is already on its way out is folded into it."""
+    said = Said(outcome, failed)
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield said
         return
     _State.holding += 1
     try:
+        yield said
+    except KeyboardInterrupt:
+        _State.holding -= 1
+        if not _State.holding:
+            _State.pending = None
+        raise
+    except BaseException:
+        _State.holding -= 1
+        _raise_pending(written, said.failed)
+        raise
+    else:
+        _State.holding -= 1
+        _raise_pending(written, said.outcome)
+
+
+def _raise_pending(written: bool, outcome: str | None) -> None:
+    if not _State.holding and _State.pending is not None:
+        signum, _State.pending = _State.pending, None
+        _State.raised = Interrupted(signum, written=written, outcome=outcome)
+        raise _State.raised
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside ``held()``: signals raise at once again (one deferred already, on entry); held again on leaving."""
+    if threading.current_thread() is not threading.main_thread() or not _State.holding:
+        yield
+        return
+    saved, _State.holding = _State.holding, 0
+    try:
+        _raise_pending(False, None)
         yield
     finally:
-        _State.holding -= 1
-        if not _State.holding and _State.pending is not None:
-            signum, _State.pending = _State.pending, None
-            _State.raised = Interrupted(signum, written=written)
-            raise _State.raised
+        _State.holding = saved
 
 
 def cause(exc: BaseException) -> KeyboardInterrupt | None:

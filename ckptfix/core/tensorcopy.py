@@ -275,9 +275,13 @@ def workers_for(nbytes: int) -> int:
 
 def run_jobs(count: int, job: Any, workers: int) -> None:
     """``job(0) … job(count - 1)`` by up to ``workers`` threads (this one among them), each taking the next index;
-    the first exception stops the others and is raised here. One thread (no thread started) for a single job."""
+    the first exception stops the others and is raised here — a KeyboardInterrupt too, wherever it lands, and only
+    once every job started has ended (an undo log puts back what they wrote after, never under, them). One thread
+    (no thread started) for a single job."""
     lock = threading.Lock()
     state: dict[str, Any] = {"next": 0, "error": None}
+    ended = threading.Condition()
+    threads = {"running": 0, "closed": False}  # (a thread counts itself in: one whose start was interrupted too)
 
     def work() -> None:
         try:
@@ -291,12 +295,31 @@ def run_jobs(count: int, job: Any, workers: int) -> None:
         except BaseException as e:
             state["error"] = state["error"] or e
 
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, min(workers, count)) - 1)]
-    for th in threads:
-        th.start()
-    work()
-    for th in threads:
-        th.join()
+    def thread() -> None:
+        with ended:
+            if threads["closed"]:  # this call has stopped waiting for threads: no job
+                return
+            threads["running"] += 1
+        try:
+            work()
+        finally:
+            with ended:
+                threads["running"] -= 1
+                ended.notify()
+
+    try:
+        for _ in range(max(1, min(workers, count)) - 1):
+            threading.Thread(target=thread, daemon=True).start()
+        work()
+    finally:  # (not Thread.join: interrupted, it marks a running thread stopped — bpo-45274)
+        while True:
+            try:
+                with ended:
+                    threads["closed"] = True
+                    ended.wait_for(lambda: threads["running"] == 0)
+                break
+            except BaseException as e:  # a signal's exception while waiting: the others stop after their job
+                state["error"] = state["error"] or e
     if state["error"] is not None:
         raise state["error"]
 

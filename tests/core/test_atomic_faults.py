@@ -339,6 +339,27 @@ def test_signal_during_the_final_rename_lets_it_finish() -> None:
     assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
 
 
+def test_interruptible_inside_held_lets_signals_through_then_holds_again() -> None:
+    """interruptible(): a signal held before it is raised on entry, one inside at once; held again after it, the
+    next waits and says the held work's ``outcome``."""
+    from ckptfix.core import interrupts
+    from ckptfix.errors import Interrupted
+
+    done = []
+    with pytest.raises(Interrupted) as info, interrupts.signals_as_interrupts():
+        with interrupts.held(outcome="the work was done first"):
+            signal.raise_signal(signal.SIGHUP)
+            with pytest.raises(Interrupted), interrupts.interruptible():
+                done.append("never")
+            with pytest.raises(Interrupted), interrupts.interruptible():
+                signal.raise_signal(signal.SIGHUP)
+                done.append("never")
+            signal.raise_signal(signal.SIGHUP)
+            done.append("held")
+    assert done == ["held"] and str(info.value) == "terminated (SIGHUP); the work was done first"
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+
+
 def test_next_run_sweeps_a_killed_writers_temps_but_not_a_live_writers(tmp_path: Path, fixtures_dir: Path,
                                                                        cli_runner) -> None:
     out = tmp_path / "out"

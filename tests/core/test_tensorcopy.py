@@ -4,6 +4,10 @@ every bit pattern of the 8- and 16-bit kinds, and the jobs its threads share."""
 from __future__ import annotations
 
 import mmap
+import os
+import signal
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -74,6 +78,30 @@ def test_run_jobs_raises_the_first_error_and_stops() -> None:
     with pytest.raises(OSError, match="boom"):
         tensorcopy.run_jobs(1000, job, 4)
     assert len(done) < 1000
+
+
+def test_run_jobs_raises_an_interrupt_only_after_every_started_job_ended() -> None:
+    """A real SIGINT while this thread waits for another's job: raised here only once that job has ended (an undo
+    log put back under a job still writing would be overwritten)."""
+    started, ended = threading.Event(), []
+
+    def job(j: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            assert started.wait(30)  # (the other thread holds the other job)
+            return
+        started.set()
+        time.sleep(0.2)  # this thread is waiting in join by now
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        ended.append(j)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tensorcopy.run_jobs(2, job, 2)
+        assert len(ended) == 1, "raised while a job was still running"
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("cache", ["warm", "cold"])

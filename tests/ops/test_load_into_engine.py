@@ -370,10 +370,10 @@ def test_fsdp2_on_cuda_one_rank(tmp_path: Path) -> None:
 
 def test_success_is_reported_only_when_nothing_is_left_on_meta(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The postcondition is checked, not assumed: a commit that assigned nothing is an error, not a report."""
-    from ckptfix.ops.load_into import loading
+    from ckptfix.ops.load_into import commit
 
     torch.save(_random_state(Net(), torch.float32), tmp_path / "m.pth")
-    monkeypatch.setattr(loading, "_commit", lambda *args: [])
+    monkeypatch.setattr(commit, "commit", lambda *args: [])
     with torch.device("meta"):
         model = Net()
     with pytest.raises(LoadError, match=r"still on the meta device: emb\.weight"):

@@ -1,4 +1,5 @@
-"""load_into stays all or nothing when the file is truncated while it is read (issue 27 item 2). Two ways: a read
+"""load_into stays all or nothing when the file is truncated while it is read (issue 27 item 2), or a signal comes
+(SIGINT, SIGTERM: see the end of this module). Two ways for a truncation: a read
 lease on the file (another process's truncation waits until the load is done: the model holds the file's values),
 or, where no lease can be had, the undo log (a read that comes up short is a FormatError, and every parameter and
 buffer is bit-identical to before the call — the direct reads, the casts and torch's own loads (BatchNorm) alike).
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,8 @@ from torch import nn
 
 import ckptfix
 from ckptfix.core import filefill, rollback, tensorcopy
-from ckptfix.errors import FormatError
+from ckptfix.errors import FormatError, Interrupted
+from ckptfix.ops.load_into import commit
 
 
 class Net(nn.Module):
@@ -101,8 +104,8 @@ def _truncate_after(monkeypatch: pytest.MonkeyPatch, path: Path, reads: int, siz
         with lock:
             if state["armed"] and os.readlink(f"/proc/self/fd/{fd}") == str(path):
                 if state["reads"] == reads and not state["cut"]:
+                    state["cut"] = 1  # (first: a signal's exception may come out of cut())
                     cut() if cut else os.truncate(path, size)
-                    state["cut"] = 1
                 state["reads"] += 1
         return real(fd, buffers, offset, *flags)
 
@@ -355,3 +358,100 @@ def test_the_log_puts_back_a_quantized_tensor_with_its_own_scale() -> None:
     undo.restore()
     undo.close()
     assert (q.q_scale(), q.q_zero_point()) == (pytest.approx(0.1), 3) and torch.equal(q.int_repr(), before.int_repr())
+
+
+# --- a signal mid-commit: with the undo log, nothing was loaded; leased (no log), the load finishes first ---
+
+
+@pytest.fixture
+def default_handlers() -> Iterator[None]:
+    """SIGINT and SIGTERM at Python's defaults (as in a notebook or a script): ckptfix's own handlers go in."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def _values_in(path: Path, fmt: str) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in (torch.load(path) if fmt == "pth" else st.load_file(path)).items()}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pth"])
+@pytest.mark.parametrize("kind", ["as_stored", "cast", "bn_on_meta"])
+@pytest.mark.parametrize("reads", [0, 2])
+@pytest.mark.parametrize("lease", ["leased", "no_lease"])
+@pytest.mark.usefixtures("default_handlers")
+def test_a_signal_mid_commit_loads_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str,
+                                                  kind: str, reads: int, lease: str) -> None:
+    """A real SIGINT to this process just before the commit's 1st or 3rd read (4 KiB reads, threads beside this
+    one): with the undo log, Interrupted "nothing was loaded" and every tensor as before; leased, no log could undo
+    the fills, so the signal waits: the model holds the file's values, then Interrupted says so. The leases are
+    released and Python's handlers back either way."""
+    monkeypatch.setattr(tensorcopy, "READ_BYTES", 4096)
+    monkeypatch.setattr(tensorcopy, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(tensorcopy, "THREAD_BYTES", 4096)
+    if lease == "no_lease":
+        monkeypatch.setattr(rollback, "SETLEASE", None)
+    model = Net(256).double() if kind == "cast" else Net(256)
+    if kind == "bn_on_meta":
+        model.bn.to("meta")
+    path = _save(tmp_path, fmt, _other_values(Net(256), torch.float32))
+    want, before = _values_in(path, fmt), _snapshot(model)
+    leases = _spy(monkeypatch, "Leases")
+    state = _truncate_after(monkeypatch, path, reads, 0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(Interrupted) as info:
+        ckptfix.load_into(model, path)
+    assert state["cut"] and info.value.signum == signal.SIGINT and leases[-1].held == (lease == "leased")
+    if lease == "leased":
+        assert str(info.value) == f"interrupted; {commit.LOADED_FIRST}"
+        assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k].to(v.dtype))] == []
+    else:
+        assert str(info.value) == "interrupted; nothing was loaded"
+        _assert_as_before(model, before)
+    assert not leases[-1]._fds and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ckptfix.load_into(model, path)  # (and the next load takes it)
+
+
+@pytest.mark.usefixtures("default_handlers", "no_lease")
+def test_a_second_signal_while_the_log_puts_back_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM mid-fill, then SIGINT while the undo log is put back: the putting back finishes, one Interrupted
+    (the first signal's) says nothing was loaded, the model as it was."""
+    monkeypatch.setattr(tensorcopy, "READ_BYTES", 4096)
+    model = Net(256)
+    path = _save(tmp_path, "safetensors", _other_values(model, torch.float32))
+    before = _snapshot(model)
+    restore = rollback.Undo.restore
+
+    def restore_under_a_signal(self: rollback.Undo) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # (the handler would run by now: it waits)
+        restore(self)
+
+    monkeypatch.setattr(rollback.Undo, "restore", restore_under_a_signal)
+    state = _truncate_after(monkeypatch, path, 4, 0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(Interrupted) as info:
+        ckptfix.load_into(model, path)
+    assert state["cut"] and info.value.signum == signal.SIGTERM and info.value.exit_code == 143
+    assert str(info.value) == "terminated (SIGTERM); nothing was loaded"
+    _assert_as_before(model, before)
+
+
+@pytest.mark.usefixtures("default_handlers")
+def test_a_signal_while_meta_built_values_are_checked_loads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A meta-built model: the assigned values are checked before any is set; a signal then leaves it on meta."""
+    path = _save(tmp_path, "safetensors", _other_values(Net(256), torch.float32))
+    check = tensorcopy.all_finite_many
+
+    def check_under_a_signal(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(tensorcopy, "all_finite_many", check_under_a_signal)
+    with torch.device("meta"):
+        model = Net(256)
+    with pytest.raises(Interrupted, match="^interrupted; nothing was loaded$"):
+        ckptfix.load_into(model, path)
+    assert all(t.is_meta for t in model.state_dict().values())

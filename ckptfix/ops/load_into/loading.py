@@ -13,58 +13,32 @@
    own (BatchNorm's version handling, user hooks) are loaded through torch's ``load_state_dict``. The files read are
    leased for the commit (:mod:`ckptfix.core.rollback`: no other process can shrink them meanwhile); where a lease
    can't be had, what the fills replace is saved just before and put back if anything fails: a file truncated by
-   another process while it is read leaves the model as it was either way.
+   another process while it is read leaves the model as it was either way, and so does a signal
+   (:mod:`ckptfix.ops.load_into.commit`).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ...core import checksums, filefill, locations, rollback, tensorcopy
+from ...core import locations, tensorcopy
 from ...core.devices import DevicePlan, storage_id
 from ...core.positional import PositionalReader
 from ...core.units import few
-from ...errors import FormatError, LoadError
+from ...errors import LoadError
 from ...formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
 from ...formats.base import source_record
 from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
 from ...reports import LoadReport
 from ...safety import digests
 from ...statedict import metadata, repair, weights_only
-from . import dequant, modelwalk, shards
+from . import commit, dequant, modelwalk, shards
+from .commit import Plan, Slot
 from ..reading import read_checkpoint, structure_first
 from ..sources import Sources, damaged
-
-
-@dataclass
-class Slot:
-    """Where one model tensor lives: ``module.<name>``, a parameter or a buffer; tied keys share a Slot."""
-
-    keys: list[str]
-    places: list[tuple[Any, str]]  # (module, attribute name), one per tied name
-    tensor: Any
-    is_param: bool
-
-
-@dataclass
-class Plan:
-    """What the commit step does, decided before anything is touched."""
-
-    #: (slot, source, (path, offset) or None): the source a view of the mapped file, or — where the tensor is read
-    #: straight from the file (:func:`_reads`) — the meta tensor itself (no view made that nothing would use)
-    copy: list[tuple[Slot, Any, Any]] = field(default_factory=list)
-    assign: list[tuple[Slot, Any, str]] = field(default_factory=list)  # (slot, source view, target device)
-    assign_places: list[tuple[str, int] | None] = field(default_factory=list)  # each assigned view's (path, offset)
-    sharded: list[tuple[Slot, Any]] = field(default_factory=list)  # (slot, source on meta)
-    by_torch: OrderedDict[str, Any] = field(default_factory=OrderedDict)  # key -> source view
-    by_torch_places: list[tuple[Any, str]] = field(default_factory=list)  # (module, attribute) torch's load fills
-    materialise: list[tuple[Any, str]] = field(default_factory=list)  # (module, device): to_empty before the fill
-    torch_assigns: bool = False  # the by-torch keys are assigned (their module is on meta, or assign=True)
-    sources: list[Any] = field(default_factory=list)  # every source tensor (on meta: its ref says where its bytes are)
 
 
 @dataclass(frozen=True)
@@ -112,7 +86,7 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
         if bad:
             raise LoadError(f"{ckpt.path}: {_values(bad)}; nothing was loaded (a diverged run, or a damaged "
                             "file?); pass strict_values=False to load it anyway")
-        committed = _commit(model, plan, fit.state_dict, sources, o.check_values and not o.strict_values, recorded)
+        committed = commit.commit(model, plan, fit.state_dict, sources, o.check_values and not o.strict_values, recorded)
         nonfinite = distributed.gather_keys(committed)
         _check_done(model_walk, path)  # the postcondition (after the last collective): no tensor left on meta
         bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src, _p in plan.copy) + sum(
@@ -238,7 +212,7 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
             sparse.append(key)
         else:
             place = sources.place(src)
-            plan.copy.append((slot, src if _reads(slot.tensor, src, place) else sources.view(src), place))
+            plan.copy.append((slot, src if commit.reads(slot.tensor, src, place) else sources.view(src), place))
     _refuse_sparse_copies(sparse, state_dict, slots)
     plan.materialise = [(walk.by_name[path], device) for path, device in shards.outermost(roots).items()]
     _refuse_meta_left(walk, slots, plan)
@@ -365,126 +339,6 @@ def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) 
         crc = sources.crc32(record.path, record.offset, record.size)
         if crc != record.crc:
             raise damaged(record, crc)
-
-
-def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, undo: rollback.Undo | None,
-          leases: rollback.Leases) -> list[str]:
-    """Fill built tensors, each one's old values saved in ``undo`` first (if any): read straight from the file into each
-    CPU tensor whose bytes are as stored (contiguous, the same shape; the dtype as stored, else cast chunk by chunk from
-    reads), else copied from the mapped view (strides, a device). The keys whose values are NaN/Inf (``check``)."""
-    fills, keys, bad = [], [], []
-    for slot, src, place in copies:
-        dst = slot.tensor.detach()
-        if not _reads(dst, src, place):
-            if undo is not None:
-                undo.save_tensor(dst)
-            bad += [] if tensorcopy.copy_checked(dst, src, check) else slot.keys
-        elif dst.dtype != src.dtype:
-            fd = sources.reader.fd(place[0])
-            bad += [] if filefill.cast_from_file(dst, fd, place[1], src.dtype, place[0], check, undo) else slot.keys
-        else:
-            fills.append((dst, sources.reader.fd(place[0]), place[1], place[0]))
-            keys.append(slot.keys)
-    finite = filefill.fill_from_file(fills, check, undo, leases=leases)
-    return bad + [k for ok, names in zip(finite, keys) if not ok for k in names]
-
-
-def _reads(dst: Any, src: Any, place: tuple[str, int] | None) -> bool:
-    """The built tensor ``dst`` is read straight from the file at ``place`` (a contiguous CPU tensor of the source's
-    shape; cast from reads where the dtype differs), not copied from a view of the mapped file."""
-    return (place is not None and dst.device.type == "cpu" and dst.is_contiguous() and dst.shape == src.shape
-            and not (src.is_conj() or src.is_neg()))  # (a conjugate or negative view: its values aren't its bytes)
-
-
-def _by_torch(model: Any, plan: Plan, state_dict: Any, check: bool, undo: rollback.Undo | None) -> list[str]:
-    """The modules that load their own way, through torch's ``load_state_dict``, what it replaces saved in
-    ``undo`` (if any) first (the tensors it copies into, the attributes it assigns); the keys whose values are NaN/Inf."""
-    for module, name in plan.by_torch_places:
-        if undo is not None:
-            undo.keep(module, name)
-            held = getattr(module, name)
-            if held is not None and not shards.on_meta(held):
-                undo.save_tensor(held)
-    sub: Any = OrderedDict(plan.by_torch)
-    sub._metadata = getattr(state_dict, "_metadata", None) or {}
-    model.load_state_dict(sub, strict=False, assign=plan.torch_assigns)
-    model_sd = model.state_dict()
-    return [k for k in plan.by_torch if check and not tensorcopy.all_finite(model_sd[k])]
-
-
-def _local_files(plan: Plan, sources: Sources) -> dict[str, int] | None:
-    """Every file the commit reads, with the size the plan checked; None when one is remote (nothing to lease)."""
-    paths = {seg[0] for t in plan.sources if t.is_meta for seg in sources.segments(t) or []}
-    if any(sources.reader.is_remote(p) for p in paths):
-        return None
-    return {p: sources.reader.size(p) for p in sorted(paths)}
-
-
-def _commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool,
-            recorded: list[digests.Digest] | None) -> list[str]:
-    """Fill the model; the keys whose values are NaN/Inf (checked as they are copied, when ``check``). The files read
-    are leased first (:class:`rollback.Leases`): no other process can shrink them until the commit ends. Where a lease
-    can't be had, what the fills replace is saved first (:class:`rollback.Undo`) and put back if a read fails. The
-    ``recorded`` digests (an assigning load's) are checked on the CRC-32s the value check takes, before any is set."""
-    import torch
-
-    leases = rollback.Leases(_local_files(plan, sources))
-    try:
-        bad: list[str] = []
-        new = []
-        tally = checksums.Tally() if recorded is not None else None
-        mapped = [n for n, (slot, src, device) in enumerate(plan.assign) if device == "cpu" and src.dtype == slot.tensor.dtype]
-        views_finite = iter(tensorcopy.all_finite_many([plan.assign[n][1] for n in mapped], check,  # (chunks at once)
-                                                       [plan.assign_places[n] for n in mapped], tally))
-        for slot, src, device in plan.assign:  # built first: a failure here (out of memory) leaves the model as it was
-            want = slot.tensor.dtype
-            if device == "cpu" and src.dtype == want:
-                value, finite = src, next(views_finite)
-            elif tensorcopy.is_sparse(src):  # (assigned as torch assigns it: the layout kept)
-                value = src.to(device=device, dtype=want)
-                finite = not check or tensorcopy.all_finite(value)
-            else:
-                value = torch.empty(src.shape, dtype=want, device=device)
-                finite = tensorcopy.copy_checked(value, src, check)
-            bad += [] if finite else slot.keys
-            new.append((slot, value))
-        if recorded is not None and tally is not None:
-            digests.refuse(digests.tallied(recorded, tally))
-        shards.materialise(plan.materialise)  # DTensors whose shards are on meta, allocated (or, failing, none)
-        bad += _fill(model, plan, state_dict, sources, check, None if leases.held else rollback.Undo(), leases)
-    finally:
-        leases.release()
-    for slot, value in new:
-        if slot.is_param:
-            value = torch.nn.Parameter(value, requires_grad=slot.tensor.requires_grad)
-        for module, name in slot.places:
-            setattr(module, name, value)
-    return bad
-
-
-def _fill(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool,
-          undo: rollback.Undo | None, leases: rollback.Leases) -> list[str]:
-    """Write into the model's own tensors; on any failure, with ``undo``, put back what was replaced. Without it
-    (leased files) a read fails only if a writer waited out lease-break-time: the model is partly loaded."""
-    try:
-        bad = _by_torch(model, plan, state_dict, check, undo) if plan.by_torch else []
-        shards.reshard(model)
-        bad += _copy(plan.copy, sources, check, undo, leases)
-        for slot, src in plan.sharded:
-            bad += [] if shards.fill_local(slot.tensor, src, sources, check) else slot.keys
-        return bad
-    except BaseException as e:
-        if undo is not None:
-            undo.restore()
-        if type(e) is not FormatError or "nothing was loaded" in str(e):
-            raise
-        if undo is None:
-            raise FormatError(f"{e}; the model is partly loaded (the load held the file longer than the "
-                              f"{rollback.break_time()} s another process's write waits: lease-break-time)") from e
-        raise FormatError(f"{e}; nothing was loaded") from e
-    finally:
-        if undo is not None:
-            undo.close()
 
 
 def _nbytes(t: Any) -> int:

@@ -455,3 +455,59 @@ def test_a_signal_while_meta_built_values_are_checked_loads_nothing(tmp_path: Pa
     with pytest.raises(Interrupted, match="^interrupted; nothing was loaded$"):
         ckptfix.load_into(model, path)
     assert all(t.is_meta for t in model.state_dict().values())
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo process group (FSDP2 on the CPU)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("what", ["truncated", "signal_no_lease", "signal_leased"])
+@pytest.mark.usefixtures("one_rank", "default_handlers")
+def test_an_fsdp2_models_shards_are_all_or_nothing_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       what: str) -> None:
+    """A real fully_shard model (its parameters DTensors, each rank's shard filled from its byte runs): the file
+    truncated by another writer, or a SIGINT, at the second shard's fill — without a lease every shard is put back
+    ("nothing was loaded"); leased, the signal waits for the load."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptfix.ops.load_into import shards
+
+    if what != "signal_leased":
+        monkeypatch.setattr(rollback, "SETLEASE", None)
+    model = Net(256)
+    fully_shard(model.a)
+    fully_shard(model)
+    path = _save(tmp_path, "safetensors", _other_values(Net(256), torch.float32))
+    want = _values_in(path, "safetensors")
+    before = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in model.state_dict().items()}
+    real, calls = shards.fill_local, []
+
+    def second_fails(*args: Any) -> bool:
+        calls.append(1)
+        if len(calls) == 2:
+            if what == "truncated":
+                os.truncate(path, os.path.getsize(path) // 2)
+            else:
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(shards, "fill_local", second_fails)
+    raised = FormatError if what == "truncated" else Interrupted
+    with pytest.raises(raised) as info:
+        ckptfix.load_into(model, path)
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    assert len(calls) >= 2 and any(hasattr(v, "full_tensor") for v in model.state_dict().values())
+    if what == "signal_leased":
+        assert str(info.value) == f"interrupted; {commit.LOADED_FIRST}"
+        assert [k for k, v in full.items() if not torch.equal(v, want[k].to(v.dtype))] == []
+    else:
+        assert "nothing was loaded" in str(info.value) and "partly" not in str(info.value)
+        assert [k for k, v in full.items() if not torch.equal(v, before[k])] == []

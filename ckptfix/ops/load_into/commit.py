@@ -135,6 +135,8 @@ def _fill(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool
             shards.reshard(model)
             bad += _copy(plan.copy, sources, check, undo, leases)
             for slot, src in plan.sharded:
+                if undo is not None:
+                    undo.save_tensor(slot.tensor.to_local())  # (this rank's shard: what it fills)
                 bad += [] if shards.fill_local(slot.tensor, src, sources, check) else slot.keys
         return bad
     except BaseException as e:

@@ -29,13 +29,19 @@ class _State:
     holding = 0
     pending: int | None = None
     raised: Interrupted | None = None
+    said: list[Said] = []  # the held regions' own, innermost last
 
 
 def _handler(signum: int, frame: Any) -> None:
     if _State.holding:
-        if _State.pending is None:
-            _State.pending = signum
-        return
+        said = _State.said[-1] if _State.said else None
+        if said is None or said.cut is None or (signum == signal.SIGINT and _State.pending is None):
+            if _State.pending is None:
+                _State.pending = signum
+            return
+        _State.pending = None  # a region that can be cut short: SIGTERM/SIGHUP, or a second signal, cut it now
+        _State.raised = Interrupted(signum, outcome=said.cut)
+        raise _State.raised
     _State.raised = Interrupted(signum)
     raise _State.raised
 
@@ -70,38 +76,50 @@ def signals_as_interrupts() -> Iterator[None]:
 
 class Said:
     """What an interrupt deferred by ``held()`` says of the work, by how the work inside ended; the work sets it as
-    it learns (``outcome`` None: the output's words, :meth:`~ckptfix.errors.Interrupted.describe`)."""
+    it learns (``outcome`` None: the output's words, :meth:`~ckptfix.errors.Interrupted.describe`). ``cut`` (None:
+    never cut): the work can be cut short — SIGTERM or SIGHUP (the process is being ended), or a second SIGINT, raise
+    at once, saying this."""
 
-    def __init__(self, outcome: str | None, failed: str | None) -> None:
+    def __init__(self, outcome: str | None, failed: str | None, cut: str | None = None) -> None:
         self.outcome = outcome
         self.failed = failed
+        self.cut = cut
 
 
 @contextlib.contextmanager
-def held(written: bool = False, outcome: str | None = None, failed: str | None = None) -> Iterator[Said]:
+def held(written: bool = False, outcome: str | None = None, failed: str | None = None,
+         cut: str | None = None) -> Iterator[Said]:
     """Signals arriving inside are deferred; on leaving, the first is raised as ``Interrupted``
     (``written``: the output is complete by then, e.g. after the final rename; ``outcome``: what the work
-    inside did, said instead; ``failed``: the same where it raised, the error then the interrupt's context — both
-    on the :class:`Said` yielded). One arriving while an interrupt is already on its way out is folded into it."""
-    said = Said(outcome, failed)
+    inside did, said instead; ``failed``: the same where it raised, the error then the interrupt's context; ``cut``:
+    see :class:`Said`, which is yielded). One arriving while an interrupt is already on its way out is folded into
+    it."""
+    said = Said(outcome, failed, cut)
     if threading.current_thread() is not threading.main_thread():
         yield said
         return
     _State.holding += 1
+    _State.said.append(said)
     try:
         yield said
     except KeyboardInterrupt:
-        _State.holding -= 1
+        _leave(said)
         if not _State.holding:
             _State.pending = None
         raise
     except BaseException:
-        _State.holding -= 1
+        _leave(said)
         _raise_pending(written, said.failed)
         raise
     else:
-        _State.holding -= 1
+        _leave(said)
         _raise_pending(written, said.outcome)
+
+
+def _leave(said: Said) -> None:
+    _State.holding -= 1
+    if _State.said and _State.said[-1] is said:
+        _State.said.pop()
 
 
 def _raise_pending(written: bool, outcome: str | None) -> None:

@@ -360,6 +360,27 @@ def test_interruptible_inside_held_lets_signals_through_then_holds_again() -> No
     assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
 
 
+@pytest.mark.parametrize("signals", [("SIGINT",), ("SIGINT", "SIGINT"), ("SIGTERM",), ("SIGHUP",)], ids="+".join)
+def test_a_held_region_that_can_be_cut_short(signals: tuple[str, ...]) -> None:
+    """held(cut=...): one SIGINT waits for the work; a second, or SIGTERM or SIGHUP, raises at once saying ``cut``."""
+    from ckptfix.core import interrupts
+    from ckptfix.errors import Interrupted
+
+    done = []
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(Interrupted) as info, interrupts.signals_as_interrupts():
+            with interrupts.held(outcome="done first", cut="cut short"):
+                for name in signals:
+                    signal.raise_signal(signal.Signals[name])
+                done.append("all")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    waited = signals == ("SIGINT",)
+    assert done == (["all"] if waited else []) and info.value.signal_name == signals[-1]
+    assert str(info.value).endswith("; done first" if waited else "; cut short")
+
+
 def test_next_run_sweeps_a_killed_writers_temps_but_not_a_live_writers(tmp_path: Path, fixtures_dir: Path,
                                                                        cli_runner) -> None:
     out = tmp_path / "out"

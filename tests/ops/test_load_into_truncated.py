@@ -414,6 +414,29 @@ def test_a_signal_mid_commit_loads_all_or_nothing(tmp_path: Path, monkeypatch: p
     ckptfix.load_into(model, path)  # (and the next load takes it)
 
 
+@pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGHUP",), ("SIGINT", "SIGINT")], ids="+".join)
+@pytest.mark.usefixtures("default_handlers")
+def test_sigterm_or_a_second_sigint_cuts_a_leased_fill_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             signals: tuple[str, ...]) -> None:
+    """The process is being ended (SIGTERM, SIGHUP), or Ctrl-C came twice: a leased fill stops at once — the jobs
+    in flight finish, no other starts — and Interrupted says the model is partly loaded; the leases are released."""
+    monkeypatch.setattr(tensorcopy, "READ_BYTES", 4096)
+    monkeypatch.setattr(tensorcopy, "THREAD_BYTES", 4096)
+    monkeypatch.setattr(filefill, "JOB_BYTES", 8192)  # (dozens of jobs)
+    model = Net(256)
+    path = _save(tmp_path, "safetensors", _other_values(model, torch.float32))
+    want = _values_in(path, "safetensors")
+    leases = _spy(monkeypatch, "Leases")
+    states = [_truncate_after(monkeypatch, path, 2 + 6 * n, 0, lambda sig=sig: os.kill(os.getpid(), signal.Signals[sig]))
+              for n, sig in enumerate(signals)]
+    with pytest.raises(Interrupted) as info:
+        ckptfix.load_into(model, path)
+    assert all(state["cut"] for state in states) and leases[-1].held
+    assert info.value.signal_name == signals[-1] and str(info.value).endswith(f"; {commit.CUT_SHORT}")
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])], "the fill was not cut short"
+    assert not leases[-1]._fds
+
+
 @pytest.mark.usefixtures("default_handlers", "no_lease")
 def test_a_second_signal_while_the_log_puts_back_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM mid-fill, then SIGINT while the undo log is put back: the putting back finishes, one Interrupted

@@ -5,8 +5,10 @@ commit ends). Where a lease can't be had, what the fills replace is saved first 
 and put back if anything fails. SIGINT, SIGTERM and SIGHUP (where their handlers are Python's defaults, in the main
 thread: :mod:`ckptfix.core.interrupts`) raise :class:`~ckptfix.errors.Interrupted` before the model is touched;
 during the fills with an undo log, after it is put back ("nothing was loaded"); during a leased fill, which nothing
-could undo, and while the assigned tensors are set, they wait until the model is loaded ("the model holds the
-checkpoint's values"): a KeyboardInterrupt caught in a notebook never leaves a half-loaded model behind.
+could undo, and while the assigned tensors are set, a SIGINT waits until the model is loaded ("the model holds the
+checkpoint's values"): a KeyboardInterrupt caught in a notebook never leaves a half-loaded model behind. SIGTERM or
+SIGHUP (the process is being ended), or a second SIGINT, stop a leased fill at once instead, saying the model is
+partly loaded.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Plan:
 NOTHING_LOADED = "nothing was loaded"
 LOADED_FIRST = "the load was under way and finished first: the model holds the checkpoint's values"
 PARTLY_LOADED = "the load had failed: the model is partly loaded (the error above)"
+CUT_SHORT = "the leased load, which nothing could undo, was stopped part way: the model is partly loaded"
 
 
 def commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool,
@@ -70,7 +73,9 @@ def commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: boo
             undo = None if leases.held else rollback.Undo()
             said.failed = NOTHING_LOADED if undo else PARTLY_LOADED
             shards.materialise(plan.materialise)  # DTensors whose shards are on meta, allocated (or, failing, none)
+            said.cut = None if undo else CUT_SHORT  # (leased: SIGTERM, SIGHUP or a second SIGINT stop the fill at once)
             bad += _fill(model, plan, state_dict, sources, check, undo, leases)
+            said.cut = None
             _set(new)
         finally:
             leases.release()

@@ -27,6 +27,7 @@ from . import shards
 if TYPE_CHECKING:
     from ..sources import Sources
 
+
 @dataclass
 class Slot:
     """Where one model tensor lives: ``module.<name>``, a parameter or a buffer; tied keys share a Slot."""

@@ -276,8 +276,8 @@ def workers_for(nbytes: int) -> int:
 def run_jobs(count: int, job: Any, workers: int) -> None:
     """``job(0) … job(count - 1)`` by up to ``workers`` threads (this one among them), each taking the next index;
     the first exception stops the others and is raised here — a KeyboardInterrupt too, wherever it lands, and only
-    once every job started has ended (an undo log puts back what they wrote after, never under, them). One thread
-    (no thread started) for a single job."""
+    once every job started has ended (an undo log puts back what they wrote after, never under, them), unless a
+    second one comes while this thread waits for them. One thread (no thread started) for a single job."""
     lock = threading.Lock()
     state: dict[str, Any] = {"next": 0, "error": None}
     ended = threading.Condition()
@@ -319,6 +319,8 @@ def run_jobs(count: int, job: Any, workers: int) -> None:
                     ended.wait_for(lambda: threads["running"] == 0)
                 break
             except BaseException as e:  # a signal's exception while waiting: the others stop after their job
+                if isinstance(state["error"], KeyboardInterrupt) and isinstance(e, KeyboardInterrupt):
+                    raise  # a second interrupt: a job that never ends (a hung read) is given up on
                 state["error"] = state["error"] or e
     if state["error"] is not None:
         raise state["error"]

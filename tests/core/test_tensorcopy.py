@@ -104,6 +104,32 @@ def test_run_jobs_raises_an_interrupt_only_after_every_started_job_ended() -> No
         signal.signal(signal.SIGINT, previous)
 
 
+def test_run_jobs_gives_up_on_a_job_that_never_ends_at_a_second_interrupt() -> None:
+    """A job hung (a read that never returns): the first SIGINT waits for it, a second is raised at once."""
+    started, release = threading.Event(), threading.Event()
+
+    def job(j: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            assert started.wait(30)
+            return
+        started.set()
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+        release.wait(30)  # (hung until the test lets it go)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            tensorcopy.run_jobs(2, job, 2)
+        assert time.monotonic() - start < 10 and not release.is_set()
+    finally:
+        release.set()
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("cache", ["warm", "cold"])
 def test_a_mapped_tensor_is_read_ahead_only_when_its_file_is_cold(tmp_path: Path, cache: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

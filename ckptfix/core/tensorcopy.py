@@ -311,12 +311,16 @@ def run_jobs(count: int, job: Any, workers: int) -> None:
         for _ in range(max(1, min(workers, count)) - 1):
             threading.Thread(target=thread, daemon=True).start()
         work()
+    except BaseException as e:  # (out of a thread's start: the threads stop after their job too)
+        state["error"] = state["error"] or e
+        raise
     finally:  # (not Thread.join: interrupted, it marks a running thread stopped — bpo-45274)
         while True:
             try:
                 with ended:
                     threads["closed"] = True
-                    ended.wait_for(lambda: threads["running"] == 0)
+                    while not ended.wait_for(lambda: threads["running"] == 0, 0.05):
+                        pass  # (back in Python each time: a signal the kernel gave another thread is handled here)
                 break
             except BaseException as e:  # a signal's exception while waiting: the others stop after their job
                 if isinstance(state["error"], KeyboardInterrupt) and isinstance(e, KeyboardInterrupt):

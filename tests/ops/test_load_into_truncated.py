@@ -101,12 +101,18 @@ def _truncate_after(monkeypatch: pytest.MonkeyPatch, path: Path, reads: int, siz
     state = {"armed": 0, "reads": 0, "cut": 0}
 
     def preadv(fd: int, buffers: Any, offset: int, *flags: Any) -> int:
+        later = None
         with lock:
             if state["armed"] and os.readlink(f"/proc/self/fd/{fd}") == str(path):
                 if state["reads"] == reads and not state["cut"]:
                     state["cut"] = 1  # (first: a signal's exception may come out of cut())
-                    cut() if cut else os.truncate(path, size)
+                    if getattr(cut, "unlocked", False):
+                        later = cut
+                    else:
+                        cut() if cut else os.truncate(path, size)
                 state["reads"] += 1
+        if later is not None:  # (a signal's hook waits for the main thread, which may be waiting for this lock)
+            later()
         return real(fd, buffers, offset, *flags)
 
     def armed(fn: Any) -> Any:
@@ -374,6 +380,25 @@ def default_handlers() -> Iterator[None]:
         signal.signal(s, handler)
 
 
+def _signal(name: str) -> Any:
+    """A hook that sends signal ``name`` to the main thread (where Python runs handlers: sent to the process from
+    another thread, the kernel may hand it to that thread, and a main thread blocked on a lock never hears of it) and
+    goes on only once the handler ran (deferred it, or raised): from another thread of the fill, whose reads wait
+    meanwhile, so the fill can't run ahead of the handler on a busy machine (nor two signals arrive as one)."""
+    from ckptfix.core import interrupts
+
+    def send() -> None:
+        pending, raised = interrupts._State.pending, interrupts._State.raised
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.Signals[name])
+        deadline = time.monotonic() + 60
+        while threading.current_thread() is not threading.main_thread() and time.monotonic() < deadline:
+            if interrupts._State.pending != pending or interrupts._State.raised is not raised:
+                return
+            time.sleep(0.001)
+    send.unlocked = True  # type: ignore[attr-defined]
+    return send
+
+
 def _values_in(path: Path, fmt: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in (torch.load(path) if fmt == "pth" else st.load_file(path)).items()}
 
@@ -400,7 +425,7 @@ def test_a_signal_mid_commit_loads_all_or_nothing(tmp_path: Path, monkeypatch: p
     path = _save(tmp_path, fmt, _other_values(Net(256), torch.float32))
     want, before = _values_in(path, fmt), _snapshot(model)
     leases = _spy(monkeypatch, "Leases")
-    state = _truncate_after(monkeypatch, path, reads, 0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    state = _truncate_after(monkeypatch, path, reads, 0, _signal("SIGINT"))
     with pytest.raises(Interrupted) as info:
         ckptfix.load_into(model, path)
     assert state["cut"] and info.value.signum == signal.SIGINT and leases[-1].held == (lease == "leased")
@@ -427,8 +452,7 @@ def test_sigterm_or_a_second_sigint_cuts_a_leased_fill_short(tmp_path: Path, mon
     path = _save(tmp_path, "safetensors", _other_values(model, torch.float32))
     want = _values_in(path, "safetensors")
     leases = _spy(monkeypatch, "Leases")
-    states = [_truncate_after(monkeypatch, path, 2 + 6 * n, 0, lambda sig=sig: os.kill(os.getpid(), signal.Signals[sig]))
-              for n, sig in enumerate(signals)]
+    states = [_truncate_after(monkeypatch, path, 2 + 6 * n, 0, _signal(sig)) for n, sig in enumerate(signals)]
     with pytest.raises(Interrupted) as info:
         ckptfix.load_into(model, path)
     assert all(state["cut"] for state in states) and leases[-1].held
@@ -453,7 +477,7 @@ def test_a_second_signal_while_the_log_puts_back_waits_for_it(tmp_path: Path, mo
         restore(self)
 
     monkeypatch.setattr(rollback.Undo, "restore", restore_under_a_signal)
-    state = _truncate_after(monkeypatch, path, 4, 0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    state = _truncate_after(monkeypatch, path, 4, 0, _signal("SIGTERM"))
     with pytest.raises(Interrupted) as info:
         ckptfix.load_into(model, path)
     assert state["cut"] and info.value.signum == signal.SIGTERM and info.value.exit_code == 143

@@ -516,40 +516,50 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("what", ["truncated", "signal_no_lease", "signal_leased"])
+@pytest.mark.parametrize("what", ["truncated", "signal_no_lease", "signal_leased", "truncated_meta"])
 @pytest.mark.usefixtures("one_rank", "default_handlers")
 def test_an_fsdp2_models_shards_are_all_or_nothing_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        what: str) -> None:
     """A real fully_shard model (its parameters DTensors, each rank's shard filled from its byte runs): the file
     truncated by another writer, or a SIGINT, at the second shard's fill — without a lease every shard is put back
-    ("nothing was loaded"); leased, the signal waits for the load."""
+    ("nothing was loaded"), and a model sharded on meta, whose shards the commit allocated first, is on meta again;
+    leased, the signal waits for the load."""
     from torch.distributed.fsdp import fully_shard
 
     from ckptfix.ops.load_into import shards
 
     if what != "signal_leased":
         monkeypatch.setattr(rollback, "SETLEASE", None)
-    model = Net(256)
-    fully_shard(model.a)
-    fully_shard(model)
+    with torch.device("meta" if what.endswith("_meta") else "cpu"):
+        model = Net(256)
+        fully_shard(model.a)
+        fully_shard(model)
     path = _save(tmp_path, "safetensors", _other_values(Net(256), torch.float32))
     want = _values_in(path, "safetensors")
-    before = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in model.state_dict().items()}
+    if what.endswith("_meta"):
+        on_meta = sorted(k for k, v in model.state_dict().items() if shards.on_meta(v))
+        assert len(on_meta) == len(want)
+    else:
+        before = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in model.state_dict().items()}
     real, calls = shards.fill_local, []
 
     def second_fails(*args: Any) -> bool:
         calls.append(1)
         if len(calls) == 2:
-            if what == "truncated":
+            if what.startswith("truncated"):
                 os.truncate(path, os.path.getsize(path) // 2)
             else:
                 os.kill(os.getpid(), signal.SIGINT)
         return real(*args)
 
     monkeypatch.setattr(shards, "fill_local", second_fails)
-    raised = FormatError if what == "truncated" else Interrupted
+    raised = FormatError if what.startswith("truncated") else Interrupted
     with pytest.raises(raised) as info:
         ckptfix.load_into(model, path)
+    if what.endswith("_meta"):
+        assert len(calls) >= 2 and "nothing was loaded" in str(info.value)
+        assert sorted(k for k, v in model.state_dict().items() if shards.on_meta(v)) == on_meta
+        return
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
     assert len(calls) >= 2 and any(hasattr(v, "full_tensor") for v in model.state_dict().values())
     if what == "signal_leased":

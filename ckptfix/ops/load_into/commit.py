@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...core import checksums, filefill, interrupts, rollback, tensorcopy
-from ...errors import FormatError, Interrupted
+from ...errors import FormatError, Interrupted, LoadError
 from ...safety import digests
 from . import shards
 
@@ -63,24 +63,52 @@ CUT_SHORT = "the leased load, which nothing could undo, was stopped part way: th
 
 
 def commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool,
-           recorded: list[digests.Digest] | None) -> list[str]:
-    """Fill the model; the keys whose values are NaN/Inf (checked as they are copied, when ``check``). The
-    ``recorded`` digests (an assigning load's) are checked on the CRC-32s the value check takes, before any is set."""
+           recorded: list[digests.Digest] | None, ranks: shards.Agreement) -> list[str]:
+    """Fill the model; the keys whose values are NaN/Inf (checked as they are copied, when ``check``; every rank's).
+    The ``recorded`` digests (an assigning load's) are checked on the CRC-32s the value check takes, before any is
+    set. Beside other ``ranks`` every rank keeps its undo log, leased or not, until all have filled (one collective
+    that each reaches whatever it raised) and puts it back if any failed: nothing is loaded on any rank."""
     with interrupts.signals_as_interrupts(), interrupts.held(outcome=LOADED_FIRST, failed=NOTHING_LOADED) as said:
         leases = rollback.Leases(local_files(plan, sources))  # (whole: a signal waits, then comes in _undone)
+        undo: rollback.Undo | None = None
+        to_meta: Callable[[], None] = _nothing
+        bad: list[str] = []
+        new: list[tuple[Slot, Any]] = []
+        error: BaseException | None = None
         try:
-            with _undone():
-                bad, new = _assigned(plan, check, recorded)  # a failure here (out of memory): the model as it was
-            undo = None if leases.held else rollback.Undo()
-            said.failed = NOTHING_LOADED if undo else PARTLY_LOADED
-            shards.materialise(plan.materialise)  # DTensors whose shards are on meta, allocated (or, failing, none)
-            said.cut = None if undo else CUT_SHORT  # (leased: SIGTERM, SIGHUP or a second SIGINT stop the fill at once)
-            bad += _fill(model, plan, state_dict, sources, check, undo, leases)
-            said.cut = None
+            try:
+                with _undone():
+                    bad, new = _assigned(plan, check, recorded)  # a failure here (out of memory): the model as it was
+                undo = None if leases.held and not ranks.many else rollback.Undo()
+                said.failed = NOTHING_LOADED if undo else PARTLY_LOADED
+                to_meta = shards.materialise(plan.materialise)  # DTensors' shards on meta, allocated (or, failing, none)
+                said.cut = None if undo else CUT_SHORT  # (leased: SIGTERM, SIGHUP or a second SIGINT stop the fill)
+                bad += _fill(model, plan, state_dict, sources, check, undo, leases)
+                said.cut = None
+            except BaseException as e:  # (its fills already put back, where logged)
+                if undo is not None:
+                    to_meta()  # (what was on meta, back on it)
+                if not ranks.active:
+                    raise
+                error = e
+            failed, bad = ranks.settle(error, bad)
+            if error is not None:
+                raise error
+            if failed is not None:  # another rank's (beside others, every rank keeps its log)
+                assert undo is not None
+                undo.restore()
+                to_meta()
+                raise LoadError(shards.failed_on(*failed))
             _set(new)
         finally:
+            if undo is not None:
+                undo.close()
             leases.release()
     return bad
+
+
+def _nothing() -> None:
+    pass
 
 
 @contextlib.contextmanager
@@ -154,9 +182,6 @@ def _fill(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool
             raise FormatError(f"{e}; the model is partly loaded (the load held the file longer than the "
                               f"{rollback.break_time()} s another process's write waits: lease-break-time)") from e
         raise FormatError(f"{e}; {NOTHING_LOADED}") from e
-    finally:
-        if undo is not None:
-            undo.close()
 
 
 def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, undo: rollback.Undo | None,

@@ -86,8 +86,8 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
         if bad:
             raise LoadError(f"{ckpt.path}: {_values(bad)}; nothing was loaded (a diverged run, or a damaged "
                             "file?); pass strict_values=False to load it anyway")
-        committed = commit.commit(model, plan, fit.state_dict, sources, o.check_values and not o.strict_values, recorded)
-        nonfinite = distributed.gather_keys(committed)
+        nonfinite = commit.commit(model, plan, fit.state_dict, sources, o.check_values and not o.strict_values,
+                                  recorded, distributed)  # (every rank's NaN/Inf keys; any rank's failure undone on all)
         _check_done(model_walk, path)  # the postcondition (after the last collective): no tensor left on meta
         bytes_read = reader.bytes_read + sum(_nbytes(src) for _s, src, _p in plan.copy) + sum(
             _nbytes(src) for _s, src, _d in plan.assign)

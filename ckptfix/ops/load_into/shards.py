@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...core import tensorcopy
@@ -106,24 +106,28 @@ def outermost(paths: dict[str, str]) -> dict[str, str]:
     return {p: d for p, d in paths.items() if not any(inside(p, q) for q in paths)}
 
 
-def materialise(modules: list[tuple[Any, str]]) -> None:
+def materialise(modules: list[tuple[Any, str]]) -> Callable[[], None]:
     """Each module's tensors still on meta allocated on its device, as ``module.to_empty(device=...)`` does it
     (``_apply``, so FSDP2's own ``_apply`` re-registers the sharded parameters it manages), values unset until
     the fill; tensors already off meta are left as they are. If one fails (out of memory), those allocated are
-    put back on meta and the error raised: the model as it was."""
+    put back on meta and the error raised: the model as it was. Returns what puts them back (a failed fill's)."""
     import torch
 
     places = [(d, name) for module, _ in modules for m in module.modules() for d in (m._parameters, m._buffers)
               for name, t in d.items() if t is not None and on_meta(t)]
+
+    def back() -> None:  # what is off meta now at a place that was on meta (the objects alive: their ids theirs)
+        allocated = {id(d[name]) for d, name in places if d.get(name) is not None and not on_meta(d[name])}
+        for module, _ in modules:
+            module._apply(lambda t: torch.empty_like(t, device="meta") if id(t) in allocated else t)
+
     try:
         for module, device in modules:
             module._apply(lambda t, device=device: torch.empty_like(t, device=device) if on_meta(t) else t)
     except BaseException:
-        # what is off meta now at a place that was on meta (the objects alive, so their ids are theirs)
-        allocated = {id(d[name]) for d, name in places if d.get(name) is not None and not on_meta(d[name])}
-        for module, _ in modules:
-            module._apply(lambda t: torch.empty_like(t, device="meta") if id(t) in allocated else t)
+        back()
         raise
+    return back
 
 
 def on_meta(t: Any) -> bool:
@@ -215,9 +219,10 @@ def local_source_finite(dt: Any, src: Any, sources: Sources) -> bool:
 
 
 class Agreement:
-    """Ranks agreeing before anything is written: a no-op unless the model holds DTensors and a process
-    group is up; then ``step()`` raises on every rank what any rank raised, and ``gather_keys`` unions
-    per-rank findings (NaN/Inf keys) so every rank reports the same."""
+    """Ranks agreeing before anything is written, and again after: a no-op unless the model holds DTensors and a
+    process group is up. ``step()`` raises on every rank what any rank raised (the plan); :meth:`settle` tells every
+    rank whether any rank's commit failed, and unions per-rank findings (NaN/Inf keys) so every rank reports the
+    same. Every rank reaches each collective whatever it raised, so none waits forever."""
 
     def __init__(self, model: Any):
         import torch.distributed as dist
@@ -225,26 +230,40 @@ class Agreement:
         self.active = (dist.is_available() and dist.is_initialized()
                        and any(is_dtensor(p) for p in (*model.parameters(), *model.buffers())))
 
+    @property
+    def many(self) -> bool:
+        """Other ranks load beside this one: a failure of theirs in the commit undoes this rank's fill too."""
+        import torch.distributed as dist
+
+        return self.active and dist.get_world_size() > 1
+
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         if not self.active:
             yield
             return
-        import torch.distributed as dist
-
         error: BaseException | None = None
         try:
             yield
-        except Exception as e:  # raised here after the others have heard of it, so none waits forever
+        except BaseException as e:  # (a KeyboardInterrupt too) raised here after the others have heard of it
             error = e
-        messages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, None if error is None else (type(error).__name__, str(error)))
+        failed, _keys = self.settle(error, [])
         if error is not None:
             raise error
-        failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
-        if failed:
-            rank, (_kind, text) = failed[0]
-            raise LoadError(f"rank {rank} could not load: {text}; nothing was loaded on any rank")
+        if failed is not None:
+            raise LoadError(failed_on(*failed))
+
+    def settle(self, error: BaseException | None, keys: list[str]) -> tuple[tuple[int, str] | None, list[str]]:
+        """One collective: the first rank that failed (its rank and error; this one's too) or None, and every
+        rank's ``keys``, unioned."""
+        if not self.active:
+            return (None if error is None else (0, _said(error))), keys
+        import torch.distributed as dist
+
+        messages: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, (None if error is None else _said(error), keys))
+        failed = next(((rank, text) for rank, (text, _k) in enumerate(messages) if text is not None), None)
+        return failed, list(dict.fromkeys(k for _t, part in messages for k in part))
 
     def rank_and_world(self) -> tuple[int, int]:
         if not self.active:
@@ -254,10 +273,14 @@ class Agreement:
         return dist.get_rank(), dist.get_world_size()
 
     def gather_keys(self, keys: list[str]) -> list[str]:
-        if not self.active:
-            return keys
-        import torch.distributed as dist
+        return self.settle(None, keys)[1]
 
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, keys)
-        return list(dict.fromkeys(k for part in parts for k in part))
+
+def _said(error: BaseException) -> str:
+    text = str(error).removesuffix("; nothing was loaded")
+    return text or ("interrupted" if isinstance(error, KeyboardInterrupt) else type(error).__name__)
+
+
+def failed_on(rank: int, text: str) -> str:
+    """What every other rank raises when ``rank`` could not load."""
+    return f"rank {rank} could not load: {text}; nothing was loaded on any rank"

@@ -1,0 +1,133 @@
+"""A load into an FSDP2 model that fails on one rank only, mid-commit or mid-plan, on 2 real gloo ranks.
+
+Each rank reads its own copy of the checkpoint (the same relative path in its own directory, as on separate
+hosts); rank 1's fails part way through its fills — its copy truncated by another writer, or a SIGINT or
+SIGTERM — or while it plans. Every rank must hear of it (none left waiting in a collective: the harness kills
+a rank still running seconds after another failed), and every rank's shards must be as they were, rank 0's
+too, though its own fills all succeeded and its file was leased: "all of it or none" across ranks. A model
+sharded on meta, whose shards the commit allocates, is on meta again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+import ckptfix
+from ckptfix.core import rollback
+from ckptfix.ops.load_into import shards
+from ckptfix.statedict import repair
+from tests import dist_harness, sharded_ranks
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="ranks forked from a forkserver")
+
+WORLD = 2
+#: what goes wrong on rank 1 → (rank 1's error type, its message's start; rank 0's message)
+CASES = {
+    "none": (None, None, None),
+    "truncated": ("FormatError", "", "rank 1 could not load: "),
+    "truncated_meta": ("FormatError", "", "rank 1 could not load: "),  # (sharded on meta: the shards allocated first)
+    "sigint": ("Interrupted", "interrupted; nothing was loaded", "rank 1 could not load: interrupted; nothing was "
+               "loaded on any rank"),
+    "sigterm": ("Interrupted", "terminated (SIGTERM); nothing was loaded", "rank 1 could not load: terminated (SIGTERM); "
+                "nothing was loaded on any rank"),
+    "sigint_in_plan": ("KeyboardInterrupt", "", "rank 1 could not load: interrupted; nothing was loaded on any rank"),
+}
+
+
+def run_cases(rank: int, world: int, payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every case on this rank in turn (a barrier after each); what each did to this rank's shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes = {"1d": init_device_mesh("cpu", (world,))}
+    full = sharded_ranks.full_state_dict("mixed")
+    out = {}
+    for case in CASES:
+        save_file(full, "model.safetensors")  # this rank's own copy, afresh
+        out[case] = _run_case(rank, case, meshes, full)
+        dist.barrier()
+    return out
+
+
+def _run_case(rank: int, case: str, meshes: dict[str, Any], full: dict[str, torch.Tensor]) -> dict[str, Any]:
+    meta = case.endswith("_meta")
+    model = sharded_ranks.build_model("fsdp2-meta-bare" if meta else "fsdp2", meshes)
+    before = {k: sharded_ranks.bits(v) for k, v in sharded_ranks.local_tensors(model).items() if not meta}
+    real_fill, real_fit, real_lease = shards.fill_local, repair.fit_to_model, rollback.SETLEASE
+    calls: list[int] = []
+
+    def failing_fill(*args: Any) -> bool:
+        calls.append(1)
+        if len(calls) == 2:
+            if case.startswith("truncated"):
+                os.truncate("model.safetensors", 8)
+            else:
+                os.kill(os.getpid(), signal.SIGTERM if case == "sigterm" else signal.SIGINT)
+        return real_fill(*args)
+
+    def failing_fit(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_fit(*args, **kwargs)
+
+    if rank == 1:
+        if case == "sigint_in_plan":
+            repair.fit_to_model = failing_fit  # type: ignore[assignment]
+        elif case != "none":
+            shards.fill_local = failing_fill  # type: ignore[assignment]
+        if case in ("truncated", "truncated_meta", "sigterm"):
+            rollback.SETLEASE = None  # (its own truncate would wait for its own lease; the log then)
+    result: dict[str, Any] = {"type": None, "message": "", "traceback": ""}
+    try:
+        ckptfix.load_into(model, "model.safetensors")
+    except BaseException as e:  # (KeyboardInterrupt: what the case sends)
+        result.update(type=type(e).__name__, message=str(e), traceback=traceback.format_exc())
+    finally:
+        shards.fill_local, repair.fit_to_model, rollback.SETLEASE = real_fill, real_fit, real_lease  # type: ignore[assignment]
+    after = sharded_ranks.local_tensors(model)
+    result["fills"] = len(calls)
+    result["on_meta"] = sorted(k for k, v in after.items() if v.is_meta)
+    if meta:
+        result.update(changed=[k for k in after if k not in result["on_meta"]], wrong=[])
+        return result
+    result["changed"] = sorted(k for k, v in after.items() if not sharded_ranks.same_bits(sharded_ranks.bits(v), before[k]))
+    want = {k: sharded_ranks.bits(v) for k, v in sharded_ranks.expected_locals(model, full).items()}
+    result["wrong"] = sorted(k for k, v in after.items() if not sharded_ranks.same_bits(sharded_ranks.bits(v), want[k]))
+    return result
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("rank-failures")
+    cwd = [root / f"rank{r}" for r in range(WORLD)]
+    for d in cwd:
+        d.mkdir()
+    per_rank = dist_harness.run(f"{__name__}:run_cases", WORLD, root / "run", {}, timeout=300, cwd=cwd)
+    return {case: [r[case] for r in per_rank] for case in CASES}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failure_on_one_rank_is_heard_by_every_rank_and_undone_on_all(ranks: dict[str, list[dict[str, Any]]],
+                                                                        case: str) -> None:
+    kind, own, others = CASES[case]
+    zero, one = ranks[case]
+    if kind is None:
+        for rank, res in enumerate((zero, one)):
+            assert res["type"] is None, f"rank {rank}: {res['traceback']}"
+            assert res["wrong"] == [], f"rank {rank}"
+        return
+    assert one["type"] == kind, one["traceback"]
+    assert one["message"].startswith(own), one["message"]
+    assert zero["type"] == "LoadError", zero["traceback"]
+    assert zero["message"].startswith(others) and zero["message"].endswith("; nothing was loaded on any rank"), zero["message"]
+    if case != "sigint_in_plan":
+        assert one["fills"] >= 2  # (the failure came mid-commit, after the first shard was filled)
+    for rank, res in enumerate((zero, one)):
+        assert res["changed"] == [], f"rank {rank}'s shards changed: {res['changed']}"

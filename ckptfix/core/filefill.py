@@ -1,5 +1,6 @@
 """Built CPU tensors filled straight from a file, each chunk checked for NaN/Inf as it lands (``load_into`` of a
-CPU-built model): the file's bytes go into the tensor's own memory, no staging copy, no mapped view kept.
+CPU-built model): the file's bytes go into the tensor's own memory, no staging copy, no mapped view kept. A cast, and
+any tensor on a GPU, go through staging windows instead (:func:`fill_staged`).
 
 A fill is split into jobs of :data:`JOB_BYTES`, shared by a few threads (:func:`~ckptfix.core.tensorcopy.run_jobs`:
 torch's thread count at most, none started for a small load); each job reads :data:`~ckptfix.core.tensorcopy.READ_BYTES`
@@ -40,6 +41,11 @@ READAHEAD_BYTES = 64 * 2**20
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 #: the least lease-break-time (seconds) under which a leased file is copied from its mapping (a job takes milliseconds)
 MIN_BREAK_SECONDS = 10
+#: a GPU fill's pinned staging windows (:func:`fill_staged`), and the bytes of each
+DEVICE_WINDOWS = 4
+DEVICE_WINDOW_BYTES = 16 * 2**20
+#: where each piece starts in a window (a view of it as any dtype is aligned)
+_ALIGN = 64
 
 
 def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, undo: Any = None,
@@ -90,39 +96,150 @@ def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, u
     return finite
 
 
-def cast_from_file(dst: Any, fd: int, offset: int, dtype: Any, name: str, check: bool = True,
-                   undo: Any = None, tally: Any = None) -> bool:
-    """Fill the contiguous CPU tensor ``dst`` with the values stored as ``dtype`` in the file ``fd`` from ``offset``,
-    cast as torch casts: chunk by chunk, each read (``preadv``, not a mapping: a truncated file is a FormatError, not
-    SIGBUS) into a staging buffer, then copied into ``dst`` with the check (:func:`copy_checked`), its old values
-    saved in ``undo`` first, its CRC-32 taken into ``tally`` (if any). Returns whether every value is finite (True
-    unchecked)."""
-    import torch
-
-    count = dst.numel()
-    if count == 0:
-        return True
-    width = torch.empty((), dtype=dtype).element_size()
-    step = max(1, tensorcopy.CHUNK_BYTES // max(width, dst.element_size()))
-    staged = torch.empty(min(step, count), dtype=dtype)
-    raw = staged.view(torch.uint8).numpy()
-    out = dst.view(-1)
-    mine = _sequential(fd)
-    try:
-        reader, finite = _Reader([], [], [], False), True
-        for i in range(0, count, step):
-            k = min(step, count - i)
-            reader._read(mine, raw[: k * width], offset + i * width, name)
-            if tally is not None:
-                tally.add(name, offset + i * width, raw[: k * width])
-            part = out[i : i + k]
-            if undo is not None:
-                undo.save(part.view(torch.uint8).numpy())
-            finite = copy_checked(part, staged[:k], check) and finite
-    finally:
-        if mine != fd:
-            os.close(mine)
+def fill_staged(fills: list[tuple[Any, int, int, Any, str]], check: bool = True, undo: Any = None,
+                tally: Any = None) -> list[bool]:
+    """Fill each contiguous tensor ``dst`` of ``fills`` — ``(dst, fd, offset, dtype, name)``: its values stored as
+    ``dtype`` in the file ``fd`` from ``offset`` — through staging windows: a cast on the CPU, any tensor on a GPU.
+    Each window's bytes are read (``preadv``, never a mapping: a file that ends first is a FormatError naming it, not
+    SIGBUS; never a copy from a mapping to a device, safetensors#729), their CRC-32s taken into ``tally`` (if any),
+    then copied into the tensors, cast as torch casts, each piece's old values saved in ``undo`` first (if any). The
+    windows are read by up to :data:`~ckptfix.core.tensorcopy.MAX_READERS` threads (:class:`_Staging`). Returns, per
+    fill, whether its values are all finite (True unchecked or for integer tensors)."""
+    finite = [True] * len(fills)
+    groups: dict[Any, list[int]] = {}  # (a window's copies go to one device)
+    for n, fill in enumerate(fills):
+        groups.setdefault(fill[0].device, []).append(n)
+    for numbers in groups.values():
+        staging = _Staging([fills[n] for n in numbers], check, undo, tally)
+        try:
+            run_jobs(len(staging.jobs), staging.job, min(workers_for(staging.nbytes), staging.readers))
+            for n, ok in zip(numbers, staging.finite_all()):
+                finite[n] = ok
+        finally:
+            staging.close()
     return finite
+
+
+class _Staging:
+    """The shared state of :func:`fill_staged`'s threads. Each job is a window: pieces of the tensors (whole small
+    ones, a large one in window-sized runs) in file order, read into the window, then copied out. On the CPU a window
+    is :data:`~ckptfix.core.tensorcopy.CHUNK_BYTES`, the thread's own, so each piece is cast while it is in cache and
+    checked as it is (:func:`copy_checked`). With a tensor on a GPU the windows are pinned, :data:`DEVICE_WINDOWS`
+    of :data:`DEVICE_WINDOW_BYTES`, and each piece is copied asynchronously on a side stream (cast on the device),
+    its NaN/Inf reduction queued behind it; a window is reused once an event says its copies are done, so reads of
+    the next windows overlap the transfers. At the end the caller's stream waits for the side stream, which is
+    synchronised (whatever happened: nothing is in flight once this returns), and the reductions are read at once."""
+
+    def __init__(self, fills: list[tuple[Any, int, int, Any, str]], check: bool, undo: Any, tally: Any) -> None:
+        import torch
+
+        self.fills, self.undo, self.tally = fills, undo, tally
+        self.check = [check and checks_values(f[0]) for f in fills]
+        self.finite = [True] * len(fills)
+        self.sums: list[list[tuple[Any, Any]]] = [[] for _ in fills]  # per fill: (device piece, its reduction)
+        self.device = fills[0][0].device if fills[0][0].device.type != "cpu" else None  # (one device: the caller's)
+        window = DEVICE_WINDOW_BYTES if self.device is not None else tensorcopy.CHUNK_BYTES
+        widths = [torch.empty((), dtype=f[3]).element_size() for f in fills]
+        self.jobs: list[list[tuple[int, int, int, int]]] = []  # per window: (fill, first element, count, window byte)
+        self.nbytes, used = 0, window
+        for n, (dst, _fd, _offset, _dtype, _name) in sorted(enumerate(fills), key=lambda f: (f[1][1], f[1][2])):
+            per = max(1, window // max(widths[n], dst.element_size()))
+            for first in range(0, dst.numel(), per):
+                count = min(per, dst.numel() - first)
+                at = -(-used // _ALIGN) * _ALIGN
+                if at + count * widths[n] > window and used:
+                    self.jobs.append([])
+                    at = 0
+                self.jobs[-1].append((n, first, count, at))
+                used = at + count * widths[n]
+                self.nbytes += count * widths[n]
+        self.widths, self.window = widths, window
+        self.own = {fd: _sequential(fd) for fd in {f[1] for f in fills}}
+        self.reader = _Reader([], [], [], False)
+        self.local = threading.local()  # a CPU window per thread
+        self.stream: Any = None
+        self.readers = tensorcopy.MAX_READERS
+        self.free: list[tuple[Any, Any]] = []  # GPU: (pinned window, the event after its last copies, or None)
+        self.ready = threading.Condition()
+        if self.device is not None:
+            self.stream = torch.cuda.Stream(self.device)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (the tensors' allocations, earlier work)
+            count = min(DEVICE_WINDOWS, len(self.jobs))
+            self.free = [(torch.empty(self.window, dtype=torch.uint8, pin_memory=True), None) for _ in range(count)]
+            self.readers = count  # (a thread more would wait for a window)
+
+    def job(self, j: int) -> None:
+        import torch
+
+        window = self._take()
+        try:
+            for n, first, count, at in self.jobs[j]:
+                dst, _fd, offset, dtype, name = self.fills[n]
+                width = self.widths[n]
+                raw = window[at : at + count * width]
+                self.reader._read(self.own[self.fills[n][1]], raw.numpy(), offset + first * width, name)
+                if self.tally is not None:
+                    self.tally.add(name, offset + first * width, raw.numpy())
+                out = dst.view(-1)[first : first + count]
+                if self.undo is not None:
+                    self.undo.save_tensor(out)
+                staged = raw.view(dtype)
+                if self.stream is None:
+                    if not copy_checked(out, staged, self.check[n]):
+                        self.finite[n] = False
+                    continue
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
+                    out.copy_(staged, non_blocking=True)  # (a cast: the bytes sent as stored, cast on the device)
+                    if self.check[n]:
+                        self.sums[n].append((out, tensorcopy.reduction(out)))
+        finally:
+            self._give(window)
+
+    def _take(self) -> Any:
+        """A window to read into: this thread's own on the CPU; on a GPU a pinned one whose copies are done."""
+        import torch
+
+        if self.stream is None:
+            window = getattr(self.local, "window", None)
+            if window is None:
+                window = self.local.window = torch.empty(self.window, dtype=torch.uint8)
+            return window
+        with self.ready:
+            while not self.free:
+                self.ready.wait()
+            window, done = self.free.pop(0)
+        if done is not None:
+            done.synchronize()  # (the GIL released while it waits)
+        return window
+
+    def _give(self, window: Any) -> None:
+        import torch
+
+        if self.stream is None:
+            return
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        with self.ready:
+            self.free.append((window, done))
+            self.ready.notify()
+
+    def finite_all(self) -> list[bool]:
+        """Each fill's verdict; on a GPU, once the caller's stream waits for the copies (one sync for the checks)."""
+        import torch
+
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            for n, pieces in enumerate(self.sums):
+                if pieces and not tensorcopy.finite_given([p for p, _s in pieces], [s for _p, s in pieces]):
+                    self.finite[n] = False
+        return self.finite
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()  # (a failed fill too: no copy into the model, nor out of a window, in flight)
+        for fd, mine in self.own.items():
+            if mine != fd:
+                os.close(mine)
 
 
 def _mappable() -> bool:

@@ -16,8 +16,9 @@ bits against its dtype's NaN/Inf pattern, AVX2 where the CPU has it; they also c
 the check fused in, :mod:`ckptfix.core.filefill`), else numpy's: fp32/fp64 chunks by ``dot`` (finite proves them
 finite; numpy's OpenBLAS doesn't thread it at this size), others by two integer maxima. Both release the GIL.
 
-A copy to a CUDA device goes through two pinned staging buffers, so reading the next chunk from the
-mapped file overlaps the transfer of the last one.
+A copy to a CUDA device of a tensor with no place in a file (a URL's fetched storage, a strided view) goes through two
+pinned staging buffers, so reading the next chunk overlaps the transfer of the last one; a tensor a file holds goes
+to the device through :func:`ckptfix.core.filefill.fill_staged`'s windows instead, read from the file.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _summable(x: Any) -> Any:
     return x
 
 
-def _reduce(x: Any) -> Any:
+def reduction(x: Any) -> Any:
     """One number that is finite only if every element of the 1-D chunk ``x`` is (it may also be non-finite for
     large finite values: then the exact test decides). fp32/fp64: ``x·x`` (BLAS, the fastest pass measured);
     other dtypes: the sum."""
@@ -88,7 +89,7 @@ def _exact(x: Any) -> Any:
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
-def _finite(parts: list[Any], sums: list[Any]) -> bool:
+def finite_given(parts: list[Any], sums: list[Any]) -> bool:
     """Every element of ``parts`` finite, given each part's sum: a finite sum proves its part finite; the
     others (a NaN/Inf, or finite values overflowing) get the exact test. One host sync for the common case."""
     import torch
@@ -119,7 +120,7 @@ def all_finite(t: Any) -> bool:
         rows = max(1, CHUNK_BYTES // max(1, t[0].numel() * t.element_size()))
         return all(all_finite(t[i : i + rows].contiguous()) for i in range(0, t.shape[0], rows))
     parts = list(t.reshape(-1).split(max(1, CHUNK_BYTES // t.element_size())))
-    return _finite(parts, [_reduce(p) for p in parts])
+    return finite_given(parts, [reduction(p) for p in parts])
 
 
 def copy_checked(dst: Any, src: Any, check: bool = True) -> bool:
@@ -145,9 +146,9 @@ def copy_checked(dst: Any, src: Any, check: bool = True) -> bool:
             if on_bytes:  # checked by numpy on its bytes while the chunk is still in cache (no OpenMP team)
                 finite = finite and _bytes_finite(part.view(torch.uint8).numpy(), dst.dtype)
             else:
-                sums.append(_reduce(part))  # while the chunk is still in cache
+                sums.append(reduction(part))  # while the chunk is still in cache
                 parts.append(part)
-        return finite and _finite(parts, sums)
+        return finite and finite_given(parts, sums)
 
 
 def _to_device(dst: Any, src: Any, check: bool) -> bool:
@@ -180,9 +181,9 @@ def _to_device(dst: Any, src: Any, check: bool) -> bool:
             done[k].record(stream)
             if check:
                 parts.append(out)
-                sums.append(_reduce(out))
+                sums.append(reduction(out))
         stream.synchronize()
-    return _finite(parts, sums)
+    return finite_given(parts, sums)
 
 
 def _on_bytes(t: Any) -> bool:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core import bytecopy, locations, outputs
+from ..core import bytecopy, filefill, locations, outputs
 from ..core.checksums import crc32, crc32_combine
 from ..core.devices import storage_id
 from ..core.tensorinfo import StorageInfo, TensorInfo, math_bits
@@ -31,20 +32,25 @@ from .base import (CastRef, PiecedRef, RawRead, Reader, StorageRef, WritePlan, c
 
 
 def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_part: Reader) -> RawRead:
-    """The file's tensors mapped from it (no copy), on ``plan``'s device; on meta, structure and ``refs`` only."""
+    """The file's tensors mapped from it (no copy), on ``plan``'s device; on meta, structure and ``refs`` only. On a
+    GPU each tensor is read from the file through pinned staging windows (:func:`~ckptfix.core.filefill.fill_staged`),
+    never copied from the mapping."""
     import torch
 
     start, header, meta = read_header(path)
     ckptfix_meta(path, meta)  # a malformed entry is refused before anything is mapped
     dev = plan.target("cpu") if plan.user_fn is None else "cpu"
     size = locations.size_of(path)
+    staged = torch.device(dev).type == "cuda"
     whole: Any = None
     if dev != "meta" and size > start:
         locations.hold(path)
-        whole = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
+        if not staged:
+            whole = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
 
     tensors: dict[str, Any] = {}
     refs: dict[int, StorageRef] = {}
+    fills: list[tuple[Any, int, Any]] = []  # (a GPU tensor, its bytes' offset, the dtype stored)
     for key, e in header.items():
         dtype = getattr(torch, DTYPES[e["dtype"]])
         shape = torch_shape(e)
@@ -53,6 +59,9 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
         if dev == "meta":
             t = torch.empty(shape, dtype=dtype, device="meta")
             refs[storage_id(t)] = StorageRef(path, start + b, end - b, "cpu")
+        elif staged:
+            t = torch.empty(shape, dtype=dtype, device=dev)
+            fills.append((t, start + b, dtype))
         else:
             t = torch.empty(0, dtype=dtype)
             if end > b:
@@ -62,6 +71,12 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
             if dev != "cpu":
                 t = t.to(dev)
         tensors[key] = t
+    if fills:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            filefill.fill_staged([(t, fd, offset, dtype, path) for t, offset, dtype in fills], check=False)
+        finally:
+            os.close(fd)
     sd = assemble(path, header, meta, tensors)
     tags = {storage_id(t): "cpu" for t in sd.values()}
     return RawRead(obj=sd, format=SAFETENSORS, tags=tags, refs=refs)

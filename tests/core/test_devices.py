@@ -115,3 +115,22 @@ def test_real_cuda_tensors(spec: str, tmp_path: Path) -> None:
     expected = "cpu" if spec == "cpu" else "cuda"
     assert ckpt.state_dict["w"].device.type == expected
     assert torch.equal(ckpt.state_dict["w"].cpu(), sd["w"].cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0"])
+def test_a_safetensors_file_loads_onto_the_gpu_as_safetensors_loads_it(spec: str, tmp_path: Path) -> None:
+    """Read through pinned staging windows (no copy from the mapping): equal to ``load_file(device=…)`` bit for bit,
+    every dtype, an empty tensor and a scalar too."""
+    import safetensors.torch as st
+
+    w = torch.randn(300, 70)
+    sd = {"w": w, "bf": torch.randn(5000).bfloat16(), "i": torch.arange(7), "empty": torch.empty(0, 3),
+          "scalar": torch.tensor(2.5, dtype=torch.float64), "f8": torch.randn(64).to(torch.float8_e4m3fn)}
+    st.save_file(sd, tmp_path / "m.safetensors")
+    got = ckptfix.load(tmp_path / "m.safetensors", map_location=spec)
+    want = st.load_file(tmp_path / "m.safetensors", device=spec)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].device.type == "cuda" and got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k].cpu().view(-1).view(torch.uint8), v.cpu().view(-1).view(torch.uint8)), k

@@ -123,7 +123,7 @@ def _truncate_after(monkeypatch: pytest.MonkeyPatch, path: Path, reads: int, siz
 
     monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(filefill, "fill_from_file", armed(filefill.fill_from_file))
-    monkeypatch.setattr(filefill, "cast_from_file", armed(filefill.cast_from_file))
+    monkeypatch.setattr(filefill, "fill_staged", armed(filefill.fill_staged))
     return state
 
 

@@ -78,7 +78,7 @@ def commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: boo
         try:
             try:
                 with _undone():
-                    bad, new = _assigned(plan, check, recorded)  # a failure here (out of memory): the model as it was
+                    bad, new = _assigned(plan, sources, check, recorded)  # a failure here (out of memory): the model as it was
                 undo = None if leases.held and not ranks.many else rollback.Undo()
                 said.failed = NOTHING_LOADED if undo else PARTLY_LOADED
                 to_meta = shards.materialise(plan.materialise)  # DTensors' shards on meta, allocated (or, failing, none)
@@ -121,8 +121,10 @@ def _undone() -> Iterator[None]:
         raise Interrupted(e.signum, outcome=NOTHING_LOADED) from None
 
 
-def _assigned(plan: Plan, check: bool, recorded: list[digests.Digest] | None) -> tuple[list[str], list[Any]]:
-    """The values the assigned slots take, built before anything is set; the keys whose values are NaN/Inf."""
+def _assigned(plan: Plan, sources: Sources, check: bool,
+              recorded: list[digests.Digest] | None) -> tuple[list[str], list[Any]]:
+    """The values the assigned slots take, built before anything is set; the keys whose values are NaN/Inf. A value
+    in another dtype or on a GPU is read from the file through staging windows (:func:`filefill.fill_staged`)."""
     import torch
 
     bad: list[str] = []
@@ -131,7 +133,8 @@ def _assigned(plan: Plan, check: bool, recorded: list[digests.Digest] | None) ->
     mapped = [n for n, (slot, src, device) in enumerate(plan.assign) if device == "cpu" and src.dtype == slot.tensor.dtype]
     views_finite = iter(tensorcopy.all_finite_many([plan.assign[n][1] for n in mapped], check,  # (chunks at once)
                                                    [plan.assign_places[n] for n in mapped], tally))
-    for slot, src, device in plan.assign:
+    staged, staged_slots = [], []
+    for (slot, src, device), place in zip(plan.assign, plan.assign_places):
         want = slot.tensor.dtype
         if device == "cpu" and src.dtype == want:
             value, finite = src, next(views_finite)
@@ -140,9 +143,16 @@ def _assigned(plan: Plan, check: bool, recorded: list[digests.Digest] | None) ->
             finite = not check or tensorcopy.all_finite(value)
         else:
             value = torch.empty(src.shape, dtype=want, device=device)
-            finite = tensorcopy.copy_checked(value, src, check)
+            if place is not None and reads(value, src, place):
+                staged.append((value, sources.reader.fd(place[0]), place[1], src.dtype, place[0]))
+                staged_slots.append(slot)
+                finite = True  # (said by the staged fill)
+            else:
+                finite = tensorcopy.copy_checked(value, src, check)
         bad += [] if finite else slot.keys
         new.append((slot, value))
+    for slot, finite in zip(staged_slots, filefill.fill_staged(staged, check, tally=tally)):
+        bad += [] if finite else slot.keys
     if recorded is not None and tally is not None:
         digests.refuse(digests.tallied(recorded, tally))
     return bad, new
@@ -189,27 +199,29 @@ def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, un
     """Fill built tensors, each one's old values saved in ``undo`` first (if any): read straight from the file into each
     CPU tensor whose bytes are as stored (contiguous, the same shape; the dtype as stored, else cast chunk by chunk from
     reads), else copied from the mapped view (strides, a device). The keys whose values are NaN/Inf (``check``)."""
-    fills, keys, bad = [], [], []
+    fills, keys, staged, staged_keys, bad = [], [], [], [], []
     for slot, src, place in copies:
         dst = slot.tensor.detach()
         if not reads(dst, src, place):
             if undo is not None:
                 undo.save_tensor(dst)
             bad += [] if tensorcopy.copy_checked(dst, src, check) else slot.keys
-        elif dst.dtype != src.dtype:
-            fd = sources.reader.fd(place[0])
-            bad += [] if filefill.cast_from_file(dst, fd, place[1], src.dtype, place[0], check, undo) else slot.keys
-        else:
+        elif dst.device.type == "cpu" and dst.dtype == src.dtype:
             fills.append((dst, sources.reader.fd(place[0]), place[1], place[0]))
             keys.append(slot.keys)
+        else:
+            staged.append((dst, sources.reader.fd(place[0]), place[1], src.dtype, place[0]))
+            staged_keys.append(slot.keys)
     finite = filefill.fill_from_file(fills, check, undo, leases=leases)
-    return bad + [k for ok, names in zip(finite, keys) if not ok for k in names]
+    finite += filefill.fill_staged(staged, check, undo)
+    return bad + [k for ok, names in zip(finite, keys + staged_keys) if not ok for k in names]
 
 
 def reads(dst: Any, src: Any, place: tuple[str, int] | None) -> bool:
-    """The built tensor ``dst`` is read straight from the file at ``place`` (a contiguous CPU tensor of the source's
-    shape; cast from reads where the dtype differs), not copied from a view of the mapped file."""
-    return (place is not None and dst.device.type == "cpu" and dst.is_contiguous() and dst.shape == src.shape
+    """The built tensor ``dst`` is read from the file at ``place`` (a contiguous tensor of the source's shape, on the
+    CPU or a GPU: straight into its memory where it is on the CPU in the file's dtype, else through staging windows),
+    not copied from a view of the mapped file."""
+    return (place is not None and dst.device.type in ("cpu", "cuda") and dst.is_contiguous() and dst.shape == src.shape
             and not (src.is_conj() or src.is_neg()))  # (a conjugate or negative view: its values aren't its bytes)
 
 

@@ -10,6 +10,7 @@
 # too: the tests skip ("needs CUDA") and the bench says so.
 set -u
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 (nvidia-smi || true) > "$OUT/nvidia-smi.txt" 2>&1

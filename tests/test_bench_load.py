@@ -135,3 +135,18 @@ def test_bench_first_call_mode_produces_every_row(tmp_path: Path) -> None:
     assert rows["st.ckptfix.numpy"]["met"] is None  # (a build without the kernels: no bound either)
     assert isinstance(rows["st.ckptfix"]["met"], bool)
     assert report["first_call"]["setup"]["tensors"] == 148
+
+
+@pytest.mark.parametrize("script", ["cast_load.py", "load_gpu.py"])
+def test_the_cast_and_gpu_benches_run(script: str) -> None:
+    """bench/cast_load.py on a tiny file: every row timed and printed (its loads checked against the file); without a
+    GPU, bench/load_gpu.py says it measured nothing rather than failing."""
+    args = ["--size-mib", "8", "--rounds", "1"] if script == "cast_load.py" else ["--size-mib", "16", "--runs", "1"]
+    out = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    if script == "load_gpu.py" and "needs CUDA" in out.stdout:
+        return
+    rows = [line for line in out.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith(("| row ", "| group "))]
+    assert len(rows) == (6 if script == "cast_load.py" else 11), out.stdout

@@ -30,7 +30,7 @@ CASTS = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torc
 
 @pytest.fixture
 def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tensorcopy, "CHUNK_BYTES", 4096)  # (the CPU's window)
+    monkeypatch.setattr(filefill, "JOB_BYTES", 4096)  # (the CPU's window)
     monkeypatch.setattr(filefill, "DEVICE_WINDOW_BYTES", 4096)
     monkeypatch.setattr(filefill, "DEVICE_WINDOWS", 2)  # (each reused many times, after its event)
     monkeypatch.setattr(tensorcopy, "MAX_READERS", 4)

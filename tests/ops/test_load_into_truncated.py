@@ -133,11 +133,12 @@ def _truncate_after(monkeypatch: pytest.MonkeyPatch, path: Path, reads: int, siz
 @pytest.mark.usefixtures("no_lease")
 def test_truncated_mid_load_leaves_the_model_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str,
                                                        kind: str, reads: int) -> None:
-    """Cut after 0, 3 or 12 chunk reads (4 KiB chunks): FormatError, no "partly loaded", every tensor as before —
-    the direct reads (file dtype), the casts (fp32 file, fp64 model; bf16 file, fp32 model), BatchNorm's load
-    through torch (in place, or assigned where its module is on meta: the objects put back)."""
+    """Cut after 0, 3 or 12 chunk reads (4 KiB chunks, the casts' windows too): FormatError, no "partly loaded", every
+    tensor as before — the direct reads (file dtype), the casts (fp32 file, fp64 model; bf16 file, fp32 model),
+    BatchNorm's load through torch (in place, or assigned where its module is on meta: the objects put back)."""
     monkeypatch.setattr(tensorcopy, "READ_BYTES", 4096)
     monkeypatch.setattr(tensorcopy, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(filefill, "JOB_BYTES", 4096)
     model = Net()
     if kind == "cast":
         model = model.double()

@@ -225,7 +225,7 @@ class _Staging:
 
         if self.stream is None:
             return
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)  # (a thread waiting for it sleeps: the readers need the cores)
         done.record(self.stream)
         with self.ready:
             self.free.append((window, done))

@@ -153,13 +153,20 @@ def copy_checked(dst: Any, src: Any, check: bool = True) -> bool:
 
 def _to_device(dst: Any, src: Any, check: bool) -> bool:
     """CPU → CUDA through two pinned buffers: a chunk is read from ``src`` (the mapped file) into one while
-    the other's transfer runs; casts happen on the device. The check runs on the device, one sync at the end."""
+    the other's transfer runs; casts happen on the device. The check runs on the device, one sync at the end. A
+    pinned ``src`` is copied as it is."""
     import torch
 
     if not (dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape) or src.numel() == 0:
         with torch.no_grad():
             dst.copy_(src)
         return all_finite(dst) if check else True
+    if src.is_pinned():  # (staged already: a DTensor's box, read from the file into pinned memory)
+        with torch.no_grad():
+            dst.copy_(src, non_blocking=True)
+        finite = all_finite(dst) if check else True
+        torch.cuda.current_stream(dst.device).synchronize()
+        return finite
     s = src.reshape(-1)
     d = dst.view(-1)
     step = max(1, STAGING_BYTES // s.element_size())

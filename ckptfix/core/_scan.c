@@ -9,6 +9,8 @@
 
      copy(dst, src, width, mask, value, stream) -> bool      dst[:] = src, checked
      scan(src, width, mask, value) -> bool   the check alone
+     widen_bf16(dst, src, check, stream) -> bool   bfloat16 src cast to float32 dst (each value's bits shifted left
+                                                   16, as torch casts), checked on the way when `check`
      isa() -> str, set_isa(str) -> str        "avx2" where the CPU has it, else "portable" (tests force it)
 
    Built at install where a C compiler is (setup.py, optional); without it tensorcopy checks with numpy. */
@@ -125,6 +127,52 @@ static int kernel(char *d, const char *s, size_t nbytes, int width, uint64_t m, 
     return portable(d, s, nbytes, width, m, v);
 }
 
+/* bfloat16 -> float32: the 16 bits become the high half (torch's cast, NaN payloads kept); NaN/Inf when the exponent
+   bits are all ones. The portable kernel element by element; the AVX2 one 16 elements a step (two zero-extending
+   loads, a shift, a compare), the stores streamed when asked once the destination is 32-byte aligned. */
+static int portable_widen(char *d, const char *s, size_t n) {
+    uint32_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint16_t x;
+        memcpy(&x, s + 2 * i, 2);
+        uint32_t y = (uint32_t)x << 16;
+        memcpy(d + 4 * i, &y, 4);
+        bad |= (uint32_t)((y & 0x7F800000u) == 0x7F800000u);
+    }
+    return bad != 0;
+}
+
+#ifdef HAVE_AVX2_KERNELS
+__attribute__((target("avx2"))) static int avx2_widen(char *d, const char *s, size_t n, int stream) {
+    size_t i = 0;
+    int bad = 0;
+    if (stream)
+        for (; i < n && ((uintptr_t)(d + 4 * i) & 31); i++)
+            bad |= portable_widen(d + 4 * i, s + 2 * i, 1);
+    const int streamed = stream && ((uintptr_t)(d + 4 * i) & 31) == 0;
+    const __m256i M = _mm256_set1_epi32(0x7F800000);
+    __m256i B = _mm256_setzero_si256();
+    for (; i + 16 <= n; i += 16) {
+        __m256i a = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + 2 * i))), 16);
+        __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + 2 * i + 16))), 16);
+        B = _mm256_or_si256(B, _mm256_cmpeq_epi32(_mm256_and_si256(a, M), M));
+        B = _mm256_or_si256(B, _mm256_cmpeq_epi32(_mm256_and_si256(b, M), M));
+        if (streamed) {
+            _mm256_stream_si256((__m256i *)(d + 4 * i), a);
+            _mm256_stream_si256((__m256i *)(d + 4 * i + 32), b);
+        } else {
+            _mm256_storeu_si256((__m256i *)(d + 4 * i), a);
+            _mm256_storeu_si256((__m256i *)(d + 4 * i + 32), b);
+        }
+    }
+    if (i < n)
+        bad |= portable_widen(d + 4 * i, s + 2 * i, n - i);
+    if (streamed)
+        _mm_sfence();
+    return bad || !_mm256_testz_si256(B, B);
+}
+#endif
+
 static int check_width(int width, Py_ssize_t nbytes) {
     if (width != 1 && width != 2 && width != 4 && width != 8) {
         PyErr_Format(PyExc_ValueError, "width must be 1, 2, 4 or 8, not %d", width);
@@ -178,6 +226,34 @@ static PyObject *scan_scan(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *scan_widen_bf16(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    int check, stream;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*y*pp", &dst, &src, &check, &stream))
+        return NULL;
+    PyObject *result = NULL;
+    if (src.len % 2 || dst.len != 2 * src.len)
+        PyErr_Format(PyExc_ValueError, "%zd bytes of bfloat16 widen into %zd bytes, not %zd", src.len,
+                     src.len % 2 ? (Py_ssize_t)-1 : 2 * src.len, dst.len);
+    else {
+        int bad;
+        size_t n = (size_t)src.len / 2;
+        Py_BEGIN_ALLOW_THREADS
+#ifdef HAVE_AVX2_KERNELS
+        bad = use_avx2 ? avx2_widen((char *)dst.buf, (const char *)src.buf, n, stream)
+                       : portable_widen((char *)dst.buf, (const char *)src.buf, n);
+#else
+        bad = portable_widen((char *)dst.buf, (const char *)src.buf, n);
+#endif
+        Py_END_ALLOW_THREADS
+        result = PyBool_FromLong(check && bad);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyObject *scan_isa(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -213,6 +289,7 @@ static PyObject *scan_set_isa(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"copy", scan_copy, METH_VARARGS, "copy(dst, src, width, mask, value, stream) -> any element NaN/Inf"},
     {"scan", scan_scan, METH_VARARGS, "scan(src, width, mask, value) -> any element NaN/Inf"},
+    {"widen_bf16", scan_widen_bf16, METH_VARARGS, "widen_bf16(dst, src, check, stream) -> any element NaN/Inf"},
     {"isa", scan_isa, METH_NOARGS, "isa() -> the kernels in use"},
     {"set_isa", scan_set_isa, METH_VARARGS, "set_isa(name) -> the kernels used before"},
     {NULL, NULL, 0, NULL},

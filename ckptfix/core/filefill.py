@@ -97,20 +97,22 @@ def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, u
 
 
 def fill_staged(fills: list[tuple[Any, int, int, Any, str]], check: bool = True, undo: Any = None,
-                tally: Any = None) -> list[bool]:
+                tally: Any = None, leases: Any = None) -> list[bool]:
     """Fill each contiguous tensor ``dst`` of ``fills`` — ``(dst, fd, offset, dtype, name)``: its values stored as
     ``dtype`` in the file ``fd`` from ``offset`` — through staging windows: a cast on the CPU, any tensor on a GPU.
     Each window's bytes are read (``preadv``, never a mapping: a file that ends first is a FormatError naming it, not
     SIGBUS; never a copy from a mapping to a device, safetensors#729), their CRC-32s taken into ``tally`` (if any),
     then copied into the tensors, cast as torch casts, each piece's old values saved in ``undo`` first (if any). The
-    windows are read by up to :data:`~ckptfix.core.tensorcopy.MAX_READERS` threads (:class:`_Staging`). Returns, per
-    fill, whether its values are all finite (True unchecked or for integer tensors)."""
+    windows are read by up to :data:`~ckptfix.core.tensorcopy.MAX_READERS` threads (:class:`_Staging`). With ``leases``
+    held on every file and no ``undo``, a bf16 piece cast into fp32 whose first page is cached is widened by the
+    compiled kernel straight from a mapping of the file instead (:meth:`_Staging.mapped`). Returns, per fill, whether
+    its values are all finite (True unchecked or for integer tensors)."""
     finite = [True] * len(fills)
     groups: dict[Any, list[int]] = {}  # (a window's copies go to one device)
     for n, fill in enumerate(fills):
         groups.setdefault(fill[0].device, []).append(n)
     for numbers in groups.values():
-        staging = _Staging([fills[n] for n in numbers], check, undo, tally)
+        staging = _Staging([fills[n] for n in numbers], check, undo, tally, leases)
         try:
             run_jobs(len(staging.jobs), staging.job, min(workers_for(staging.nbytes), staging.readers))
             for n, ok in zip(numbers, staging.finite_all()):
@@ -124,20 +126,24 @@ class _Staging:
     """The shared state of :func:`fill_staged`'s threads. Each job is a window: pieces of the tensors (whole small
     ones, a large one in window-sized runs) in file order, read into the window, then copied out. On the CPU a window
     is :data:`JOB_BYTES`, the thread's own (1 MiB windows took 1.2–1.9× the time of 4 MiB ones here, per-call costs),
-    each piece cast as torch casts; checked on its stored bytes where the cast widens (:func:`widens`: half the bytes
-    of the values it makes), else as it is cast (:func:`copy_checked`). With a tensor on a GPU the windows are pinned,
+    each piece cast as torch casts — bf16 into fp32 by the compiled kernel, each value's bits shifted and checked in
+    one pass, its stores streamed —; checked on its stored bytes where the cast widens (:func:`widens`: half the
+    bytes of the values it makes), else as it is cast (:func:`copy_checked`). With a tensor on a GPU the windows are pinned,
     :data:`DEVICE_WINDOWS` of :data:`DEVICE_WINDOW_BYTES`, and each piece is copied asynchronously on a side stream
     (cast on the device), its NaN/Inf reduction queued behind it; a window is reused once an event says its copies
     are done, so reads of the next windows overlap the transfers. At the end the caller's stream waits for the side
     stream, which is synchronised (whatever happened: nothing is in flight once this returns), and the reductions are
     read at once."""
 
-    def __init__(self, fills: list[tuple[Any, int, int, Any, str]], check: bool, undo: Any, tally: Any) -> None:
+    def __init__(self, fills: list[tuple[Any, int, int, Any, str]], check: bool, undo: Any, tally: Any,
+                 leases: Any = None) -> None:
         import torch
 
         self.fills, self.undo, self.tally = fills, undo, tally
         self.check = [check and checks_values(f[0]) for f in fills]
         self.on_source = [c and widens(f[3], f[0].dtype) and bit_rule(f[3]) is not None for c, f in zip(self.check, fills)]
+        self.widen = [native() is not None and f[3] == torch.bfloat16 and f[0].dtype == torch.float32
+                      and f[0].device.type == "cpu" for f in fills]
         self.finite = [True] * len(fills)
         self.sums: list[list[tuple[Any, Any]]] = [[] for _ in fills]  # per fill: (device piece, its reduction)
         self.device = fills[0][0].device if fills[0][0].device.type != "cpu" else None  # (one device: the caller's)
@@ -164,6 +170,13 @@ class _Staging:
         self.readers = tensorcopy.MAX_READERS
         self.free: list[tuple[Any, Any]] = []  # GPU: (pinned window, the event after its last copies, or None)
         self.ready = threading.Condition()
+        self.leases, self.maps, self.mappings = leases, {}, []  # (a leased file's bytes mapped, for the widened pieces)
+        if any(self.widen) and leases is not None and leases.held and undo is None and _mappable():
+            for mine in set(self.own.values()):
+                mapped = _mapping(mine)
+                if mapped is not None:
+                    self.mappings.append(mapped)
+                    self.maps[mine] = _bytes_of(mapped)
         if self.device is not None:
             self.stream = torch.cuda.Stream(self.device)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (the tensors' allocations, earlier work)
@@ -174,13 +187,16 @@ class _Staging:
     def job(self, j: int) -> None:
         import torch
 
+        kernels = native()
         window = self._take()
         try:
             for n, first, count, at in self.jobs[j]:
-                dst, _fd, offset, dtype, name = self.fills[n]
+                dst, fd, offset, dtype, name = self.fills[n]
                 width = self.widths[n]
                 raw = window[at : at + count * width]
-                self.reader._read(self.own[self.fills[n][1]], raw.numpy(), offset + first * width, name)
+                if self.widen[n] and self.mapped(n, first, count, raw.numpy()):
+                    continue
+                self.reader._read(self.own[fd], raw.numpy(), offset + first * width, name)
                 if self.tally is not None:
                     self.tally.add(name, offset + first * width, raw.numpy())
                 out = dst.view(-1)[first : first + count]
@@ -188,7 +204,10 @@ class _Staging:
                     self.undo.save_tensor(out)
                 staged = raw.view(dtype)
                 if self.stream is None:
-                    if self.on_source[n]:  # (its stored bytes checked, half a widened copy's, then cast unchecked)
+                    if self.widen[n]:  # bf16 → fp32 by the compiled kernel: shifted and checked in one pass
+                        if kernels.widen_bf16(out.detach().view(torch.uint8).numpy(), raw.numpy(), self.check[n], True):
+                            self.finite[n] = False
+                    elif self.on_source[n]:  # (its stored bytes checked, half a widened copy's, then cast unchecked)
                         if self.finite[n] and not bits_finite(raw.numpy(), dtype):
                             self.finite[n] = False
                         with torch.no_grad():
@@ -202,6 +221,32 @@ class _Staging:
                         self.sums[n].append((out, tensorcopy.reduction(out)))
         finally:
             self._give(window)
+
+    def mapped(self, n: int, first: int, count: int, probe: Any) -> bool:
+        """Widen elements ``first`` … ``first + count`` of fill ``n`` (bf16 into fp32) from the mapping of its leased
+        file, checked as they are widened, and say so; False (nothing done) where its file isn't mapped, a lease is
+        broken (a writer waits lease-break-time, :data:`MIN_BREAK_SECONDS` at least, for a piece's milliseconds), or
+        its first page isn't cached (a cold file is read, with readahead)."""
+        import torch
+
+        dst, fd, offset, _dtype, name = self.fills[n]
+        mine = self.own[fd]
+        source = self.maps.get(mine)
+        start, nbytes = offset + 2 * first, 2 * count
+        if source is None or not self.reader.nowait or not self.leases.intact():
+            return False
+        try:
+            if os.preadv(mine, [probe[: min(nbytes, 4096)]], start, self.reader.nowait) < min(nbytes, 4096):
+                return False
+        except OSError:  # (BlockingIOError: not cached; unsupported here: the reads)
+            return False
+        src = source[start : start + nbytes]
+        if self.tally is not None:
+            self.tally.add(name, start, src)
+        out = dst.detach().view(-1)[first : first + count]
+        if native().widen_bf16(out.view(torch.uint8).numpy(), src, self.check[n], True):
+            self.finite[n] = False
+        return True
 
     def _take(self) -> Any:
         """A window to read into: this thread's own on the CPU; on a GPU a pinned one whose copies are done."""
@@ -245,6 +290,9 @@ class _Staging:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()  # (a failed fill too: no copy into the model, nor out of a window, in flight)
+        self.maps.clear()  # (the views first: a mapping with views can't be closed)
+        for mapped in self.mappings:
+            _close(mapped)
         for fd, mine in self.own.items():
             if mine != fd:
                 os.close(mine)

@@ -74,8 +74,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.usefixtures("small_windows")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("stored", "want"), CASTS, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("check_kernels", ["avx2", "portable", "numpy"], indirect=True)
 def test_every_value_is_torchs_cast_and_every_nonfinite_is_found(tmp_path: Path, device: str, stored: torch.dtype,
-                                                                  want: torch.dtype) -> None:
+                                                                  want: torch.dtype, check_kernels: str) -> None:
+    """Every cast (bf16 → fp32 by the compiled kernel where it is built), small tensors sharing a window and large
+    ones spanning several: bit for bit torch's cast; each NaN/Inf found in its own tensor only."""
     tensors = _tensors(stored)
     floats = stored.is_floating_point or stored.is_complex
     if floats:
@@ -128,3 +131,50 @@ def test_the_crcs_it_takes_join_into_each_tensors(tmp_path: Path, device: str) -
     for k, t in tensors.items():
         start = offsets[k]
         assert tally.crc(str(path), start, t.nbytes, unread) == zlib.crc32(raw[start : start + t.nbytes]), k
+
+
+@pytest.mark.parametrize("lease", ["held", "broken", "none"])
+def test_a_leased_files_bf16_is_widened_from_its_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         lease: str) -> None:
+    """bf16 into fp32 with every file leased and its pages cached: widened by the compiled kernel straight from a
+    mapping of the file (no byte read but each piece's 4 KiB probe), bit for bit torch's cast, the NaN found, the
+    CRC-32s taken from the mapping; a broken lease, or none, reads every byte instead."""
+    if tensorcopy.native() is None:
+        pytest.skip("ckptfix.core._scan is not built")
+    monkeypatch.setattr(tensorcopy, "THREAD_BYTES", 4096)  # (two threads; the windows as shipped, 4 MiB)
+    tensors = _tensors(torch.bfloat16, 40)
+    tensors["t003"][4321] = float("nan")
+    path, offsets = _file(tmp_path, tensors)
+    raw = path.read_bytes()  # (and the page cache warm)
+    leases = rollback.Leases({str(path): len(raw)} if lease != "none" else None)
+    if lease != "none" and (not leases.held or not filefill._mappable()):
+        leases.release()
+        pytest.skip("no read lease here, or a lease-break-time too short to map under")
+    if lease == "broken":
+        monkeypatch.setattr(leases, "intact", lambda: False)  # (a writer waits on it)
+    real, read = os.preadv, []
+
+    def preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        got = real(fd, buffers, offset, *flags)
+        read.append(got)
+        return got
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    tally, keys = checksums.Tally(), sorted(tensors)
+    out = {k: torch.full(tensors[k].shape, 7.0) for k in keys}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        finite = filefill.fill_staged([(out[k], fd, offsets[k], torch.bfloat16, str(path)) for k in keys],
+                                      tally=tally, leases=leases)
+    finally:
+        os.close(fd)
+        leases.release()
+    assert all(torch.equal(_bits(out[k]), _bits(tensors[k].float())) for k in keys)
+    assert [k for k, ok in zip(keys, finite) if not ok] == ["t003"]
+    for k, t in tensors.items():
+        assert tally.crc(str(path), offsets[k], t.nbytes, lambda *a: -1) == zlib.crc32(raw[offsets[k] : offsets[k] + t.nbytes])
+    total = sum(t.nbytes for t in tensors.values())
+    if lease == "held":
+        assert max(read) <= 4096 and sum(read) < total  # (the probes alone)
+    else:
+        assert sum(read) >= total

@@ -255,3 +255,34 @@ def test_a_writer_that_comes_mid_fill_waits_and_the_jobs_after_it_read(tmp_path:
     assert all(torch.equal(_bits(got[k]), _bits(v)) for k, v in tensors.items())
     assert counting.copies == 1 and cut_at > copying[0]
     assert os.path.getsize(path) == size // 4
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("check_kernels", ["avx2", "portable"], indirect=True)
+def test_widen_bf16_is_torchs_cast_of_every_bit_pattern(stream: bool, check_kernels: str) -> None:
+    """Every one of the 65536 bfloat16 bit patterns (NaN payloads, signed zeros, subnormals, ±Inf) widened to float32:
+    bit for bit torch's cast, at every destination alignment and around the 16-element step; the flag says whether a
+    NaN/Inf was among them (only when asked), the bytes around the destination untouched."""
+    kernels = tensorcopy.native()
+    every = np.arange(2**16, dtype=np.uint16)
+    want = torch.from_numpy(every.view(np.int16).copy()).view(torch.bfloat16).float().view(torch.int32).numpy()
+    finite = (every & 0x7F80) != 0x7F80
+    rng = np.random.default_rng(0)
+    for n in [0, 1, 15, 16, 17, 33, 1000, 2**16]:
+        for shift in (0, 4, 12, 28):
+            pick = np.arange(n) if n == 2**16 else rng.integers(0, 2**16, size=n)
+            if n and n < 2**16:
+                pick[rng.integers(0, n)] = rng.choice(np.flatnonzero(finite))  # (a finite one at least)
+            src = every[pick]
+            space = np.full(shift + 4 * n + 64, 0xA5, dtype=np.uint8)
+            dst = space[shift : shift + 4 * n]
+            for check in (True, False):
+                bad = kernels.widen_bf16(dst, src.view(np.uint8), check, stream)
+                assert bad is (check and not bool(finite[pick].all())), (n, shift)
+                assert (dst.view(np.int32) == want[pick]).all(), (n, shift)
+                assert (space[:shift] == 0xA5).all() and (space[shift + 4 * n :] == 0xA5).all()
+            finite_only = src[finite[pick]]
+            out = np.empty(4 * finite_only.size, np.uint8)
+            assert kernels.widen_bf16(out, finite_only.view(np.uint8), True, stream) is False
+    with pytest.raises(ValueError, match="widen into"):
+        kernels.widen_bf16(np.zeros(8, np.uint8), np.zeros(8, np.uint8), True, False)

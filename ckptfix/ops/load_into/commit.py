@@ -78,7 +78,7 @@ def commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: boo
         try:
             try:
                 with _undone():
-                    bad, new = _assigned(plan, sources, check, recorded)  # a failure here (out of memory): the model as it was
+                    bad, new = _assigned(plan, sources, check, recorded, leases)  # (failing: the model as it was)
                 undo = None if leases.held and not ranks.many else rollback.Undo()
                 said.failed = NOTHING_LOADED if undo else PARTLY_LOADED
                 to_meta = shards.materialise(plan.materialise)  # DTensors' shards on meta, allocated (or, failing, none)
@@ -121,8 +121,8 @@ def _undone() -> Iterator[None]:
         raise Interrupted(e.signum, outcome=NOTHING_LOADED) from None
 
 
-def _assigned(plan: Plan, sources: Sources, check: bool,
-              recorded: list[digests.Digest] | None) -> tuple[list[str], list[Any]]:
+def _assigned(plan: Plan, sources: Sources, check: bool, recorded: list[digests.Digest] | None,
+              leases: rollback.Leases) -> tuple[list[str], list[Any]]:
     """The values the assigned slots take, built before anything is set; the keys whose values are NaN/Inf. A value
     in another dtype or on a GPU is read from the file through staging windows (:func:`filefill.fill_staged`)."""
     import torch
@@ -151,7 +151,7 @@ def _assigned(plan: Plan, sources: Sources, check: bool,
                 finite = tensorcopy.copy_checked(value, src, check)
         bad += [] if finite else slot.keys
         new.append((slot, value))
-    for slot, finite in zip(staged_slots, filefill.fill_staged(staged, check, tally=tally)):
+    for slot, finite in zip(staged_slots, filefill.fill_staged(staged, check, tally=tally, leases=leases)):
         bad += [] if finite else slot.keys
     if recorded is not None and tally is not None:
         digests.refuse(digests.tallied(recorded, tally))
@@ -213,7 +213,7 @@ def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, un
             staged.append((dst, sources.reader.fd(place[0]), place[1], src.dtype, place[0]))
             staged_keys.append(slot.keys)
     finite = filefill.fill_from_file(fills, check, undo, leases=leases)
-    finite += filefill.fill_staged(staged, check, undo)
+    finite += filefill.fill_staged(staged, check, undo, leases=leases)
     return bad + [k for ok, names in zip(finite, keys + staged_keys) if not ok for k in names]
 
 

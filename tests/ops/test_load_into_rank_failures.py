@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -23,23 +24,43 @@ from safetensors.torch import save_file
 
 import ckptfix
 from ckptfix.core import rollback
-from ckptfix.ops.load_into import shards
+from ckptfix.ops.load_into import commit, shards
 from ckptfix.statedict import repair
 from tests import dist_harness, sharded_ranks
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="ranks forked from a forkserver")
 
 WORLD = 2
-#: what goes wrong on rank 1 → (rank 1's error type, its message's start; rank 0's message)
+PARTLY = "rank 0 had loaded its shards, which nothing could undo"
+
+
+@dataclass(frozen=True)
+class Case:
+    """What goes wrong on rank 1 (``how``), which ranks lease their file (the others keep a log), and what each rank
+    must raise (its type, its message's start) and hold after ("before": its shards as they were; "loaded")."""
+
+    how: str | None
+    leased: tuple[int, ...]
+    one: tuple[str | None, str, str]
+    zero: tuple[str | None, str, str]
+    meta: bool = False
+
+
 CASES = {
-    "none": (None, None, None),
-    "truncated": ("FormatError", "", "rank 1 could not load: "),
-    "truncated_meta": ("FormatError", "", "rank 1 could not load: "),  # (sharded on meta: the shards allocated first)
-    "sigint": ("Interrupted", "interrupted; nothing was loaded", "rank 1 could not load: interrupted; nothing was "
-               "loaded on any rank"),
-    "sigterm": ("Interrupted", "terminated (SIGTERM); nothing was loaded", "rank 1 could not load: terminated (SIGTERM); "
-                "nothing was loaded on any rank"),
-    "sigint_in_plan": ("KeyboardInterrupt", "", "rank 1 could not load: interrupted; nothing was loaded on any rank"),
+    "none": Case(None, (0, 1), (None, "", "loaded"), (None, "", "loaded")),
+    "truncated_beside_a_leased_rank": Case(
+        "truncate", (0,), ("LoadError", "rank 1 could not load: ", "before"), ("LoadError", "rank 1 could not load: ",
+                                                                                "loaded")),
+    "truncated": Case("truncate", (), ("FormatError", "", "before"),
+                      ("LoadError", "rank 1 could not load: ", "before")),
+    "truncated_meta": Case("truncate", (), ("FormatError", "", "before"),
+                           ("LoadError", "rank 1 could not load: ", "before"), meta=True),
+    "sigint_leased": Case("sigint", (0, 1), ("Interrupted", f"interrupted; {commit.LOADED_FIRST}", "loaded"),
+                          (None, "", "loaded")),
+    "sigterm": Case("sigterm", (), ("Interrupted", "terminated (SIGTERM); nothing was loaded", "before"),
+                    ("LoadError", "rank 1 could not load: terminated (SIGTERM); nothing was loaded on any rank", "before")),
+    "sigint_in_plan": Case("plan", (0, 1), ("KeyboardInterrupt", "", "before"),
+                           ("LoadError", "rank 1 could not load: interrupted; nothing was loaded on any rank", "before")),
 }
 
 
@@ -57,8 +78,9 @@ def run_cases(rank: int, world: int, payload: dict[str, Any]) -> dict[str, dict[
     return out
 
 
-def _run_case(rank: int, case: str, meshes: dict[str, Any], full: dict[str, torch.Tensor]) -> dict[str, Any]:
-    meta = case.endswith("_meta")
+def _run_case(rank: int, name: str, meshes: dict[str, Any], full: dict[str, torch.Tensor]) -> dict[str, Any]:
+    case = CASES[name]
+    meta = case.meta
     model = sharded_ranks.build_model("fsdp2-meta-bare" if meta else "fsdp2", meshes)
     before = {k: sharded_ranks.bits(v) for k, v in sharded_ranks.local_tensors(model).items() if not meta}
     real_fill, real_fit, real_lease = shards.fill_local, repair.fit_to_model, rollback.SETLEASE
@@ -67,23 +89,22 @@ def _run_case(rank: int, case: str, meshes: dict[str, Any], full: dict[str, torc
     def failing_fill(*args: Any) -> bool:
         calls.append(1)
         if len(calls) == 2:
-            if case.startswith("truncated"):
+            if case.how == "truncate":
                 os.truncate("model.safetensors", 8)
             else:
-                os.kill(os.getpid(), signal.SIGTERM if case == "sigterm" else signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGTERM if case.how == "sigterm" else signal.SIGINT)
         return real_fill(*args)
 
     def failing_fit(*args: Any, **kwargs: Any) -> Any:
         os.kill(os.getpid(), signal.SIGINT)
         return real_fit(*args, **kwargs)
 
-    if rank == 1:
-        if case == "sigint_in_plan":
-            repair.fit_to_model = failing_fit  # type: ignore[assignment]
-        elif case != "none":
-            shards.fill_local = failing_fill  # type: ignore[assignment]
-        if case in ("truncated", "truncated_meta", "sigterm"):
-            rollback.SETLEASE = None  # (its own truncate would wait for its own lease; the log then)
+    if rank == 1 and case.how == "plan":
+        repair.fit_to_model = failing_fit  # type: ignore[assignment]
+    elif rank == 1 and case.how is not None:
+        shards.fill_local = failing_fill  # type: ignore[assignment]
+    if rank not in case.leased:
+        rollback.SETLEASE = None  # (the log then; rank 1's own truncate would wait for its own lease)
     result: dict[str, Any] = {"type": None, "message": "", "traceback": ""}
     try:
         ckptfix.load_into(model, "model.safetensors")
@@ -110,24 +131,24 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, 
     for d in cwd:
         d.mkdir()
     per_rank = dist_harness.run(f"{__name__}:run_cases", WORLD, root / "run", {}, timeout=300, cwd=cwd)
-    return {case: [r[case] for r in per_rank] for case in CASES}
+    return {name: [r[name] for r in per_rank] for name in CASES}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_failure_on_one_rank_is_heard_by_every_rank_and_undone_on_all(ranks: dict[str, list[dict[str, Any]]],
-                                                                        case: str) -> None:
-    kind, own, others = CASES[case]
-    zero, one = ranks[case]
-    if kind is None:
-        for rank, res in enumerate((zero, one)):
-            assert res["type"] is None, f"rank {rank}: {res['traceback']}"
-            assert res["wrong"] == [], f"rank {rank}"
-        return
-    assert one["type"] == kind, one["traceback"]
-    assert one["message"].startswith(own), one["message"]
-    assert zero["type"] == "LoadError", zero["traceback"]
-    assert zero["message"].startswith(others) and zero["message"].endswith("; nothing was loaded on any rank"), zero["message"]
-    if case != "sigint_in_plan":
-        assert one["fills"] >= 2  # (the failure came mid-commit, after the first shard was filled)
-    for rank, res in enumerate((zero, one)):
-        assert res["changed"] == [], f"rank {rank}'s shards changed: {res['changed']}"
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_failure_on_one_rank_is_heard_by_every_rank_and_undone_where_it_can_be(
+        ranks: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """Every rank hears of it; a rank that kept a log puts its fill back (a meta-sharded model's shards on meta
+    again), so with no leased rank nothing is loaded on any rank; a leased rank's fill stands and every rank says so."""
+    case = CASES[name]
+    for rank, (res, (kind, start, held)) in enumerate(zip(ranks[name], (case.zero, case.one))):
+        assert res["type"] == kind, f"rank {rank}: {res['traceback']}"
+        assert res["message"].startswith(start), f"rank {rank}: {res['message']}"
+        if kind == "LoadError":
+            assert res["message"].endswith("; nothing was loaded on any rank") is (not case.leased or case.how == "plan")
+            assert (PARTLY in res["message"]) is (case.leased == (0,)), res["message"]
+        if held == "loaded":
+            assert res["wrong"] == [] and res["on_meta"] == [], f"rank {rank}: {res['wrong']}"
+        else:
+            assert res["changed"] == [], f"rank {rank}'s shards changed: {res['changed']}"
+    if case.how not in (None, "plan"):
+        assert ranks[name][1]["fills"] >= 2  # (the failure came mid-commit, after the first shard was filled)

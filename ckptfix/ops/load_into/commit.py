@@ -66,8 +66,10 @@ def commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: boo
            recorded: list[digests.Digest] | None, ranks: shards.Agreement) -> list[str]:
     """Fill the model; the keys whose values are NaN/Inf (checked as they are copied, when ``check``; every rank's).
     The ``recorded`` digests (an assigning load's) are checked on the CRC-32s the value check takes, before any is
-    set. Beside other ``ranks`` every rank keeps its undo log, leased or not, until all have filled (one collective
-    that each reaches whatever it raised) and puts it back if any failed: nothing is loaded on any rank."""
+    set. Beside other ``ranks`` every rank keeps its undo log (if any) until all have filled — one collective, which
+    each reaches whatever it raised — and puts it back if any failed: nothing is loaded on any rank where every rank
+    kept one; a leased rank keeps none (a log is a second copy of what it reads), and the error says which ranks'
+    fills stand."""
     with interrupts.signals_as_interrupts(), interrupts.held(outcome=LOADED_FIRST, failed=NOTHING_LOADED) as said:
         leases = rollback.Leases(local_files(plan, sources))  # (whole: a signal waits, then comes in _undone)
         undo: rollback.Undo | None = None
@@ -79,7 +81,7 @@ def commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: boo
             try:
                 with _undone():
                     bad, new = _assigned(plan, sources, check, recorded, leases)  # (failing: the model as it was)
-                undo = None if leases.held and not ranks.many else rollback.Undo()
+                undo = None if leases.held else rollback.Undo()
                 said.failed = NOTHING_LOADED if undo else PARTLY_LOADED
                 to_meta = shards.materialise(plan.materialise)  # DTensors' shards on meta, allocated (or, failing, none)
                 said.cut = None if undo else CUT_SHORT  # (leased: SIGTERM, SIGHUP or a second SIGINT stop the fill)
@@ -91,14 +93,16 @@ def commit(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: boo
                 if not ranks.active:
                     raise
                 error = e
-            failed, bad = ranks.settle(error, bad)
+            failed, loaded, bad = ranks.settle(error, bad, undone=undo is not None)
             if error is not None:
+                if loaded and failed is not None and not isinstance(error, KeyboardInterrupt):  # (as every rank says)
+                    raise LoadError(shards.failed_on(failed[0], failed[1], loaded)) from error
                 raise error
-            if failed is not None:  # another rank's (beside others, every rank keeps its log)
-                assert undo is not None
-                undo.restore()
-                to_meta()
-                raise LoadError(shards.failed_on(*failed))
+            if failed is not None:  # another rank's: this one's fill put back, where it keeps a log
+                if undo is not None:
+                    undo.restore()
+                    to_meta()
+                raise LoadError(shards.failed_on(failed[0], failed[1], loaded))
             _set(new)
         finally:
             if undo is not None:

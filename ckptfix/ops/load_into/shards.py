@@ -221,21 +221,15 @@ def local_source_finite(dt: Any, src: Any, sources: Sources) -> bool:
 class Agreement:
     """Ranks agreeing before anything is written, and again after: a no-op unless the model holds DTensors and a
     process group is up. ``step()`` raises on every rank what any rank raised (the plan); :meth:`settle` tells every
-    rank whether any rank's commit failed, and unions per-rank findings (NaN/Inf keys) so every rank reports the
-    same. Every rank reaches each collective whatever it raised, so none waits forever."""
+    rank whether any rank's commit failed and which ranks loaded what nothing can undo, and unions per-rank findings
+    (NaN/Inf keys) so every rank reports the same. Every rank reaches each collective whatever it raised, so none
+    waits forever."""
 
     def __init__(self, model: Any):
         import torch.distributed as dist
 
         self.active = (dist.is_available() and dist.is_initialized()
                        and any(is_dtensor(p) for p in (*model.parameters(), *model.buffers())))
-
-    @property
-    def many(self) -> bool:
-        """Other ranks load beside this one: a failure of theirs in the commit undoes this rank's fill too."""
-        import torch.distributed as dist
-
-        return self.active and dist.get_world_size() > 1
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -247,23 +241,26 @@ class Agreement:
             yield
         except BaseException as e:  # (a KeyboardInterrupt too) raised here after the others have heard of it
             error = e
-        failed, _keys = self.settle(error, [])
+        failed, _loaded, _keys = self.settle(error, [], undone=True)
         if error is not None:
             raise error
         if failed is not None:
             raise LoadError(failed_on(*failed))
 
-    def settle(self, error: BaseException | None, keys: list[str]) -> tuple[tuple[int, str] | None, list[str]]:
-        """One collective: the first rank that failed (its rank and error; this one's too) or None, and every
-        rank's ``keys``, unioned."""
+    def settle(self, error: BaseException | None, keys: list[str],
+               undone: bool) -> tuple[tuple[int, str] | None, list[int], list[str]]:
+        """One collective: the first rank that failed (its rank and error; this one's too) or None; the ranks that
+        did not fail and could not undo their fill (``undone`` False: leased, no log kept); every rank's ``keys``,
+        unioned."""
         if not self.active:
-            return (None if error is None else (0, _said(error))), keys
+            return (None if error is None else (0, _said(error))), [], keys
         import torch.distributed as dist
 
         messages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, (None if error is None else _said(error), keys))
-        failed = next(((rank, text) for rank, (text, _k) in enumerate(messages) if text is not None), None)
-        return failed, list(dict.fromkeys(k for _t, part in messages for k in part))
+        dist.all_gather_object(messages, (None if error is None else _said(error), undone, keys))
+        failed = next(((rank, text) for rank, (text, _u, _k) in enumerate(messages) if text is not None), None)
+        loaded = [rank for rank, (text, can, _k) in enumerate(messages) if text is None and not can]
+        return failed, loaded, list(dict.fromkeys(k for _t, _u, part in messages for k in part))
 
     def rank_and_world(self) -> tuple[int, int]:
         if not self.active:
@@ -273,7 +270,7 @@ class Agreement:
         return dist.get_rank(), dist.get_world_size()
 
     def gather_keys(self, keys: list[str]) -> list[str]:
-        return self.settle(None, keys)[1]
+        return self.settle(None, keys, undone=True)[2]
 
 
 def _said(error: BaseException) -> str:
@@ -281,6 +278,14 @@ def _said(error: BaseException) -> str:
     return text or ("interrupted" if isinstance(error, KeyboardInterrupt) else type(error).__name__)
 
 
-def failed_on(rank: int, text: str) -> str:
-    """What every other rank raises when ``rank`` could not load."""
-    return f"rank {rank} could not load: {text}; nothing was loaded on any rank"
+def failed_on(rank: int, text: str, loaded: list[int] | None = None) -> str:
+    """What every other rank raises when ``rank`` could not load (``loaded``: the ranks whose fill stands)."""
+    return f"rank {rank} could not load: {text}; {partly(loaded) if loaded else 'nothing was loaded on any rank'}"
+
+
+def partly(loaded: list[int]) -> str:
+    """The ranks whose fill stands (their files leased: no log of what it replaced was kept, the load's own cost)."""
+    ranks = ", ".join(map(str, loaded))
+    return (f"rank{'s' if len(loaded) > 1 else ''} {ranks} had loaded {'their' if len(loaded) > 1 else 'its'} shards, "
+            "which nothing could undo (leased files: no log kept), the others' are as they were: the model is partly "
+            "loaded across ranks; load it again")

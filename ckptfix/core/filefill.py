@@ -193,19 +193,21 @@ class _Staging:
             for n, first, count, at in self.jobs[j]:
                 dst, fd, offset, dtype, name = self.fills[n]
                 width = self.widths[n]
+                start = offset + first * width
                 raw = window[at : at + count * width]
-                if self.widen[n] and self.mapped(n, first, count, raw.numpy()):
-                    continue
-                self.reader._read(self.own[fd], raw.numpy(), offset + first * width, name)
+                src = self.mapped(n, start, raw.numpy()) if self.widen[n] else None
+                if src is None:
+                    src = raw.numpy()
+                    self.reader._read(self.own[fd], src, start, name)
                 if self.tally is not None:
-                    self.tally.add(name, offset + first * width, raw.numpy())
-                out = dst.view(-1)[first : first + count]
+                    self.tally.add(name, start, src)
+                out = dst.detach().view(-1)[first : first + count]
                 if self.undo is not None:
                     self.undo.save_tensor(out)
                 staged = raw.view(dtype)
                 if self.stream is None:
                     if self.widen[n]:  # bf16 → fp32 by the compiled kernel: shifted and checked in one pass
-                        if kernels.widen_bf16(out.detach().view(torch.uint8).numpy(), raw.numpy(), self.check[n], True):
+                        if kernels.widen_bf16(out.view(torch.uint8).numpy(), src, self.check[n], True):
                             self.finite[n] = False
                     elif self.on_source[n]:  # (its stored bytes checked, half a widened copy's, then cast unchecked)
                         if self.finite[n] and not bits_finite(raw.numpy(), dtype):
@@ -222,31 +224,22 @@ class _Staging:
         finally:
             self._give(window)
 
-    def mapped(self, n: int, first: int, count: int, probe: Any) -> bool:
-        """Widen elements ``first`` … ``first + count`` of fill ``n`` (bf16 into fp32) from the mapping of its leased
-        file, checked as they are widened, and say so; False (nothing done) where its file isn't mapped, a lease is
-        broken (a writer waits lease-break-time, :data:`MIN_BREAK_SECONDS` at least, for a piece's milliseconds), or
-        its first page isn't cached (a cold file is read, with readahead)."""
-        import torch
-
-        dst, fd, offset, _dtype, name = self.fills[n]
-        mine = self.own[fd]
+    def mapped(self, n: int, start: int, probe: Any) -> Any:
+        """The bytes of fill ``n`` from ``start`` (``probe``'s length) in the mapping of its leased file, for the kernel
+        to widen from; None (read them) where its file isn't mapped, a lease is broken (a writer waits lease-break-time,
+        :data:`MIN_BREAK_SECONDS` at least, for a piece's milliseconds), or their first page isn't cached (a cold file
+        is read, with readahead). ``probe`` takes that first page."""
+        mine = self.own[self.fills[n][1]]
         source = self.maps.get(mine)
-        start, nbytes = offset + 2 * first, 2 * count
         if source is None or not self.reader.nowait or not self.leases.intact():
-            return False
+            return None
+        first = min(probe.nbytes, 4096)
         try:
-            if os.preadv(mine, [probe[: min(nbytes, 4096)]], start, self.reader.nowait) < min(nbytes, 4096):
-                return False
+            if os.preadv(mine, [probe[:first]], start, self.reader.nowait) < first:
+                return None
         except OSError:  # (BlockingIOError: not cached; unsupported here: the reads)
-            return False
-        src = source[start : start + nbytes]
-        if self.tally is not None:
-            self.tally.add(name, start, src)
-        out = dst.detach().view(-1)[first : first + count]
-        if native().widen_bf16(out.view(torch.uint8).numpy(), src, self.check[n], True):
-            self.finite[n] = False
-        return True
+            return None
+        return source[start : start + probe.nbytes]
 
     def _take(self) -> Any:
         """A window to read into: this thread's own on the CPU; on a GPU a pinned one whose copies are done."""

@@ -11,10 +11,15 @@ reaches (roofline time / its time; the goal: at least 80 %).
 Groups: a model built on the GPU — ``safetensors.torch.load_model(model, path, device="cuda")`` (anchor),
 ``ckptfix.load_into`` (checks on and off), fastsafetensors and runai-model-streamer where they import (each a
 ``load_state_dict`` of what it streamed to the GPU); a torch zip — ``load_state_dict(torch.load(mmap=True))``
-(anchor), ``ckptfix.load_into`` of the ``module.`` file; a meta-built model — ``load_state_dict(load_file(path,
-device="cuda"), assign=True)`` (anchor), ``ckptfix.load_into(map_location="cuda")`` (checks on, off), ``ckptfix.load``.
+(anchor), ``ckptfix.load_into`` of the ``module.`` file; a cast (the file saved as bf16, the model fp32 on the GPU; its
+roofline is the bf16 file's) — ``load_state_dict(load_file(path, device="cuda"))`` (anchor), ``ckptfix.load_into``;
+a meta-built model — ``load_state_dict(load_file(path, device="cuda"), assign=True)`` (anchor),
+``ckptfix.load_into(map_location="cuda")`` (checks on, off), ``ckptfix.load``.
 A row whose package doesn't import is printed as skipped. The files are in the page cache; each run ends with a
-device sync; runs alternate; medians.
+device sync; runs alternate; medians. ``--sweep`` adds ``ckptfix.load_into`` (the fp32 file and the cast) with each
+of :data:`SWEEP`'s staging shapes (``filefill.DEVICE_READERS`` × ``DEVICE_WINDOWS_PER_READER`` × ``DEVICE_WINDOW_BYTES``,
+and the NaN/Inf reduction), and the reductions alone; ``--busy`` the first group with every core kept busy;
+``--cold N`` the first load in a fresh process (a server's start), taken apart.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -50,8 +56,14 @@ def h2d_rate(torch: Any, nbytes: int = 256 * MiB, runs: int = 5) -> float:
     return nbytes / best
 
 
-def pread_rate(torch: Any, path: str, threads: int = 4, chunk: int = 32 * MiB, runs: int = 3) -> float:
-    """Bytes per second of reading the whole (cached) file with ``pread`` into pinned buffers by ``threads`` threads."""
+def pread_rate(torch: Any, path: str, chunk: int = 32 * MiB, runs: int = 3) -> float:
+    """Bytes per second of reading the whole (cached) file with ``pread`` into pinned buffers: the best of 4, 8 and 16
+    threads (at most the cores)."""
+    cores = len(os.sched_getaffinity(0))
+    return max(_pread_rate(torch, path, n, chunk, runs) for n in (4, 8, 16) if n <= max(4, cores))
+
+
+def _pread_rate(torch: Any, path: str, threads: int, chunk: int, runs: int) -> float:
     size = os.path.getsize(path)
     buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True).numpy() for _ in range(threads)]
     best = float("inf")
@@ -119,6 +131,11 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time ckptfix.load_into over a grid of "
+                    "filefill.DEVICE_READERS x DEVICE_WINDOWS_PER_READER x DEVICE_WINDOW_BYTES")
+    ap.add_argument("--busy", action="store_true", help="also time the first group with every core kept busy")
+    ap.add_argument("--cold", type=int, default=0, metavar="N",
+                    help="also time N first loads, each in a fresh process (a server's start)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA: nothing measured")
@@ -131,13 +148,14 @@ def main() -> None:
     work = tempfile.mkdtemp()
     src = net()
     st.save_model(src, f"{work}/m.safetensors")
+    st.save_file({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, f"{work}/m_bf16.safetensors")
     torch.save({f"module.{k}": v for k, v in src.state_dict().items()}, f"{work}/m_ddp.pth")
     torch.save(src.state_dict(), f"{work}/m.pth")
-    for name in ("m.safetensors", "m.pth", "m_ddp.pth"):
+    for name in ("m.safetensors", "m_bf16.safetensors", "m.pth", "m_ddp.pth"):
         with open(f"{work}/{name}", "rb") as f:
             while f.read(64 * MiB):
                 pass
-    path = f"{work}/m.safetensors"
+    path, half = f"{work}/m.safetensors", f"{work}/m_bf16.safetensors"
     size = os.path.getsize(path)
     model = net().cuda()
 
@@ -160,6 +178,10 @@ def main() -> None:
                 torch.load(f"{work}/m.pth", mmap=True, weights_only=True)),
             "ckptfix.load_into m_ddp.pth": lambda: ckptfix.load_into(model, f"{work}/m_ddp.pth"),
         },
+        "built on the GPU, bf16 file into fp32 (a cast)": {
+            "load_state_dict(load_file(cuda))": lambda: model.load_state_dict(st.load_file(half, device="cuda")),
+            "ckptfix.load_into (cast)": lambda: ckptfix.load_into(model, half),
+        },
         "meta-built, safetensors": {
             "load_file(cuda) + assign=True": meta_then(lambda m: m.load_state_dict(
                 st.load_file(path, device="cuda"), assign=True)),
@@ -172,9 +194,16 @@ def main() -> None:
     }
     rates = {"pinned 256 MiB H2D copy": h2d_rate(torch), "parallel pread into pinned buffers": pread_rate(torch, path)}
     roofline = size / min(rates.values())
+    rooflines = {group: (os.path.getsize(half) if "bf16" in group else size) / min(rates.values()) for group in groups}
     runnable = {name: fn for rows in groups.values() for name, fn in rows.items() if callable(fn)}
-    for fn in runnable.values():  # (first-call set-up out of the timings)
-        fn()
+    failed: dict[str, str] = {}
+    for name, fn in list(runnable.items()):  # (first-call set-up out of the timings; a row that fails is reported)
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (the other rows still measured)
+            traceback.print_exc()
+            failed[name] = f"failed: {type(e).__name__}: {e}"[:300]
+            del runnable[name]
     times: dict[str, list[float]] = {k: [] for k in runnable}
     for r in range(args.runs):
         for name, fn in (list(runnable.items()) if r % 2 == 0 else list(reversed(runnable.items()))):
@@ -192,16 +221,192 @@ def main() -> None:
     for group, rows in groups.items():
         anchor = None
         for name, fn in rows.items():
-            if not callable(fn):
-                print(f"| {group} | {name} | {fn} | | |")
+            if not callable(fn) or name in failed:
+                print(f"| {group} | {name} | {failed.get(name, fn)} | | |")
                 continue
             med = statistics.median(times[name])
             anchor = anchor or med
-            print(f"| {group} | {name} | {med:.3f} | {med / anchor:.2f} | {100 * roofline / med:.0f} % |")
-            out["rows"][name] = {"group": group, "s": med, "ratio": med / anchor, "roofline": roofline / med}
+            print(f"| {group} | {name} | {med:.3f} | {med / anchor:.2f} | {100 * rooflines[group] / med:.0f} % |")
+            out["rows"][name] = {"group": group, "s": med, "ratio": med / anchor, "roofline": rooflines[group] / med}
+    if args.busy:
+        out["busy"] = busy(torch, groups["built on the GPU, safetensors"], runnable, args.runs, rooflines)
+    if args.cold:
+        out["cold"] = cold(path, layers, args.cold, roofline)
+    if args.sweep:
+        out["reductions"] = reductions(torch)
+        out["sweep"] = sweep(torch, ckptfix, model, {"fp32": path, "bf16 cast": half}, args.runs, min(rates.values()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+
+
+#: the staging's (readers, windows per reader, MiB per window) that --sweep compares
+#: (and the NaN/Inf reduction queued per piece: tensorcopy.reduction's x·x, a sum, or none: check_values=False)
+SWEEP = [(4, 2, 16, "dot"), (8, 1, 16, "dot"), (8, 2, 16, "dot"), (8, 3, 16, "dot"), (8, 2, 32, "dot"),
+         (16, 2, 16, "dot"), (8, 2, 16, "sum"), (16, 2, 16, "sum"), (8, 2, 16, "off")]
+
+
+def sweep(torch: Any, ckptfix: Any, model: Any, paths: dict[str, str], runs: int, rate: float) -> list[Any]:
+    """``ckptfix.load_into(model, path)`` (a model built on the GPU) for each of ``paths`` with each of :data:`SWEEP`'s
+    staging shapes (issue 29's tuning), the shapes interleaved in each round (the machine's drift shared); the defaults
+    restored after. Median seconds per cell, and the share of the roofline (each file's size at ``rate``)."""
+    from ckptfix.core import filefill, tensorcopy
+
+    knobs = ("DEVICE_READERS", "DEVICE_WINDOWS_PER_READER", "DEVICE_WINDOW_BYTES")
+    saved = {k: getattr(filefill, k) for k in knobs}
+    dot = tensorcopy.reduction
+    kinds = {"dot": dot, "sum": lambda x: x.sum(), "off": dot}
+    times: dict[tuple[Any, str], list[float]] = {(shape, label): [] for shape in SWEEP for label in paths}
+    try:
+        for r in range(runs + 1):
+            for shape in SWEEP if r % 2 else reversed(SWEEP):
+                readers, each, mib, kind = shape
+                for k, v in zip(knobs, (readers, each, mib * MiB)):
+                    setattr(filefill, k, v)
+                tensorcopy.reduction = kinds[kind]
+                for label, p in paths.items():
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    ckptfix.load_into(model, p, check_values=kind != "off")
+                    torch.cuda.synchronize()
+                    if r:  # (round 0 untimed)
+                        times[shape, label].append(time.perf_counter() - t)
+    finally:
+        for k, v in saved.items():
+            setattr(filefill, k, v)
+        tensorcopy.reduction = dot
+    print("\n| readers | windows each | MiB each | reduction | " + " | ".join(f"{k} s | {k} % of roofline" for k in paths) + " |")
+    print("|---:|---:|---:|---|" + "---:|---:|" * len(paths))
+    cells = []
+    for shape in SWEEP:
+        cell: dict[str, Any] = dict(zip(("readers", "windows_each", "mib", "reduction"), shape))
+        for label in paths:
+            cell[label] = statistics.median(times[shape, label])
+        cells.append(cell)
+        print("| " + " | ".join(map(str, shape)) + " | " + " | ".join(
+            f"{cell[k]:.4f} | {100 * os.path.getsize(p) / rate / cell[k]:.0f} %" for k, p in paths.items()) + " |")
+    return cells
+
+
+def reductions(torch: Any, chunks: int = 64, nbytes: int = 16 * MiB) -> dict[str, float]:
+    """Seconds of the NaN/Inf reductions a GPU fill may queue behind its copies: one per 16 MiB fp32 chunk of 1 GiB,
+    on one stream, one sync at the end (the median of 5)."""
+    xs = [torch.randn(nbytes // 4, device="cuda") for _ in range(chunks)]
+    kinds = {"dot(x, x)": lambda x: torch.dot(x, x), "sum": lambda x: x.sum(),
+             "aminmax": lambda x: torch.aminmax(x), "isfinite().all()": lambda x: torch.isfinite(x).all()}
+    got = {}
+    for name, fn in kinds.items():
+        got[name] = statistics.median(timed(torch, lambda fn=fn: [fn(x) for x in xs], 5))
+    print("\nNaN/Inf reductions over 1 GiB of fp32 in 16 MiB chunks (s): "
+          + ", ".join(f"{k} {v:.4f}" for k, v in got.items()))
+    return got
+
+
+def timed(torch: Any, fn: Callable[[], object], runs: int) -> list[float]:
+    """Seconds of each of ``runs`` calls of ``fn`` (after one untimed), each ended by a device sync."""
+    fn()
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def busy(torch: Any, rows: dict[str, Any], runnable: dict[str, Any], runs: int, rooflines: dict[str, float]) -> Any:
+    """The rows of the first group again, every core kept busy by a spinning process (the page faults and the
+    readers share them)."""
+    import subprocess
+
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in os.sched_getaffinity(0)]
+    try:
+        time.sleep(0.5)
+        got = {name: statistics.median(timed(torch, runnable[name], runs)) for name in rows if name in runnable}
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    roof = next(iter(rooflines.values()))
+    anchor = next(iter(got.values()))
+    print(f"\nevery core busy ({len(spinners)} spinning processes):")
+    for name, s in got.items():
+        print(f"| busy | {name} | {s:.3f} | {s / anchor:.2f} | {100 * roof / s:.0f} % |")
+    return got
+
+
+COLD = """
+import json, os, sys, time, torch
+from torch import nn
+path, tiny, layers, how = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+with torch.device("cuda"):
+    model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(layers)])
+torch.cuda.synchronize()
+got = {}
+if how.startswith("safetensors"):
+    import safetensors.torch as st
+    load = lambda: st.load_model(model, path, device="cuda")
+else:
+    import ckptfix
+    from ckptfix.core import filefill
+    load = lambda: ckptfix.load_into(model, path)
+    if "warmed" in how:  # (ckptfix's own imports, then the windows' pinned bytes, each timed, before the load)
+        t = time.perf_counter()
+        ckptfix.load_into(nn.Linear(64, 64, bias=False), tiny)
+        got["imports"] = time.perf_counter() - t
+        t = time.perf_counter()
+        windows = [torch.empty(filefill.DEVICE_WINDOW_BYTES, dtype=torch.uint8, pin_memory=True)
+                   for _ in range(filefill.DEVICE_READERS * filefill.DEVICE_WINDOWS_PER_READER)]
+        got["pinned windows"] = time.perf_counter() - t
+        del windows
+for n in ("first", "second"):
+    t = time.perf_counter()
+    load()
+    torch.cuda.synchronize()
+    got[n] = time.perf_counter() - t
+print(json.dumps(got))
+"""
+
+#: the fresh-process rows: (name, extra environment)
+COLD_ROWS = {
+    "safetensors": {},
+    "ckptfix": {},
+    "ckptfix warmed": {},
+    "ckptfix, pinned by cudaHostRegister on 8 threads": {
+        "PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"},
+}
+
+
+def cold(path: str, layers: int, n: int, roofline: float) -> dict[str, list[Any]]:
+    """A server's start: the first load in a fresh process (CUDA initialised, the model built on the GPU, the file in
+    the page cache), ``n`` times for each of :data:`COLD_ROWS`, alternating; the pinned windows' allocation is in it.
+    'warmed' times ckptfix's imports (a tiny load) and the windows' pinned allocation first, then the load."""
+    import json
+    import subprocess
+
+    import safetensors.torch as st
+    import torch
+
+    tiny = os.path.join(os.path.dirname(path), "tiny.safetensors")
+    st.save_file({"weight": torch.zeros(64, 64)}, tiny)
+    got: dict[str, list[Any]] = {k: [] for k in COLD_ROWS}
+    for _ in range(n):
+        for how, extra in COLD_ROWS.items():
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+            res = subprocess.run([sys.executable, "-c", COLD, path, tiny, str(layers), how], capture_output=True,
+                                 text=True, env=env, check=False)
+            if res.returncode:
+                print(f"cold {how} failed: {res.stderr[-2000:]}")
+                continue
+            got[how].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    print(f"\nfirst load in a fresh process (median of {n}; s):")
+    for how, runs in got.items():
+        if runs:
+            parts = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            print(f"| cold | {how} | {parts['first']:.3f} | {100 * roofline / parts['first']:.0f} % | "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " |")
+    return got
 
 
 if __name__ == "__main__":

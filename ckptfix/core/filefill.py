@@ -41,8 +41,14 @@ READAHEAD_BYTES = 64 * 2**20
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 #: the least lease-break-time (seconds) under which a leased file is copied from its mapping (a job takes milliseconds)
 MIN_BREAK_SECONDS = 10
-#: a GPU fill's pinned staging windows (:func:`fill_staged`), and the bytes of each
-DEVICE_WINDOWS = 4
+#: a GPU fill's (:func:`fill_staged`) readers — threads reading the file into pinned windows, at most this many and
+#: the cores this process may run on; not torch's thread count, which torchrun sets to 1 per rank —, the pinned windows
+#: per reader at most (a reader fills its next window while the last one's copies run), and the bytes of each window.
+#: Measured on an H200 (bench/load_gpu.py --sweep, bench/RESULTS.md wave 10): 4 readers took 1.3–1.4× the time of 8,
+#: 16 were 0–10 % faster on fp32 and 15–25 % slower on a cast; a second window per reader gained 0–3 %; 32 MiB windows
+#: nothing, 8 MiB ones cost 17 %, 4 MiB ones up to 2×
+DEVICE_READERS = 8
+DEVICE_WINDOWS_PER_READER = 2
 DEVICE_WINDOW_BYTES = 16 * 2**20
 #: where each piece starts in a window (a view of it as any dtype is aligned)
 _ALIGN = 64
@@ -114,7 +120,7 @@ def fill_staged(fills: list[tuple[Any, int, int, Any, str]], check: bool = True,
     for numbers in groups.values():
         staging = _Staging([fills[n] for n in numbers], check, undo, tally, leases)
         try:
-            run_jobs(len(staging.jobs), staging.job, min(workers_for(staging.nbytes), staging.readers))
+            run_jobs(len(staging.jobs), staging.job, staging.readers)
             for n, ok in zip(numbers, staging.finite_all()):
                 finite[n] = ok
         finally:
@@ -128,12 +134,12 @@ class _Staging:
     is :data:`JOB_BYTES`, the thread's own (1 MiB windows took 1.2–1.9× the time of 4 MiB ones here, per-call costs),
     each piece cast as torch casts — bf16 into fp32 by the compiled kernel, each value's bits shifted and checked in
     one pass, its stores streamed —; checked on its stored bytes where the cast widens (:func:`widens`: half the
-    bytes of the values it makes), else as it is cast (:func:`copy_checked`). With a tensor on a GPU the windows are pinned,
-    :data:`DEVICE_WINDOWS` of :data:`DEVICE_WINDOW_BYTES`, and each piece is copied asynchronously on a side stream
-    (cast on the device), its NaN/Inf reduction queued behind it; a window is reused once an event says its copies
-    are done, so reads of the next windows overlap the transfers. At the end the caller's stream waits for the side
-    stream, which is synchronised (whatever happened: nothing is in flight once this returns), and the reductions are
-    read at once."""
+    bytes of the values it makes), else as it is cast (:func:`copy_checked`). With a tensor on a GPU the windows are
+    pinned, of :data:`DEVICE_WINDOW_BYTES`, at most :data:`DEVICE_WINDOWS_PER_READER` per reader, and each piece is
+    copied asynchronously on a side stream (cast on the device), its NaN/Inf reduction queued behind it; a window is
+    reused once an event says its copies are done, so reads of the next windows overlap the transfers. At the end the
+    caller's stream waits for the side stream, which is synchronised (whatever happened: nothing is in flight once
+    this returns), and the reductions are read at once."""
 
     def __init__(self, fills: list[tuple[Any, int, int, Any, str]], check: bool, undo: Any, tally: Any,
                  leases: Any = None) -> None:
@@ -167,9 +173,10 @@ class _Staging:
         self.reader = _Reader([], [], [], False)
         self.local = threading.local()  # a CPU window per thread
         self.stream: Any = None
-        self.readers = tensorcopy.MAX_READERS
-        self.free: list[tuple[Any, Any]] = []  # GPU: (pinned window, the event after its last copies, or None)
+        self.readers = workers_for(self.nbytes)
+        self.free: list[tuple[Any, Any]] = []  # GPU: (pinned window, the event after its last copies)
         self.ready = threading.Condition()
+        self.allocated = self.most = 0
         self.leases, self.maps, self.mappings = leases, {}, []  # (a leased file's bytes mapped, for the widened pieces)
         if any(self.widen) and leases is not None and leases.held and undo is None and _mappable():
             for mine in set(self.own.values()):
@@ -180,9 +187,9 @@ class _Staging:
         if self.device is not None:
             self.stream = torch.cuda.Stream(self.device)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (the tensors' allocations, earlier work)
-            count = min(DEVICE_WINDOWS, len(self.jobs))
-            self.free = [(torch.empty(self.window, dtype=torch.uint8, pin_memory=True), None) for _ in range(count)]
-            self.readers = count  # (a thread more would wait for a window)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            self.readers = max(1, min(DEVICE_READERS, cores, len(self.jobs), self.nbytes // tensorcopy.THREAD_BYTES))
+            self.most = min(self.readers * DEVICE_WINDOWS_PER_READER, len(self.jobs))  # (allocated as needed: _take)
 
     def job(self, j: int) -> None:
         import torch
@@ -242,7 +249,10 @@ class _Staging:
         return source[start : start + probe.nbytes]
 
     def _take(self) -> Any:
-        """A window to read into: this thread's own on the CPU; on a GPU a pinned one whose copies are done."""
+        """A window to read into: this thread's own on the CPU; on a GPU a pinned one whose copies are done, else a new
+        one while fewer than ``most`` are (a reader that finds its last window's copies done, the H2D copy being faster
+        than the read, pins no second one: pinning costs 0.4 ms per MiB, bench/RESULTS.md), else the
+        oldest, once its copies are done."""
         import torch
 
         if self.stream is None:
@@ -250,12 +260,22 @@ class _Staging:
             if window is None:
                 window = self.local.window = torch.empty(self.window, dtype=torch.uint8)
             return window
+        window = event = None
         with self.ready:
-            while not self.free:
+            while True:
+                done = next((n for n, (_w, e) in enumerate(self.free) if e.query()), None)
+                if done is not None:  # (a window whose copies are done)
+                    return self.free.pop(done)[0]
+                if self.allocated < self.most:  # (another window rather than a wait; pinning costs, once a process)
+                    self.allocated += 1
+                    break
+                if self.free:
+                    window, event = self.free.pop(0)
+                    break
                 self.ready.wait()
-            window, done = self.free.pop(0)
-        if done is not None:
-            done.synchronize()  # (the GIL released while it waits)
+        if event is None:
+            return torch.empty(self.window, dtype=torch.uint8, pin_memory=True)
+        event.synchronize()  # (the GIL released while it waits)
         return window
 
     def _give(self, window: Any) -> None:

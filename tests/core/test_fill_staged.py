@@ -32,7 +32,8 @@ CASTS = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torc
 def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(filefill, "JOB_BYTES", 4096)  # (the CPU's window)
     monkeypatch.setattr(filefill, "DEVICE_WINDOW_BYTES", 4096)
-    monkeypatch.setattr(filefill, "DEVICE_WINDOWS", 2)  # (each reused many times, after its event)
+    monkeypatch.setattr(filefill, "DEVICE_READERS", 2)
+    monkeypatch.setattr(filefill, "DEVICE_WINDOWS_PER_READER", 1)  # (two windows, each reused many times, after its event)
     monkeypatch.setattr(tensorcopy, "MAX_READERS", 4)
     monkeypatch.setattr(tensorcopy, "THREAD_BYTES", 4096)
 
@@ -78,7 +79,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_every_value_is_torchs_cast_and_every_nonfinite_is_found(tmp_path: Path, device: str, stored: torch.dtype,
                                                                   want: torch.dtype, check_kernels: str) -> None:
     """Every cast (bf16 → fp32 by the compiled kernel where it is built), small tensors sharing a window and large
-    ones spanning several: bit for bit torch's cast; each NaN/Inf found in its own tensor only."""
+    ones spanning several: bit for bit torch's cast on that device (a NaN's bits are the device's: CUDA's cast from
+    fp32 makes its own NaN, the CPU's keeps the payload); each NaN/Inf found in its own tensor only."""
     tensors = _tensors(stored)
     floats = stored.is_floating_point or stored.is_complex
     if floats:
@@ -88,7 +90,7 @@ def test_every_value_is_torchs_cast_and_every_nonfinite_is_found(tmp_path: Path,
     keys = sorted(tensors, key=lambda k: -offsets[k])  # (not in file order)
     got, finite = _staged(path, offsets, tensors, want, device, keys)
     for k in keys:
-        assert torch.equal(_bits(got[k]), _bits(tensors[k].to(want))), k
+        assert torch.equal(_bits(got[k]), _bits(tensors[k].to(device).to(want))), k
     nonfinite = sorted(k for k in keys if (want.is_floating_point or want.is_complex)
                        and not bool(torch.isfinite(tensors[k].to(want)).all()))
     assert sorted(k for k, ok in zip(keys, finite) if not ok) == nonfinite
@@ -96,6 +98,50 @@ def test_every_value_is_torchs_cast_and_every_nonfinite_is_found(tmp_path: Path,
         assert nonfinite == ["t003", "t050"]
     elif want == torch.float16:  # (float32 values past float16's range: cast to Inf, as torch casts them)
         assert {"t003", "t050"} <= set(nonfinite)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("small_windows")
+@pytest.mark.parametrize("each", [1, 3])
+def test_a_window_is_pinned_only_where_none_is_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, each: int) -> None:
+    """Windows are pinned as the readers need them, never more than DEVICE_WINDOWS_PER_READER per reader, each reused
+    once its copies are done; every byte lands."""
+    monkeypatch.setattr(filefill, "DEVICE_WINDOWS_PER_READER", each)
+    seen: set[int] = set()
+    take = filefill._Staging._take
+
+    def spy(self: filefill._Staging) -> torch.Tensor:
+        window = take(self)
+        assert window.is_pinned()
+        seen.add(window.data_ptr())
+        return window
+
+    monkeypatch.setattr(filefill._Staging, "_take", spy)
+    tensors = _tensors(torch.float32)
+    path, offsets = _file(tmp_path, tensors)
+    got, finite = _staged(path, offsets, tensors, torch.float32, "cuda", sorted(tensors))
+    assert all(torch.equal(_bits(got[k]), _bits(tensors[k])) for k in tensors)
+    assert all(finite)
+    assert 1 <= len(seen) <= 2 * each  # (DEVICE_READERS is 2; the reads, 120 tensors, reuse them many times)
+
+
+@pytest.mark.gpu
+def test_the_readers_are_not_bounded_by_torchs_thread_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun sets torch's thread count to 1 per rank: a GPU fill's readers are bounded by the cores instead."""
+    threads: list[int] = []
+    run = filefill.run_jobs
+    monkeypatch.setattr(filefill, "run_jobs", lambda n, job, workers: (threads.append(workers), run(n, job, workers)))
+    monkeypatch.setattr(filefill, "DEVICE_WINDOW_BYTES", 2**20)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tensors = {f"t{i}": torch.randn(2**20) for i in range(8)}  # (32 MiB: four readers' worth at least)
+        path, offsets = _file(tmp_path, tensors)
+        got, _finite = _staged(path, offsets, tensors, torch.float32, "cuda", sorted(tensors))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(got[k].cpu(), tensors[k]) for k in tensors)
+    assert threads == [min(filefill.DEVICE_READERS, len(os.sched_getaffinity(0)), 4)]
 
 
 @pytest.mark.usefixtures("small_windows")

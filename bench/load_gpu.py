@@ -11,8 +11,10 @@ reaches (roofline time / its time; the goal: at least 80 %).
 Groups: a model built on the GPU — ``safetensors.torch.load_model(model, path, device="cuda")`` (anchor),
 ``ckptfix.load_into`` (checks on and off), fastsafetensors and runai-model-streamer where they import (each a
 ``load_state_dict`` of what it streamed to the GPU); a torch zip — ``load_state_dict(torch.load(mmap=True))``
-(anchor), ``ckptfix.load_into`` of the ``module.`` file; a cast (the file saved as bf16, the model fp32 on the GPU; its
-roofline is the bf16 file's) — ``load_state_dict(load_file(path, device="cuda"))`` (anchor), ``ckptfix.load_into``;
+(anchor), ``ckptfix.load_into`` of the ``module.`` file; the torch zip onto the GPU — ``torch.load(mmap=True,
+map_location="cuda")`` (anchor), ``ckptfix.load(map_location="cuda")``; a cast (the file saved as bf16, the model
+fp32 on the GPU; its roofline is the bf16 file's) — ``load_state_dict(load_file(path, device="cuda"))`` (anchor),
+``ckptfix.load_into``;
 a meta-built model — ``load_state_dict(load_file(path, device="cuda"), assign=True)`` (anchor),
 ``ckptfix.load_into(map_location="cuda")`` (checks on, off), ``ckptfix.load``.
 A row whose package doesn't import is printed as skipped. The files are in the page cache; each run ends with a
@@ -177,6 +179,11 @@ def main() -> None:
             "torch.load(mmap) + load_state_dict": lambda: model.load_state_dict(
                 torch.load(f"{work}/m.pth", mmap=True, weights_only=True)),
             "ckptfix.load_into m_ddp.pth": lambda: ckptfix.load_into(model, f"{work}/m_ddp.pth"),
+        },
+        "a torch zip onto the GPU (no model)": {
+            "torch.load(mmap, map_location=cuda)": lambda: torch.load(f"{work}/m.pth", mmap=True, weights_only=True,
+                                                                      map_location="cuda"),
+            "ckptfix.load m.pth map_location=cuda": lambda: ckptfix.load(f"{work}/m.pth", map_location="cuda"),
         },
         "built on the GPU, bf16 file into fp32 (a cast)": {
             "load_state_dict(load_file(cuda))": lambda: model.load_state_dict(st.load_file(half, device="cuda")),

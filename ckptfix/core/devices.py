@@ -117,6 +117,17 @@ class DevicePlan:
     def is_meta(self) -> bool:
         return self.fixed == "meta"
 
+    def reaches_gpu(self) -> bool:
+        """Whether a storage may go to a GPU: a fixed CUDA device; ``auto`` or a mapping (a saved tag may stay on,
+        or be mapped to, a GPU) where CUDA is available; never through a callable (the caller's own)."""
+        if self.user_fn is not None or self.is_meta:
+            return False
+        if self.fixed is not None:
+            return self.fixed.startswith("cuda")
+        import torch
+
+        return bool(torch.cuda.is_available())
+
     def values_instead(self) -> DevicePlan:
         """For a structure read (``meta``) of tensors that need their values (:class:`NeedsValues`): the CPU."""
         return DevicePlan("cpu", source=self.source) if self.is_meta else self

@@ -134,3 +134,30 @@ def test_a_safetensors_file_loads_onto_the_gpu_as_safetensors_loads_it(spec: str
     for k, v in want.items():
         assert got[k].device.type == "cuda" and got[k].dtype == v.dtype and got[k].shape == v.shape, k
         assert torch.equal(got[k].cpu().view(-1).view(torch.uint8), v.cpu().view(-1).view(torch.uint8)), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["cuda", {"cpu": "cuda:0"}])
+def test_a_torch_zip_loads_onto_the_gpu_through_the_windows(spec: Any, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load(map_location=cuda)`` of a torch zip reads its storages through pinned staging windows (not torch's
+    copy from the mapping): equal to ``torch.load(map_location=…)`` bit for bit, ties kept, empty storages too."""
+    from ckptfix.core import filefill
+
+    staged: list[int] = []
+    fill = filefill.fill_staged
+    monkeypatch.setattr(filefill, "fill_staged", lambda fills, *a, **k: (staged.append(len(fills)), fill(fills, *a, **k))[1])
+    w = torch.randn(300, 70)
+    sd = {"w": w, "tied": w, "view": w[2:5], "bf": torch.randn(5000).bfloat16(), "i": torch.arange(7),
+          "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64)}
+    torch.save(sd, tmp_path / "m.pth")
+    got = ckptfix.load(tmp_path / "m.pth", map_location=spec)
+    want = torch.load(tmp_path / "m.pth", map_location=spec, weights_only=True)
+    assert staged and staged[0] >= 4  # (w, bf, i, scalar: the storages with bytes)
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert got[k].device == v.device and got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert got[k].stride() == v.stride() and got[k].storage_offset() == v.storage_offset(), k
+        assert torch.equal(got[k].cpu(), v.cpu()), k
+    assert got["tied"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr() \
+        == got["view"].untyped_storage().data_ptr()

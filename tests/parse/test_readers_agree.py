@@ -16,6 +16,7 @@ import collections
 import io
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfix
+from ckptfix.core.devices import DevicePlan, NeedsValues
+from ckptfix.core.torch_free import NeedsTorch
 from ckptfix.errors import CkptfixError
+from ckptfix.formats.torchsave import records
+from ckptfix.parse.format_registry import TORCH_ZIP
+from ckptfix.safety import scanner
 from ckptfix.parse.zipdir import ZipFormatError, data_start, read_directory
 from tests import adversarial, hostile_files
 from tests.compare import raw_bytes, torch_refuses
+from tests.describe_both import fixture_paths
 from tests.malformed_files import mutations
 from tests.strategies import state_dicts
 
@@ -123,8 +130,8 @@ def same(a: Any, b: Any, path: str = "") -> None:
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
             same(x, y, f"{path}[{i}]")
-    elif isinstance(a, argparse.Namespace):
-        same(vars(a), vars(b), path)
+    elif isinstance(a, argparse.Namespace) or type(a).__eq__ is object.__eq__ and isinstance(getattr(a, "__dict__", None), dict):
+        same(vars(a), vars(b), path)  # (an object without its own equality, a stand-in say: by its attributes)
     elif isinstance(a, float) and a != a:
         assert b != b, path
     else:
@@ -161,10 +168,51 @@ def test_unpickler_loads_what_torch_loads(sd: Any, extra: Any, legacy: bool, pro
     ours = ckptfix.read(path)
     same(ours.raw, truth)
     assert _sharing(ours.raw["model"]) == _sharing(truth["model"])
+    if not legacy:  # the read a GPU load takes (every storage read through staging windows), here onto the CPU
+        staged = records.read_onto(str(path), DevicePlan("cpu"), staged=lambda _dev: True)
+        if staged is None:  # (no storage with bytes to read: torch's reader serves)
+            assert all(t.untyped_storage().nbytes() == 0 for _k, t in _flat(truth))
+        else:
+            same(staged.obj, truth)
+            assert _sharing(staged.obj["model"]) == _sharing(truth["model"])
     meta = ckptfix.inspect(path)  # the structure-only reader (on meta) sees the same shapes and strides
     for k, t in truth["model"].items():
         got = meta.state_dict[k]
         assert (got.dtype, got.shape, got.stride(), got.storage_offset()) == (t.dtype, t.shape, t.stride(), t.storage_offset())
+
+
+@pytest.mark.parametrize("path", [p for p in fixture_paths() if p.is_file() and zipfile.is_zipfile(p)],
+                         ids=lambda p: p.name)
+def test_the_staged_read_gives_what_torchs_reader_gives(path: Path) -> None:
+    """Every committed torch zip read as a GPU load reads it (each storage through staging windows; here onto the
+    CPU): the objects ``torch.load`` builds through ckptfix's reader, ties kept; or a fall-back to it (NeedsValues,
+    NeedsTorch: quantized, nested, big-endian), or the same refusal."""
+    try:
+        want = ckptfix.read(path).raw
+    except CkptfixError:
+        with pytest.raises(CkptfixError):  # (read_file scans the file first, as before any structure read)
+            scanner.ensure_safe(str(path), TORCH_ZIP, unpickled_by_caller="data.pkl", placeholders=True)
+            records.read_onto(str(path), DevicePlan("cpu"), staged=lambda _dev: True)
+        return
+    try:
+        got = records.read_onto(str(path), DevicePlan("cpu"), staged=lambda _dev: True)
+    except (NeedsValues, NeedsTorch):
+        return  # (read_file falls back to torch.load's path)
+    assert got is not None
+    same(got.obj, want)
+    tensors = [(k, v) for k, v in _flat(want)]
+    assert _sharing(dict(_flat(got.obj))) == _sharing(dict(tensors))
+
+
+def _flat(obj: Any, where: str = "") -> list[tuple[str, Any]]:
+    """Every tensor in ``obj`` with its path."""
+    if isinstance(obj, torch.Tensor):
+        return [(where, obj)]
+    if isinstance(obj, dict):
+        return [x for k, v in obj.items() for x in _flat(v, f"{where}/{k}")]
+    if isinstance(obj, (list, tuple)):
+        return [x for i, v in enumerate(obj) for x in _flat(v, f"{where}[{i}]")]
+    return []
 
 
 def test_ckptfix_refuses_everything_torchs_weights_only_refuses(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...core import locations
 from ...core.bytecopy import Recorded
 from ...core.devices import NeedsValues
 from ...core.torch_free import NeedsTorch
@@ -29,12 +30,20 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
 
 def read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     """A torch zip or legacy file as it is: on meta, a zip's structure record by record (tensors on meta,
-    ``refs`` saying where each storage's bytes are), else through ``torch.load``; a structure read of
-    tensors torch can't build on meta (quantized, nested: :class:`NeedsValues`) reads them on the CPU, mapped."""
-    if get(fmt).zip and plan.is_meta and not trust:
+    ``refs`` saying where each storage's bytes are); a local zip with storages bound for a GPU, those read through
+    staging windows (:func:`.records.read_onto`); else through ``torch.load``. A structure read of tensors torch
+    can't build on meta (quantized, nested: :class:`NeedsValues`) reads them on the CPU, mapped; a staged read of
+    them goes through ``torch.load``."""
+    staged = plan.reaches_gpu() and not locations.is_remote(path)
+    if get(fmt).zip and (plan.is_meta or staged) and not trust:
         ensure_safe(path, fmt, unpickled_by_caller="data.pkl", placeholders=True)  # read_structure checks data.pkl itself
         try:
-            return records.read_structure(path)
+            if not plan.is_meta:
+                raw = records.read_onto(path, plan)
+                if raw is not None:
+                    return raw
+            else:
+                return records.read_structure(path)
         except NeedsTorch:
             pass
         except NeedsValues:

@@ -33,10 +33,11 @@ from .torch_io import translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 
 
-def read_structure(path: str, policy: Any = None) -> RawRead:
+def read_structure(path: str, policy: Any = None, storage_for: Callable[[str, str, int], Any] | None = None) -> RawRead:
     """Tensors on meta plus ``refs`` (storage id → StorageRef); reads only the pickle and zip directory.
     ``policy``: the unpickler's (default :func:`ckptfix.safety.guards.torch_policy`). NeedsTorch where
-    torch.load's general path is needed (big-endian data)."""
+    torch.load's general path is needed (big-endian data). ``storage_for(record key, saved location, nbytes)``, if
+    given, makes each storage instead of meta (:func:`read_onto`)."""
     import torch
 
     try:
@@ -75,7 +76,7 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
             size = reader.get_record_size(name) if hasattr(reader, "get_record_size") else getattr(member, "file_size", 0)
             if size < nbytes:
                 raise FormatError(f"{path}: record {name} holds {size} bytes, its tensor needs {nbytes}")
-            st = torch.UntypedStorage(nbytes, device="meta")
+            st = torch.UntypedStorage(nbytes, device="meta") if storage_for is None else storage_for(key, location, nbytes)
             storages[key] = st
             sid = storage_id(st)
             record = None if member is None else Recorded(path, name, offset, member.file_size, member.crc)
@@ -89,6 +90,49 @@ def read_structure(path: str, policy: Any = None) -> RawRead:
 
     obj = _unpickle(path, data, policy or guards.torch_policy(placeholders=True), persistent_load)
     return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs, notes=subclasses.take_notes())
+
+
+def read_onto(path: str, plan: Any, staged: Callable[[str], bool] | None = None) -> RawRead | None:
+    """A local torch zip read onto the devices ``plan`` (a DevicePlan without a callable) maps its storages to: each
+    storage bound for a device where ``staged(device)`` (default: a GPU) read from the file through staging windows
+    (:func:`~ckptfix.core.filefill.fill_staged`: pinned, copied asynchronously, never from a mapping: safetensors#729),
+    the others slices of the file's mapping, as ``torch.load(mmap=True)`` makes them. ``data.pkl`` is unpickled twice:
+    on meta first (every storage's record and device; NeedsValues where a rebuild needs values, NeedsTorch where torch
+    must read it), then with the filled storages, which every tensor guard then checks by its values. None where no
+    storage is staged (torch's reader serves)."""
+    import torch
+
+    from ...core import filefill
+
+    staged = staged or (lambda dev: torch.device(dev).type == "cuda")
+    first = read_structure(path)
+    refs = {ref.key: ref for ref in first.refs.values() if ref.nbytes}  # (a record's storage: its one with bytes)
+    devices = {key: plan.target(ref.location) for key, ref in refs.items()}
+    if not any(staged(dev) for dev in devices.values()):
+        return None
+    storages: dict[str, Any] = {}
+    fills: list[tuple[Any, int]] = []
+    mapping = None
+    for key, ref in refs.items():
+        if staged(devices[key]):
+            storages[key] = torch.UntypedStorage(ref.nbytes, device=devices[key])
+            fills.append((torch.empty(0, dtype=torch.uint8, device=devices[key]).set_(storages[key]), ref.offset))
+        else:
+            if mapping is None:
+                locations.hold(path)
+                mapping = torch.UntypedStorage.from_file(path, shared=False, nbytes=locations.size_of(path))
+            storages[key] = mapping[ref.offset : ref.offset + ref.nbytes]
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        filefill.fill_staged([(t, fd, offset, torch.uint8, path) for t, offset in fills], check=False)
+    finally:
+        os.close(fd)
+
+    def storage_for(key: str, location: str, nbytes: int) -> Any:
+        return storages[key] if nbytes else torch.UntypedStorage(0, device=plan.target(location))
+
+    second = read_structure(path, storage_for=storage_for)
+    return RawRead(obj=second.obj, format=second.format, tags=second.tags, notes=second.notes)  # (refs: not meta)
 
 
 def _unpickle(path: str, data: bytes, policy: Any, persistent_load: Callable[[Any], Any]) -> Any:

@@ -15,7 +15,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any, cast
 
-from ...core import locations, outputs
+from ...core import filefill, locations, outputs
 from ...core.bytecopy import CrcCheck, CrcWorker, Recorded, RemoteFile, SegmentsCrcWorker, Source, Sources
 from ...core.devices import storage_id
 from ...core.torch_free import NeedsTorch
@@ -101,8 +101,6 @@ def read_onto(path: str, plan: Any, staged: Callable[[str], bool] | None = None)
     must read it), then with the filled storages, which every tensor guard then checks by its values. None where no
     storage is staged (torch's reader serves)."""
     import torch
-
-    from ...core import filefill
 
     staged = staged or (lambda dev: torch.device(dev).type == "cuda")
     first = read_structure(path)

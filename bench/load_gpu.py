@@ -9,8 +9,9 @@ is reported as seconds, as a ratio to its group's anchor (the plain loader), and
 reaches (roofline time / its time; the goal: at least 80 %).
 
 Groups: a model built on the GPU — ``safetensors.torch.load_model(model, path, device="cuda")`` (anchor),
-``ckptfix.load_into`` (checks on and off), fastsafetensors and runai-model-streamer where they import (each a
-``load_state_dict`` of what it streamed to the GPU); a torch zip — ``load_state_dict(torch.load(mmap=True))``
+``ckptfix.load_into`` (checks on and off), the staging pipeline at its plainest (:class:`Pipeline`),
+fastsafetensors and runai-model-streamer where they import (each a ``load_state_dict`` of what it streamed to the
+GPU); a torch zip — ``load_state_dict(torch.load(mmap=True))``
 (anchor), ``ckptfix.load_into`` of the ``module.`` file; the torch zip onto the GPU — ``torch.load(mmap=True,
 map_location="cuda")`` (anchor), ``ckptfix.load(map_location="cuda")``; a cast (the file saved as bf16, the model
 fp32 on the GPU; its roofline is the bf16 file's) — ``load_state_dict(load_file(path, device="cuda"))`` (anchor),
@@ -89,6 +90,48 @@ def _read_share(fd: int, size: int, chunk: int, buf: Any, n: int, threads: int) 
     """Thread ``n``'s chunks of the file (every ``threads``-th), each read into ``buf``."""
     for at in range(n * chunk, size, threads * chunk):
         os.preadv(fd, [buf[: min(chunk, size - at)]], at)
+
+
+class Pipeline:
+    """The staging pipeline at its plainest (the floor of its design, nothing of ckptfix's around it): ``threads``
+    threads each read the file's next ``window`` bytes (``preadv``) into a pinned window of their own (two each, the
+    older reused once an event says its copy is done), then copy it to one device buffer on a side stream."""
+
+    def __init__(self, torch: Any, path: str, threads: int = 8, window: int = 16 * MiB) -> None:
+        self.torch, self.path, self.threads, self.window = torch, path, threads, window
+        self.size = os.path.getsize(path)
+        self.dev = torch.empty(self.size, dtype=torch.uint8, device="cuda")
+        self.windows = [[(torch.empty(window, dtype=torch.uint8, pin_memory=True), None) for _ in range(2)]
+                        for _ in range(threads)]
+        self.stream = torch.cuda.Stream()
+
+    def __call__(self) -> None:
+        torch = self.torch
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            pool = [threading.Thread(target=self._share, args=(fd, n)) for n in range(self.threads)]
+            for th in pool:
+                th.start()
+            for th in pool:
+                th.join()
+        finally:
+            os.close(fd)
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def _share(self, fd: int, n: int) -> None:
+        torch = self.torch
+        mine = self.windows[n]
+        for i, at in enumerate(range(n * self.window, self.size, self.threads * self.window)):
+            buf, done = mine[i % 2]
+            if done is not None:
+                done.synchronize()
+            count = min(self.window, self.size - at)
+            os.preadv(fd, [buf[:count].numpy()], at)
+            with torch.cuda.stream(self.stream):
+                self.dev[at : at + count].copy_(buf[:count], non_blocking=True)
+                event = torch.cuda.Event(blocking=True)
+                event.record(self.stream)
+            mine[i % 2] = (buf, event)
 
 
 def optional_rows(torch: Any, model: Any, path: str) -> dict[str, Callable[[], object] | str]:
@@ -173,6 +216,7 @@ def main() -> None:
             "safetensors.load_model (cuda)": lambda: st.load_model(model, path, device="cuda"),
             "ckptfix.load_into": lambda: ckptfix.load_into(model, path),
             "ckptfix.load_into, check_values=False": lambda: ckptfix.load_into(model, path, check_values=False),
+            "the pipeline's floor: pread into pinned windows, async copies (8 threads, no checks)": Pipeline(torch, path),
             **optional_rows(torch, model, path),
         },
         "built on the GPU, torch zip": {

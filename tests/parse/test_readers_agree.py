@@ -204,6 +204,34 @@ def test_the_staged_read_gives_what_torchs_reader_gives(path: Path) -> None:
     assert _sharing(dict(_flat(got.obj))) == _sharing(dict(tensors))
 
 
+def test_a_staged_read_maps_the_storages_it_does_not_stage(tmp_path: Path) -> None:
+    """Storages bound for a device that isn't staged are slices of the file's mapping (as torch.load(mmap=True)
+    makes them), beside staged ones: here every other storage, onto the CPU; ties and views kept."""
+    w = torch.randn(40, 30)
+    sd = {"w": w, "tied": w, "view": w[3:7], "b": torch.randn(500).bfloat16(), "i": torch.arange(9),
+          "x": torch.randn(3, 3, dtype=torch.float64), "empty": torch.empty(0)}
+    torch.save(sd, tmp_path / "m.pth")
+    calls = iter([True] + [n % 2 == 0 for n in range(100)])  # (the first: "is anything staged?")
+    got = records.read_onto(str(tmp_path / "m.pth"), DevicePlan("cpu"), staged=lambda _dev: next(calls))
+    assert got is not None
+    same(got.obj, torch.load(tmp_path / "m.pth", weights_only=True))
+    assert _sharing(got.obj) == _sharing(sd)
+    mapped = [k for k, v in got.obj.items() if v.untyped_storage().nbytes() and _mapped(v)]
+    assert mapped and len(mapped) < 6  # (some storages mapped, some filled)
+
+
+def _mapped(t: torch.Tensor) -> bool:
+    """The tensor's bytes lie in a file mapping (a MAP_PRIVATE file page), as /proc/self/maps says."""
+    ptr = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, _perms, _off, _dev, inode, *path = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= ptr < hi:
+                return inode != "0" and bool(path)
+    return False
+
+
 def _flat(obj: Any, where: str = "") -> list[tuple[str, Any]]:
     """Every tensor in ``obj`` with its path."""
     if isinstance(obj, torch.Tensor):

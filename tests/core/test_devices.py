@@ -136,6 +136,16 @@ def test_a_safetensors_file_loads_onto_the_gpu_as_safetensors_loads_it(spec: str
         assert torch.equal(got[k].cpu().view(-1).view(torch.uint8), v.cpu().view(-1).view(torch.uint8)), k
 
 
+
+@pytest.mark.parametrize(("spec", "gpu"), [("cpu", False), ("meta", False), (lambda s, _loc: s, False),
+                                           ("auto", None), ({"cuda:0": "cpu"}, None), (None, None),
+                                           pytest.param("cuda", True, marks=pytest.mark.gpu)])
+def test_a_read_takes_the_staging_windows_only_where_a_storage_may_go_to_a_gpu(spec: Any, gpu: bool | None) -> None:
+    """``reaches_gpu``: never for the CPU, meta or a callable (the caller's own); for ``auto``, a mapping or None
+    (a saved tag may stay on a GPU) where CUDA is available."""
+    want = torch.cuda.is_available() if gpu is None else gpu
+    assert DevicePlan(spec).reaches_gpu() is want
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", ["cuda", {"cpu": "cuda:0"}])
 def test_a_torch_zip_loads_onto_the_gpu_through_the_windows(spec: Any, tmp_path: Path,

@@ -181,6 +181,8 @@ def main() -> None:
     ap.add_argument("--busy", action="store_true", help="also time the first group with every core kept busy")
     ap.add_argument("--cold", type=int, default=0, metavar="N",
                     help="also time N first loads, each in a fresh process (a server's start)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also say where load_into's reader threads spend their time (reads, waits for windows, the rest)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA: nothing measured")
@@ -283,6 +285,9 @@ def main() -> None:
         out["busy"] = busy(torch, groups["built on the GPU, safetensors"], runnable, args.runs, rooflines)
     if args.cold:
         out["cold"] = cold(path, layers, args.cold, roofline)
+    if args.breakdown:
+        out["breakdown"] = {label: breakdown(torch, lambda p=p: ckptfix.load_into(model, p), args.runs)
+                            for label, p in {"fp32": path, "bf16 cast": half}.items()}
     if args.sweep:
         out["reductions"] = reductions(torch)
         out["sweep"] = sweep(torch, ckptfix, model, {"fp32": path, "bf16 cast": half}, args.runs, min(rates.values()))
@@ -350,6 +355,41 @@ def reductions(torch: Any, chunks: int = 64, nbytes: int = 16 * MiB) -> dict[str
         got[name] = statistics.median(timed(torch, lambda fn=fn: [fn(x) for x in xs], 5))
     print("\nNaN/Inf reductions over 1 GiB of fp32 in 16 MiB chunks (s): "
           + ", ".join(f"{k} {v:.4f}" for k, v in got.items()))
+    return got
+
+
+def breakdown(torch: Any, load: Callable[[], object], runs: int) -> dict[str, float]:
+    """Where the staging's reader threads spend a load (``runs`` loads, seconds per load summed over the threads):
+    reading (``_Reader._read``: ``preadv``), taking a window (``_Staging._take``: waiting for a window's copies, or
+    pinning a new one), and the rest of each job (the copies' and reductions' launches, Python); beside the load's
+    own time. Measured by wrapping those methods, the library untouched."""
+    from ckptfix.core import filefill
+
+    spent = {"read": 0.0, "take": 0.0, "job": 0.0}
+    lock = threading.Lock()
+    originals = (filefill._Reader._read, filefill._Staging._take, filefill._Staging.job)
+
+    def timing(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                with lock:
+                    spent[name] += time.perf_counter() - t
+        return wrapped
+
+    filefill._Reader._read = timing("read", originals[0])  # type: ignore[method-assign]
+    filefill._Staging._take = timing("take", originals[1])  # type: ignore[method-assign]
+    filefill._Staging.job = timing("job", originals[2])  # type: ignore[method-assign]
+    try:
+        wall = statistics.median(timed(torch, load, runs))
+    finally:
+        filefill._Reader._read, filefill._Staging._take, filefill._Staging.job = originals  # type: ignore[method-assign]
+    per = {k: v / (runs + 1) for k, v in spent.items()}  # (timed() runs it once untimed first)
+    got = {"wall": wall, "read": per["read"], "take": per["take"],
+           "rest of the jobs": per["job"] - per["read"] - per["take"]}
+    print("\nload_into's readers, s per load summed over threads: " + ", ".join(f"{k} {v:.4f}" for k, v in got.items()))
     return got
 
 

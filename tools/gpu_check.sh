@@ -41,6 +41,6 @@ timeout 150 $PY -m pytest -v -p no:cacheprovider -m gpu -rs $PER_TEST \
     tests/core/test_devices.py tests/model/test_verify.py > "$OUT/gpu-tests.txt" 2>&1
 echo "gpu tests: rc=$?" | tee -a "$OUT/gpu-tests.txt"
 tail -3 "$OUT/gpu-tests.txt"
-timeout 180 $PY bench/load_gpu.py --size-mib 1024 --runs 5 --sweep --busy --cold 3 --json "$OUT/load_gpu.json" > "$OUT/load_gpu.txt" 2>&1
+timeout 180 $PY bench/load_gpu.py --size-mib 1024 --runs 5 --sweep --busy --cold 3 --breakdown --json "$OUT/load_gpu.json" > "$OUT/load_gpu.txt" 2>&1
 echo "bench: rc=$?"
 cat "$OUT/load_gpu.txt"

@@ -79,9 +79,10 @@ class Counts:
             self.bytes_sent[path] = self.bytes_sent.get(path, 0) + n
 
 
-def etag_of(path: Path) -> str:
-    """A strong ETag from size and mtime (as nginx makes one): it changes whenever the file is replaced."""
-    st = path.stat()
+def etag_of(path: Path | os.stat_result) -> str:
+    """A strong ETag from size and mtime (as nginx makes one): it changes whenever the file is replaced. ``path``:
+    a file, or the ``stat`` of an open one."""
+    st = path.stat() if isinstance(path, Path) else path
     return f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
 
 
@@ -331,10 +332,21 @@ class FileHandler(BaseHTTPRequestHandler):
         self.send_simple(HTTPStatus.OK, f"<html><body>\n{links}</body></html>\n".encode(), content_type="text/html")
 
     def send_file(self, method: str, path: str, file: Path, headers: dict[str, str] | None = None) -> None:
+        """The file as it was when opened, as nginx serves one: its size, ETag and bytes from the open file, so a
+        file replaced while this answers (``change_after``, another request's thread) is sent whole as it was."""
+        try:
+            f = open(file, "rb")
+        except FileNotFoundError:
+            return self.send_simple(HTTPStatus.NOT_FOUND, f"no file {path}\n".encode())
+        with f:
+            return self._send_open(method, path, f, headers)
+
+    def _send_open(self, method: str, path: str, f: Any, headers: dict[str, str] | None) -> None:
         state = self.server_state
-        size = file.stat().st_size
-        etag = etag_of(file)
-        common = {"ETag": etag, "Last-Modified": email.utils.formatdate(file.stat().st_mtime, usegmt=True),
+        st = os.fstat(f.fileno())
+        size = st.st_size
+        etag = etag_of(st)
+        common = {"ETag": etag, "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
                   "Accept-Ranges": "none" if state.ignore_range else "bytes", **(headers or {})}
         if (match := self.headers.get("If-Match")) is not None and match not in ("*", etag):
             return self.send_simple(HTTPStatus.PRECONDITION_FAILED, f"{path} changed: ETag {etag}\n".encode(), common)
@@ -358,16 +370,15 @@ class FileHandler(BaseHTTPRequestHandler):
             return None
         rate = state.drip.get(path)
         step = CHUNK if rate is None else max(1, rate // 10)  # (a drip: a tenth of a second's bytes at a time)
-        with open(file, "rb") as f:
-            f.seek(first)
-            left = last - first + 1
-            while left > 0:
-                chunk = f.read(min(step, left))
-                if not chunk:
-                    break
-                state.counts._sent(path, len(chunk))  # (counted first: see above)
-                self.wfile.write(chunk)
-                left -= len(chunk)
-                if rate is not None:
-                    time.sleep(len(chunk) / rate)
+        f.seek(first)
+        left = last - first + 1
+        while left > 0:
+            chunk = f.read(min(step, left))
+            if not chunk:
+                break
+            state.counts._sent(path, len(chunk))  # (counted first: see above)
+            self.wfile.write(chunk)
+            left -= len(chunk)
+            if rate is not None:
+                time.sleep(len(chunk) / rate)
         return None

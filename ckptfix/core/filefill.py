@@ -79,20 +79,12 @@ def fill_from_file(fills: list[tuple[Any, int, int, str]], check: bool = True, u
     finite = [True] * len(fills)
     own = {fd: _sequential(fd) for fd in {f[1] for f in fills}}
     reader = _Reader([(d, own[fd], o, name) for d, fd, o, name in fills], jobs, finite, check, undo, tally)
-    mappings = []
+    mapped = _Mapped(own.values(), leases, undo)
+    reader.maps, reader.leases = mapped.views, leases
     try:
-        if leases is not None and leases.held and undo is None and _mappable():
-            for fd in set(own.values()):
-                mapped = _mapping(fd)
-                if mapped is not None:
-                    mappings.append(mapped)
-                    reader.maps[fd] = _bytes_of(mapped)
-            reader.leases = leases
         run_jobs(len(jobs), reader.job, workers_for(sum(job[1].nbytes for job in jobs)))
     finally:
-        reader.maps.clear()  # (the views first: a mapping with views can't be closed)
-        for mapped in mappings:
-            _close(mapped)
+        mapped.close()
         for fd, mine in own.items():
             if mine != fd:
                 os.close(mine)
@@ -109,7 +101,7 @@ def fill_staged(fills: list[tuple[Any, int, int, Any, str]], check: bool = True,
     Each window's bytes are read (``preadv``, never a mapping: a file that ends first is a FormatError naming it, not
     SIGBUS; never a copy from a mapping to a device, safetensors#729), their CRC-32s taken into ``tally`` (if any),
     then copied into the tensors, cast as torch casts, each piece's old values saved in ``undo`` first (if any). The
-    windows are read by up to :data:`~ckptfix.core.tensorcopy.MAX_READERS` threads (:class:`_Staging`). With ``leases``
+    windows are read by a few threads (:class:`_Staging`: on a GPU :data:`DEVICE_READERS` at most). With ``leases``
     held on every file and no ``undo``, a bf16 piece cast into fp32 whose first page is cached is widened by the
     compiled kernel straight from a mapping of the file instead (:meth:`_Staging.mapped`). Returns, per fill, whether
     its values are all finite (True unchecked or for integer tensors)."""
@@ -177,13 +169,8 @@ class _Staging:
         self.free: list[tuple[Any, Any]] = []  # GPU: (pinned window, the event after its last copies)
         self.ready = threading.Condition()
         self.allocated = self.most = 0
-        self.leases, self.maps, self.mappings = leases, {}, []  # (a leased file's bytes mapped, for the widened pieces)
-        if any(self.widen) and leases is not None and leases.held and undo is None and _mappable():
-            for mine in set(self.own.values()):
-                mapped = _mapping(mine)
-                if mapped is not None:
-                    self.mappings.append(mapped)
-                    self.maps[mine] = _bytes_of(mapped)
+        self.leases = leases
+        self.maps = _Mapped(self.own.values() if any(self.widen) else (), leases, undo)  # (for the widened pieces)
         if self.device is not None:
             self.stream = torch.cuda.Stream(self.device)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # (the tensors' allocations, earlier work)
@@ -237,7 +224,7 @@ class _Staging:
         :data:`MIN_BREAK_SECONDS` at least, for a piece's milliseconds), or their first page isn't cached (a cold file
         is read, with readahead). ``probe`` takes that first page."""
         mine = self.own[self.fills[n][1]]
-        source = self.maps.get(mine)
+        source = self.maps.views.get(mine)
         if source is None or not self.reader.nowait or not self.leases.intact():
             return None
         first = min(probe.nbytes, 4096)
@@ -303,9 +290,7 @@ class _Staging:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()  # (a failed fill too: no copy into the model, nor out of a window, in flight)
-        self.maps.clear()  # (the views first: a mapping with views can't be closed)
-        for mapped in self.mappings:
-            _close(mapped)
+        self.maps.close()
         for fd, mine in self.own.items():
             if mine != fd:
                 os.close(mine)
@@ -327,6 +312,27 @@ def _mappable() -> bool:
     asks whether its leases are unbroken first, so none reads a page a truncation took (SIGBUS)."""
     wait = rollback.break_time()
     return native() is not None and wait is not None and wait >= MIN_BREAK_SECONDS
+
+
+class _Mapped:
+    """The files' bytes mapped (``views``: descriptor → a uint8 view) for the compiled kernels to copy from: only where
+    ``leases`` are held on every file, no undo log is kept (the log saves what a read replaces) and such copies can be
+    made (:func:`_mappable`); else none."""
+
+    def __init__(self, fds: Any, leases: Any, undo: Any) -> None:
+        self.views: dict[int, Any] = {}
+        self._maps: list[Any] = []
+        if leases is not None and leases.held and undo is None and _mappable():
+            for fd in set(fds):
+                mapped = _mapping(fd)
+                if mapped is not None:
+                    self._maps.append(mapped)
+                    self.views[fd] = _bytes_of(mapped)
+
+    def close(self) -> None:
+        self.views.clear()  # (the views first: a mapping with views can't be closed)
+        for mapped in self._maps:
+            _close(mapped)
 
 
 def _mapping(fd: int) -> Any:

@@ -34,16 +34,12 @@ def read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     staging windows (:func:`.records.read_onto`); else through ``torch.load``. A structure read of tensors torch
     can't build on meta (quantized, nested: :class:`NeedsValues`) reads them on the CPU, mapped; a staged read of
     them goes through ``torch.load``."""
-    staged = plan.reaches_gpu() and not locations.is_remote(path)
-    if get(fmt).zip and (plan.is_meta or staged) and not trust:
+    if get(fmt).zip and not trust and (plan.is_meta or plan.reaches_gpu() and not locations.is_remote(path)):
         ensure_safe(path, fmt, unpickled_by_caller="data.pkl", placeholders=True)  # read_structure checks data.pkl itself
         try:
-            if not plan.is_meta:
-                raw = records.read_onto(path, plan)
-                if raw is not None:
-                    return raw
-            else:
-                return records.read_structure(path)
+            raw = records.read_structure(path) if plan.is_meta else records.read_onto(path, plan)
+            if raw is not None:  # (None: no storage bound for a GPU)
+                return raw
         except NeedsTorch:
             pass
         except NeedsValues:

@@ -9,13 +9,15 @@ each range's CRC-32 computed from the bytes as fetched)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from . import locations, outputs
 from ..errors import FormatError
@@ -65,16 +67,25 @@ def _move(size: int, step: Callable[[int, int], int], what: str, whole: bool = T
 
 class RemoteFile:
     """A remote file as a copy's source (what :class:`Sources` gives for a URL): copies from it are queued in the
-    batch of the write, and run when it finishes."""
+    batch of the write, and run when it finishes; a range an earlier output of the same write already holds
+    (:func:`reusing`) is copied from there instead, never fetched again."""
 
-    def __init__(self, source: ByteSource, batch: Batch):
-        self.source, self.batch = source, batch
+    def __init__(self, source: ByteSource, sources: Sources, url: str):
+        self.source, self.batch, self.sources, self.url = source, sources.batch, sources, url
 
     def crc_of(self, offset: int, size: int) -> Callable[[], int]:
         """The CRC-32 of ``size`` bytes at ``offset``, once the batch has run (computed from the bytes a copy of
-        the same range fetches)."""
+        the same range fetches, or when an earlier output took them)."""
+        held = self.held(offset, size)
+        if held is not None:
+            return lambda: held[2]
         span = self.batch.check(self.source, offset, size)
         return lambda: _crc(span)
+
+    def held(self, offset: int, size: int) -> tuple[str, int, int] | None:
+        """Where an earlier output of this write holds the range: (its path, offset there, the bytes' CRC-32)."""
+        landed = self.sources.landed
+        return None if landed is None or not size else landed.get((self.url, offset, size))
 
 
 def _crc(span: Span) -> int:
@@ -84,6 +95,22 @@ def _crc(span: Span) -> int:
 
 
 Source = int | RemoteFile
+
+#: remote ranges a write already put into one of its outputs ((url, offset, size) -> (output path, offset, CRC-32)),
+#: while :func:`reusing` holds; None: no write shares them
+_landed: ContextVar[dict[tuple[str, int, int], tuple[str, int, int]] | None] = ContextVar("ckptfix_landed", default=None)
+
+
+@contextlib.contextmanager
+def reusing() -> Iterator[None]:
+    """Inside, the outputs written one after another share what they fetch: a remote range one output holds whole (a
+    tied tensor's bytes, stored under each name, in an earlier shard) is copied from that output into a later one,
+    not fetched again. The earlier outputs must stay where they were written until the block ends."""
+    token = _landed.set({})
+    try:
+        yield
+    finally:
+        _landed.reset(token)
 
 
 class Sources:
@@ -95,11 +122,12 @@ class Sources:
         self.fds: dict[str, int] = {}
         self.remote: dict[str, RemoteFile] = {}
         self.batch = Batch()
+        self.landed = _landed.get()
 
     def __call__(self, path: str) -> Source:
         if locations.is_remote(path):
             if path not in self.remote:
-                self.remote[path] = RemoteFile(locations.open_source(path), self.batch)
+                self.remote[path] = RemoteFile(locations.open_source(path), self, path)
             return self.remote[path]
         if path not in self.fds:
             self.fds[path] = os.open(path, os.O_RDONLY)
@@ -107,8 +135,17 @@ class Sources:
 
     def finish(self) -> None:
         """Run the queued remote copies (each range fetched once, CRC-32s computed as it arrives)."""
-        if self.remote:
-            self.batch.run(progress)
+        if not self.remote:
+            return
+        self.batch.run(progress)
+        if self.landed is None:
+            return
+        for url, remote in self.remote.items():  # what landed in an output, for the write's later outputs
+            for span in self.batch.spans.get(id(remote.source), {}).values():
+                out = next((o for o in map(outputs.active, (fd for fd, _o, _w in span.dests)) if o is not None), None)
+                if out is not None and span.crc is not None and span.size:
+                    at = next(offset for fd, offset, _w in span.dests if fd == out.fd)
+                    self.landed.setdefault((url, span.offset, span.size), (out.path, at, span.crc))
 
     def __enter__(self) -> Sources:
         return self
@@ -164,8 +201,11 @@ def copy_range(src_fd: Source, dst_fd: int, src_offset: int, dst_offset: int, si
     :class:`RemoteFile`: queued, copied when its :class:`Sources` finishes). A source that ends first (it shrank under
     the copy) is :class:`~ckptfix.core.positional.SourceShort`."""
     if isinstance(src_fd, RemoteFile):
-        src_fd.batch.copy(src_fd.source, src_offset, size, dst_fd, dst_offset, whole)
-        return
+        held = src_fd.held(src_offset, size)
+        if held is None:
+            src_fd.batch.copy(src_fd.source, src_offset, size, dst_fd, dst_offset, whole)
+            return
+        src_fd, src_offset = cast(int, src_fd.sources(held[0])), held[1]  # (an earlier output's bytes, in the kernel)
     try:
         if size >= _STEP and (src_offset - dst_offset) % _FOLIO:
             _mapped_copy(src_fd, dst_fd, src_offset, dst_offset, size, whole)

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ..core import locations
+from ..core import bytecopy, locations
 from ..core.atomic import DirOutput, atomic_dir
 from ..core.devices import storage_id
 from ..core.tensorinfo import TensorInfo, layout_name, sparse_parts
@@ -255,7 +255,8 @@ def write_shards(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, p
     ``plan_shard(part, archive)`` (the registry's: the shard format's writer) plans each shard before the
     directory is touched, so one the torch-free writer refuses (NeedsTorch) leaves nothing written; the
     plans then write one shard at a time (tied tensors written once, ``refs``' storages copied from their
-    source file). The state dict's ``_metadata`` rides in the first shard.
+    source file; a URL's bytes fetched once, a tied tensor's copied from the shard that took them first). The state
+    dict's ``_metadata`` rides in the first shard.
     """
     spec = registry.get(fmt)
     if max_shard_size <= 0:
@@ -273,7 +274,7 @@ def write_shards(state_dict: Any, dst_dir: str, fmt: str, max_shard_size: int, p
     plans = [plan_shard(part, archive) for part, archive in zip(parts, archives)]
     notes: list[str] = []
     shard_of: dict[str, str] = {}
-    with atomic_dir(dst_dir, force, dir_output(fmt), notes) as tmp:
+    with atomic_dir(dst_dir, force, dir_output(fmt), notes) as tmp, bytecopy.reusing():  # (a URL's tied bytes: once)
         for name, keys, plan in zip(names, shards, plans):
             path = os.path.join(tmp, name)
             notes += plan.write(path)

@@ -152,3 +152,56 @@ def test_a_failure_on_one_rank_is_heard_by_every_rank_and_undone_where_it_can_be
             assert res["changed"] == [], f"rank {rank}'s shards changed: {res['changed']}"
     if case.how not in (None, "plan"):
         assert ranks[name][1]["fills"] >= 2  # (the failure came mid-commit, after the first shard was filled)
+
+
+def run_alone(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """A world of one rank: a load, then one whose file is cut mid-commit (no lease: the log); the collectives each
+    made, and whether the second left the shards as they were."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes = {"1d": init_device_mesh("cpu", (world,))}
+    full = sharded_ranks.full_state_dict("mixed")
+    gathers: list[int] = []
+    real_gather, real_fill, real_lease = dist.all_gather_object, shards.fill_local, rollback.SETLEASE
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers.append(1)
+        return real_gather(*args, **kwargs)
+
+    def cutting_fill(*args: Any) -> bool:
+        os.truncate("model.safetensors", 8)
+        return real_fill(*args)
+
+    out: dict[str, Any] = {}
+    dist.all_gather_object = counted  # type: ignore[assignment]
+    try:
+        for how in ("plain", "cut"):
+            save_file(full, "model.safetensors")
+            model = sharded_ranks.build_model("fsdp2", meshes)
+            before = {k: sharded_ranks.bits(v) for k, v in sharded_ranks.local_tensors(model).items()}
+            gathers.clear()
+            if how == "cut":
+                shards.fill_local, rollback.SETLEASE = cutting_fill, None  # type: ignore[assignment]
+            try:
+                ckptfix.load_into(model, "model.safetensors")
+                raised = ""
+            except ckptfix.CkptfixError as e:
+                raised = type(e).__name__
+            finally:
+                shards.fill_local, rollback.SETLEASE = real_fill, real_lease  # type: ignore[assignment]
+            after = sharded_ranks.local_tensors(model)
+            want = {k: sharded_ranks.bits(v) for k, v in sharded_ranks.expected_locals(model, full).items()}
+            out[how] = {"gathers": len(gathers), "raised": raised,
+                        "as_before": all(sharded_ranks.same_bits(sharded_ranks.bits(v), before[k]) for k, v in after.items()),
+                        "loaded": all(sharded_ranks.same_bits(sharded_ranks.bits(v), want[k]) for k, v in after.items())}
+    finally:
+        dist.all_gather_object = real_gather  # type: ignore[assignment]
+    return out
+
+
+def test_a_world_of_one_rank_loads_without_a_collective(tmp_path: Any) -> None:
+    """One rank has no one to agree with: its DTensor load makes no collective, and is all or nothing by its own log."""
+    (tmp_path / "rank0").mkdir()
+    [alone] = dist_harness.run(f"{__name__}:run_alone", 1, tmp_path / "run", {}, timeout=120, cwd=[tmp_path / "rank0"])
+    assert alone["plain"] == {"gathers": 0, "raised": "", "as_before": False, "loaded": True}
+    assert alone["cut"] == {"gathers": 0, "raised": "FormatError", "as_before": True, "loaded": False}

@@ -220,16 +220,16 @@ def local_source_finite(dt: Any, src: Any, sources: Sources) -> bool:
 
 class Agreement:
     """Ranks agreeing before anything is written, and again after: a no-op unless the model holds DTensors and a
-    process group is up. ``step()`` raises on every rank what any rank raised (the plan); :meth:`settle` tells every
-    rank whether any rank's commit failed and which ranks loaded what nothing can undo, and unions per-rank findings
-    (NaN/Inf keys) so every rank reports the same. Every rank reaches each collective whatever it raised, so none
-    waits forever."""
+    process group of more than one rank is up. ``step()`` raises on every rank what any rank raised (the plan);
+    :meth:`settle` tells every rank whether any rank's commit failed and which ranks loaded what nothing can undo, and
+    unions per-rank findings (NaN/Inf keys) so every rank reports the same. Every rank reaches each collective whatever
+    it raised, so none waits forever."""
 
     def __init__(self, model: Any):
         import torch.distributed as dist
 
-        self.active = (dist.is_available() and dist.is_initialized()
-                       and any(is_dtensor(p) for p in (*model.parameters(), *model.buffers())))
+        self.active = (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1  # (alone: no one
+                       and any(is_dtensor(p) for p in (*model.parameters(), *model.buffers())))  # to agree with)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

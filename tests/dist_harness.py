@@ -1,6 +1,6 @@
 """Run one function on N gloo ranks on CPU, each rank its own process, and bring its return value back.
 
-    results = dist_harness.run("tests.ops.test_load_into_sharded:run_cases", world=4, workdir=tmp, payload={...})
+    results = dist_harness.run("tests.sharded_loads:run_cases", world=4, workdir=tmp, payload={...})
 
 The ranks are forked from a multiprocessing forkserver that has imported torch once per session (a fresh
 interpreter per rank costs seconds of import on a busy machine); each rank joins the default process

@@ -1,4 +1,4 @@
-"""What the ranks of tests/ops/test_load_into_sharded.py run: the DTensor-sharded models, the state dicts their
+"""What the ranks of tests/ops/test_load_into_sharded*.py run: the DTensor-sharded models, the state dicts their
 checkpoints hold, and each case (build, load, record).
 
 ``build_model(kind, meshes)`` runs on every rank of a gloo group; the model starts from seed 0 (integer

@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -208,3 +210,19 @@ def corrupt_record(path: Path) -> None:
     start += struct.unpack("<H", data[start - len(entry.name) - 2 : start - len(entry.name)])[0]  # the extra field
     data[start + entry.file_size // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def describe_refused_within(url: str, match: str, seconds: float) -> None:
+    """``ckptfix.describe(url)`` raises the RemoteError ``match`` describes, within ``seconds`` (a deadline or a
+    stall cut short, not waited out)."""
+    start = time.monotonic()
+    with pytest.raises(errors.RemoteError, match=match):
+        ckptfix.describe(url)
+    assert time.monotonic() - start < seconds
+
+
+def one_error_line(res: Any, url: str, says: str = "") -> None:
+    """A CLI run (click's result) that failed as a URL's failure must: exit 1, nothing on stdout, one stderr line
+    naming the URL (then ``says``)."""
+    assert res.exit_code == 1 and res.stdout == "", res.output
+    assert res.stderr.startswith(f"Error: {url}: {says}") and res.stderr.count("\n") == 1, res.stderr

@@ -377,13 +377,25 @@ def _runs(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int, list[tuple[
 
 @dataclass(frozen=True)
 class Recorded:
-    """A zip member bytes are copied from: ``path[offset : offset + size]`` and the CRC-32 its zip records."""
+    """A zip member bytes are copied from: ``path[offset : offset + size]`` and the CRC-32 its zip records;
+    ``recorded`` False where its writer recorded none (torch's CRC-less saves, ``parse.zipdir.unrecorded_crcs``):
+    its ``crc`` of 0 is no checksum, so nothing can show its bytes damaged."""
 
     path: str
     name: str  # the record's name in messages: data/0
     offset: int
     size: int
     crc: int
+    recorded: bool = True
+
+    @property
+    def known(self) -> int | None:
+        """The CRC-32 of its bytes as the zip records it; None where it records none (a writer computes one)."""
+        return self.crc if self.recorded else None
+
+    def mismatch(self, crc: int) -> bool:
+        """Whether bytes whose CRC-32 is ``crc`` are not the ones its zip records (never where it records none)."""
+        return self.recorded and crc != self.crc
 
 
 class CrcCheck:
@@ -399,7 +411,7 @@ class CrcCheck:
 
     def __init__(self, members: Iterable[Recorded | None], sources: Sources | None = None,
                  ranges: Iterable[tuple[str, int, int]] = ()):
-        self.members = list(dict.fromkeys(m for m in members if m is not None))
+        self.members = list(dict.fromkeys(m for m in members if m is not None and m.recorded))  # (none: no check)
         self.sources = sources if sources is not None else Sources()
         self._own_sources = sources is None
         self.fds: dict[str, int] = {}
@@ -433,7 +445,7 @@ class CrcCheck:
         self.sources.finish()
         for m in self.members:
             crc = self.crc(m.path, m.offset, m.size)
-            if crc != m.crc:
+            if m.mismatch(crc):
                 raise FormatError(f"{m.path}: record {m.name} does not match the CRC-32 its zip records "
                                   f"({crc:08x}, recorded {m.crc:08x}): the file was damaged or altered after it "
                                   "was written; nothing was converted; restore it from a good copy")

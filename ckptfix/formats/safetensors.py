@@ -379,7 +379,7 @@ def _recorded_crc(record: bytecopy.Recorded | None, segments: list[tuple[str, in
     computed as they are copied)."""
     if record is None or segments is None or len(segments) != 1:
         return None
-    return record.crc if segments[0] == (record.path, record.offset, record.size) else None
+    return record.known if segments[0] == (record.path, record.offset, record.size) else None
 
 
 def recorded_members(path: str, fmt: str, select: str | None, part_members: Any) -> list[Any]:

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import text
-from ..core.devices import storage_id
 from ..core import locations
 from ..core.progress import Progress
 from ..core.units import shown
@@ -24,7 +23,7 @@ from ..ops import api
 from ..parse.format_registry import get as format_of
 from ..parse import inert
 from ..safety import integrity, scanner, signing
-from ..statedict import repair, weights_only
+from ..statedict import repair, ties, weights_only
 from . import fixes, observe, quant_checks, serving
 from . import forward as fwd
 from . import golden as gold
@@ -79,13 +78,13 @@ def tensor_values(gate: FileGate, report: VerifyReport) -> Findings:
     mismatched = []
     for group in gate.tied:
         present = [k for k in group if isinstance(sd.get(k), torch.Tensor)]
-        views = {(storage_id(sd[k]), sd[k].storage_offset(), tuple(sd[k].shape), tuple(sd[k].stride())) for k in present}
-        if len(views) <= 1:
+        if len(present) < 2 or all(ties.one_tensor(sd[present[0]], sd[k]) for k in present[1:]):
             continue
+        first = sd[present[0]]
         if not gate.with_values:
             found.warnings.append(f"tied parameters {', '.join(present)} are separate tensors in the checkpoint; "
                                   "their values are not compared on meta (run without --structure-only)")
-        elif any(sd[k].shape != sd[present[0]].shape or not torch.equal(sd[k], sd[present[0]]) for k in present[1:]):
+        elif any(not ties.same_values(sd[k].to(first.dtype), first) for k in present[1:]):  # (as load_into refuses)
             mismatched.append({"keys": present, "reason": "the model ties them but their values differ; "
                                                           "only one survives loading"})
     if mismatched:
@@ -239,11 +238,13 @@ def devices(gate: Gate, report: VerifyReport) -> Findings:
 
 @model_free
 def zip_crcs(gate: FileGate, report: VerifyReport) -> Findings:
-    """The CRC-32 a zip stores for each member, against its bytes (with or without the forward check)."""
+    """The CRC-32 a zip stores for each member, against its bytes (with or without the forward check); a zip that
+    records none (torch's CRC-less saves) is a warning, not damage."""
     if not format_of(gate.ckpt.format).zip:
         return Findings()
     with gate.phase("crc"):
-        return Findings(failures=integrity.crc_failures(gate.path, gate.ckpt.format))
+        failures, unchecked = integrity.crc_findings(gate.path, gate.ckpt.format)
+        return Findings(failures=failures, warnings=[f"integrity: {line}" for line in unchecked], supersedes=unchecked)
 
 
 @model_free

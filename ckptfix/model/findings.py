@@ -68,6 +68,8 @@ class Findings:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     fields: dict[str, Any] = field(default_factory=dict)
+    #: the read's notes its lines say instead (a zip recording no CRC-32s: a warning here), left out of ``notes``
+    supersedes: list[str] = field(default_factory=list)
 
 
 def add(report: VerifyReport, found: Findings) -> None:
@@ -78,4 +80,4 @@ def add(report: VerifyReport, found: Findings) -> None:
         setattr(report, name, value)
     report.failures += found.failures
     report.warnings += found.warnings
-    report.notes += found.notes
+    report.notes = [n for n in report.notes if n not in found.supersedes] + found.notes

@@ -40,6 +40,8 @@ class Sources:
         self._fetched: dict[Segment, Any] = {}  # a remote storage's byte range -> its bytes in CPU memory
         self._checked: set[Segment] = set()  # the fetched ranges whose zip record's CRC-32 matched
         self._crcs = locations.fetched()  # the session's CRC-32s of fetched ranges (its threads don't see the session)
+        self._mapped: dict[int, Segment] = {}  # a mapped storage slice's address -> its run of the file
+        self._private: dict[int, Any] = {}  # the same address -> its bytes read into memory (:meth:`private`)
 
     def has_bytes(self, t: Any) -> bool:
         """A meta tensor whose storage a ref places in files (else the loader reads the file with torch)."""
@@ -92,7 +94,9 @@ class Sources:
         if isinstance(ref, StorageRef) and ref.path is not None:
             if self.reader.is_remote(ref.path):
                 return self._fetched_checked(ref)
-            return self._map(ref.path)[ref.offset : ref.offset + ref.nbytes]
+            mapped = self._map(ref.path)[ref.offset : ref.offset + ref.nbytes]
+            self._mapped[mapped.data_ptr()] = (ref.path, ref.offset, ref.nbytes)
+            return mapped
         if sid not in self._pieces:
             segs = ref.segments() if isinstance(ref, PiecedRef) else None
             if segs and any(self.reader.is_remote(path) for path, _o, _n in segs):  # a remote DCP tensor's chunks
@@ -100,6 +104,29 @@ class Sources:
             else:
                 self._pieces[sid] = ref.materialize().untyped_storage()
         return self._pieces[sid]
+
+    def private(self, view: Any) -> Any:
+        """``view`` (from :meth:`view`) over its bytes read into memory of its own, where it is a view of a mapped file
+        (else ``view``): a copy from it can't meet the file cut short meanwhile as SIGBUS — the read comes up short, a
+        FormatError naming the file. For a load that holds no lease on its file (its undo log's case)."""
+        import torch
+
+        key = view.untyped_storage().data_ptr()
+        run = self._mapped.get(key) if view.device.type == "cpu" and view.layout == torch.strided \
+            and not view.is_quantized else None
+        if run is None:
+            return view
+        if key not in self._private:
+            buf = torch.empty(run[2], dtype=torch.uint8)
+            if run[2]:
+                self.reader.read_into(run[0], run[1], byte_view(buf), count=False)
+            self._private[key] = buf.untyped_storage()
+        out = torch.empty(0, dtype=view.dtype).set_(self._private[key], view.storage_offset(), view.shape, view.stride())
+        if view.is_conj():
+            out = out.conj()
+        if view.is_neg():
+            out = torch._neg_view(out)
+        return out
 
     def _fetch_runs(self, runs: list[Segment], nbytes: int) -> Any:
         import torch
@@ -136,9 +163,10 @@ class Sources:
         loaded)."""
         data = self._fetch(ref.path, ref.offset, ref.nbytes)
         record, key = ref.record, (ref.path, ref.offset, ref.nbytes)
-        if record is not None and (record.offset, record.size) == (ref.offset, ref.nbytes) and key not in self._checked:
+        if record is not None and record.recorded and (record.offset, record.size) == (ref.offset, ref.nbytes) \
+                and key not in self._checked:
             crc = self.crc32(*key)
-            if crc != record.crc:
+            if record.mismatch(crc):
                 raise damaged(record, crc)
             self._checked.add(key)
         return data

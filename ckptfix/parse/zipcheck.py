@@ -45,7 +45,7 @@ class Member:
     compress_type: int
     compress_size: int
     file_size: int
-    crc: int
+    crc: int | None  # None: its zip records none (torch's CRC-less saves, :func:`~ckptfix.parse.zipdir.unrecorded_crcs`)
     flags: int
 
 
@@ -60,6 +60,8 @@ class ZipLayout:
     unreferenced: list[tuple[int, int]] = field(default_factory=list)  # byte ranges no record accounts for
     #: pickles as Python's zipfile reads them, when it sees another archive than torch: (name, bytes)
     alternate: list[tuple[str, bytes]] = field(default_factory=list)
+    #: the line saying its records carry no CRC-32 to check, as torch's CRC-less saves write them (no finding)
+    no_crc: str | None = None
 
     def find(self, kind: str, where: str, message: str) -> None:
         self.findings.append((kind, where, message))
@@ -96,8 +98,9 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     if not layout.root:
         layout.errors.append(f"first member {directory.entries[0].name!r} is not inside a folder (torch can't read it)")
     locations.prefetch(buf, [(e.header_offset, LOCAL_SIZE + len(e.raw_name) + _LOCAL_EXTRA) for e in directory.entries])
+    layout.no_crc = directory.crc_note(path)
     for entry in directory.entries:
-        member = _local_header(layout, buf, size, entry)
+        member = _local_header(layout, buf, size, entry, directory.crc(entry))
         if member is not None:
             layout.members.append(member)
     _compare_with_zipfile(layout, buf, size, directory)
@@ -108,7 +111,7 @@ def check_zip(path: str, buf: Any, size: int, torchscript: bool = False, check_c
     _check_gaps(layout, buf, directory.cd_offset)
     locations.prefetch(buf, [(m.data_start, m.compress_size) for m in layout.members if is_pickle(m.name)])
     for m in layout.members:
-        if m.crc and (check_crc or is_pickle(m.name)) and m.compress_type in (0, 8) and not m.flags & 1:
+        if m.crc is not None and (check_crc or is_pickle(m.name)) and m.compress_type in (0, 8) and not m.flags & 1:
             crc = 0
             try:
                 for chunk in iter_member(m, buf):
@@ -195,7 +198,7 @@ def _check_end(layout: ZipLayout, size: int, directory: Directory) -> None:
                     "for, or a second zip64 record")
 
 
-def _local_header(layout: ZipLayout, buf: Any, size: int, entry: Entry) -> Member | None:
+def _local_header(layout: ZipLayout, buf: Any, size: int, entry: Entry, crc_recorded: int | None) -> Member | None:
     try:
         start, local_name, fields = data_start(buf, size, entry)
     except ZipFormatError as e:
@@ -222,7 +225,7 @@ def _local_header(layout: ZipLayout, buf: Any, size: int, entry: Entry) -> Membe
         layout.errors.append(f"member {entry.name}: data runs past the end of the file (truncated)")
         return None
     return Member(entry.name, entry.header_offset, start, entry.method, entry.compress_size, entry.file_size,
-                  entry.crc, entry.flags)
+                  crc_recorded, entry.flags)
 
 
 _ZIPFILE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError, KeyError)

@@ -28,6 +28,7 @@ EOCD64_SIG, EOCD64_SIZE = 0x06064B50, 56
 LOCATOR_SIG, LOCATOR_SIZE = 0x07064B50, 20
 CENTRAL_SIG, CENTRAL_SIZE = 0x02014B50, 46
 LOCAL_SIG, LOCAL_SIZE = 0x04034B50, 30
+DESCRIPTOR_SIG = 0x08074B50
 _U32, _U16 = 0xFFFFFFFF, 0xFFFF
 _WINDOW = 4096
 _MASKED_LOCAL_DIR = 0x2000
@@ -67,6 +68,21 @@ class Directory:
     cd_size: int
     zip64_offset: int | None  # where the zip64 record is, when there is one
     comment_length: int
+    #: the entries whose CRC-32 of 0 is torch's "none recorded" (:func:`unrecorded_crcs`), and the save that wrote them
+    no_crc: frozenset[int] = frozenset()
+    no_crc_why: str = ""
+
+    def crc(self, entry: Entry) -> int | None:
+        """The CRC-32 the zip records for ``entry``; None where its writer recorded none (its 0 is no checksum)."""
+        return None if entry.index in self.no_crc else entry.crc
+
+    def crc_note(self, path: str) -> str | None:
+        """The line that says ``path``'s records carry no CRC-32 to check their bytes against; None where they do."""
+        if not self.no_crc:
+            return None
+        if self.no_crc_why == CRC32_OFF:
+            return f"{path}'s zip records no CRC-32s ({CRC32_OFF}): its bytes can't be checked against them"
+        return f"{path}'s zip records no CRC-32 for its storages ({self.no_crc_why}): their bytes can't be checked"
 
     def lookup(self, name: str) -> list[Entry]:
         """Every entry torch's ``mz_zip_reader_locate_file`` could return for ``name`` (ASCII case folded)."""
@@ -181,7 +197,53 @@ def read_directory(buf: Any, size: int) -> Directory:
         usize, csize, local = _zip64_values(extra, usize, csize, local, index)
         entries.append(Entry(index, name, flags, method, crc, csize, usize, local, extra))
         pos += CENTRAL_SIZE + nlen + elen + clen
-    return Directory(entries, eocd, cd_offset, cd_size, zip64_offset, _u16(head, 20))
+    no_crc, why = unrecorded_crcs(buf, size, entries)
+    return Directory(entries, eocd, cd_offset, cd_size, zip64_offset, _u16(head, 20), no_crc, why)
+
+
+#: why a torch zip records no CRC-32 for some records: what its saver was told (each observed in torch 2.14's files)
+CRC32_OFF = "saved with torch.serialization.set_crc32_options(False)"
+SKIP_DATA = "saved under torch.serialization.skip_data(), as FakeTensors are: reserved, filled later or never"
+
+
+def unrecorded_crcs(buf: Any, size: int, entries: list[Entry]) -> tuple[frozenset[int], str]:
+    """The entries whose CRC-32 of 0 means "none recorded", as torch writes it, and why ("" for none).
+
+    torch writes 0 for every record of a ``set_crc32_options(False)`` save, and for every ``data/`` record of a
+    ``skip_data()`` save (FakeTensors are saved so) while its other records carry theirs; in both, the copy after
+    the bytes (data descriptor; its local header's where there is none) is 0 too. Only those patterns count, each
+    record's local copy 0: a 0 among recorded CRC-32s, or beside a local copy that holds one, is damage and checked
+    as such. A record of no bytes is left out: its CRC-32 is 0."""
+    sized = [e for e in entries if e.file_size]
+    zero = [e for e in sized if e.crc == 0]
+    if not zero:
+        return frozenset(), ""
+    if len(zero) == len(sized):
+        why = CRC32_OFF
+    elif zero == [e for e in sized if e.raw_name.split(b"/", 1)[-1].startswith(b"data/")]:
+        why = SKIP_DATA
+    else:
+        return frozenset(), ""
+    locations.prefetch(buf, [(e.header_offset, LOCAL_SIZE + len(e.raw_name) + 128) for e in zero])
+    found = frozenset(e.index for e in zero if _local_crc(buf, size, e) == 0)
+    return found, why if found else ""
+
+
+def _local_crc(buf: Any, size: int, entry: Entry) -> int | None:
+    """The CRC-32 the entry's local copy records: its data descriptor's (flag bit 3), else its local header's;
+    None where there is none to read."""
+    try:
+        start, _name, fields = data_start(buf, size, entry)
+    except ZipFormatError:
+        return None
+    if fields is None:
+        return None
+    if not fields[0] & 0x8:
+        return fields[2]
+    tail = _bytes(buf, start + entry.compress_size, 8)
+    if len(tail) < 8:
+        return None
+    return _u32(tail, 4) if _u32(tail, 0) == DESCRIPTOR_SIG else _u32(tail, 0)
 
 
 _ZIP_CACHE: dict[tuple, Any] = {}

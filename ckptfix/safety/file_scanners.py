@@ -56,6 +56,8 @@ class ScanReport:
     pickles: list[str] = field(default_factory=list)  # every pickle walked, by where it sits
     main_pickle: str | None = None  # the pickle that holds the checkpoint (zip data.pkl, legacy pickle 4)
     bytes_fetched: int | None = None  # a remote file: the bytes the scan fetched (None: a local one)
+    #: a line per zip whose records carry no CRC-32 (torch's CRC-less saves): no finding, their bytes unchecked
+    no_crc: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -101,6 +103,7 @@ class Collector:
         self.errors: list[tuple[str, str, bool]] = []  # (where, message, a pickle broke): damage, not danger
         self.pickles: list[str] = []
         self.main_pickle: str | None = None
+        self.no_crc: list[str] = []  # (ScanReport.no_crc)
 
     def find(self, kind: str, where: str, message: str) -> None:
         self.findings.append(Finding(kind, where, message))
@@ -144,6 +147,7 @@ class Collector:
         self.findings += [Finding(f.kind, f"{label}: {f.where}", f"{label}: {f.message}") for f in part.findings
                           if f.kind != "unsafe-global"]  # finish() lists those again from the globals
         self.pickles += [f"{label}: {w}" for w in part.pickles]
+        self.no_crc += part.no_crc
 
     def merge(self, other: Collector) -> None:
         """Take another collector's results (a part of this checkpoint), named by its path."""
@@ -153,6 +157,7 @@ class Collector:
         self.findings += [Finding(f.kind, f"{other.path}: {f.where}", f"{other.path}: {f.message}") for f in other.findings]
         self.errors += [(f"{other.path}: {w}", f"{other.path}: {m}", b) for w, m, b in other.errors]
         self.pickles += [f"{other.path}: {p}" for p in other.pickles]
+        self.no_crc += other.no_crc
 
     def finish(self) -> ScanReport:
         unsafe = [Finding("unsafe-global", g.where, f"unsafe global {shown(g.name)} ({', '.join(g.ops)}) in {shown(g.where)}")
@@ -165,7 +170,8 @@ class Collector:
         elif self.errors:
             more = f" (and {len(self.errors) - 1} more problems)" if len(self.errors) > 1 else ""
             raise FormatError(f"{self.path}: {self.errors[0][1]}{more}")
-        return ScanReport(self.path, self.fmt, list(self.globals.values()), findings, self.pickles, self.main_pickle)
+        return ScanReport(self.path, self.fmt, list(self.globals.values()), findings, self.pickles, self.main_pickle,
+                          no_crc=self.no_crc)
 
 
 def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bool,
@@ -177,6 +183,8 @@ def scan_zip(c: Collector, buf: Any, size: int, torchscript: bool, check_crc: bo
         c.find(kind, where, message)
     for error in layout.errors:
         c.damage("archive", error)
+    if layout.no_crc:
+        c.no_crc.append(layout.no_crc)
     for name, data in layout.alternate:  # what another reader would unpickle: say what it would run
         for w in pickle_walk.walk_stack(data, 0, len(data), f"{name} (as Python's zipfile reads it)"):
             c.add_walk(w)

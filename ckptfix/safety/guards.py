@@ -17,7 +17,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from . import numpy_policy, standins, subclasses
+from . import numpy_policy, standins, subclasses, tensor_guards
 from .tensor_guards import GUARDS as TENSOR_GUARDS, build_tensor, sizes_of
 from .allowlist import (INERT_DATA, NEW, PICKLE_CODECS, RULES, SUBCLASS, ckptfix_names, numpy_dtype_classes,
                         numpy_names, refused_names, rule)
@@ -145,6 +145,7 @@ def torch_policy(placeholders: bool = False) -> Policy:
 
 
 def _finish(obj: Any) -> Any:
+    tensor_guards.check_made()
     obj = subclasses.flatten(obj)
     items, made = standins.take_pending()
     if not items and not made:
@@ -152,7 +153,10 @@ def _finish(obj: Any) -> Any:
     return _Restorer({id(o): f for o, f in items}).fix(obj)
 
 
-start_load = standins.start_load
+def start_load() -> None:
+    """Forget what an earlier load that failed half-way left pending (stand-ins, sparse tensors to check)."""
+    standins.start_load()
+    tensor_guards.start_load()
 
 
 class _Restorer:

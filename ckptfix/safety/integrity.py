@@ -63,17 +63,19 @@ class HashAlongside:
         return self._digest
 
 
-def crc_failures(path: str, fmt: str) -> list[str]:
-    """One line per zip member whose stored CRC-32 doesn't match its bytes, in a torch zip or
-    TorchScript file or each torch-zip shard of a sharded checkpoint: the file changed after it
-    was written. Reads every byte once (safetensors, legacy and DCP files carry no checksums)."""
+def crc_findings(path: str, fmt: str) -> tuple[list[str], list[str]]:
+    """``(failures, unchecked)``: a failure per zip member whose stored CRC-32 doesn't match its bytes, in a torch
+    zip or TorchScript file or each torch-zip shard of a sharded checkpoint: the file changed after it was written;
+    the line per zip whose records carry no CRC-32 (torch's CRC-less saves: no damage, but nothing to check them
+    against; the read's note too). Reads every byte once (safetensors, legacy and DCP files carry no checksums)."""
     if not format_of(fmt).zip:
-        return []
+        return [], []
 
     report = scanner.scan(path, check_crc=True)
-    return [f"integrity: {f.where}: its CRC-32 does not match its bytes: the file was damaged or altered after "
-            "it was written (a truncated copy, a bad download or disk); copy or download it again from the original"
-            for f in report.findings if f.kind == "crc-mismatch"]
+    return ([f"integrity: {f.where}: its CRC-32 does not match its bytes: the file was damaged or altered after "
+             "it was written (a truncated copy, a bad download or disk); copy or download it again from the original"
+             for f in report.findings if f.kind == "crc-mismatch"],
+            report.no_crc)
 
 
 def digest_failures(path: str, fmt: str, fetched: Tally | None = None) -> list[str]:

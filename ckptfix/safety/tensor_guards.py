@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from ..core.devices import NeedsValues
+from ..core.tensorinfo import sparse_parts
 from ..core.torch_tables import PACKED_PER_BYTE
 from ..parse.unpickler import Refused, Unpickler, type_name
 from . import subclasses
@@ -211,8 +213,8 @@ def _rebuild_from_type(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
 def _sparse_tensor(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
     """A sparse tensor, its indices checked against its size at once: torch validates them only under
     ``weights_only=True`` (ckptfix's loads pass its own unpickler instead), and an index out of range
-    makes a later ``to_dense()`` read or write out of bounds. On ``meta`` (structure reads) there is
-    no data to check, or to read."""
+    makes a later ``to_dense()`` read or write out of bounds: when the load ends (:func:`check_made`; a legacy file's
+    storages are filled after its pickle), on ``meta`` (structure reads) by the reader, from the indices' bytes."""
     import warnings
 
     import torch
@@ -224,18 +226,52 @@ def _sparse_tensor(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:
         warnings.simplefilter("ignore")  # torch: "Sparse CSR tensor support is in beta state", on every verb's stderr
         result = f(*args)
     pending = torch._utils._sparse_tensors_to_validate
-    if result.device.type == "meta":
-        if any(t is result for t in pending):
-            pending[:] = [t for t in pending if t is not result]
-        return result
+    pending[:] = [t for t in pending if t is not result]  # (checked by this load, not left for a later load's check)
+    if getattr(_made, "sparse", None) is None:
+        _made.sparse = []
+    _made.sparse.append((result, u.where))
+    return result
+
+
+#: the sparse tensors this thread's load has rebuilt, with where: checked when the load ends (:func:`check_made`)
+_made = threading.local()
+
+
+def start_load() -> None:
+    """Forget the sparse tensors of an earlier load that failed half-way."""
+    _made.sparse = []
+
+
+def check_made() -> None:
+    """Check the indices of each sparse tensor the load rebuilt, now that its storages hold their bytes (a legacy
+    file's are read after its pickle, as torch checks them after the load); those on meta are the structure reader's
+    to check (:func:`check_sparse` with the indices read from the file)."""
+    made, _made.sparse = getattr(_made, "sparse", None) or [], []
+    for t, where in made:
+        if t.device.type != "meta":
+            check_sparse(t, list(sparse_parts(t)[:-1]), where)
+
+
+def check_sparse(t: Any, indices: list[Any], where: str) -> None:
+    """The sparse tensor ``t``'s ``indices`` (its index parts as :func:`sparse_parts` orders them, with values on the
+    CPU; ``t`` itself may be on meta) fit its size, by torch's own validators (what ``torch.load(weights_only=True)``
+    runs on a loaded one; its values' shape and dtype only, no values); else Refused, naming ``where``."""
+    import warnings
+
+    import torch
+
+    values = sparse_parts(t)[-1]
+    fake = torch.zeros((), dtype=values.dtype).expand(values.shape)  # (no memory: the validators read no value)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch notes that validating costs a scan of the indices
-            torch._utils._validate_loaded_sparse_tensors(weights_only=True)
+            if t.layout == torch.sparse_coo:
+                torch._validate_sparse_coo_tensor_args(indices[0], fake, t.shape, t.is_coalesced())
+            else:
+                torch._validate_sparse_compressed_tensor_args(indices[0], indices[1], fake, t.shape, t.layout)
     except (RuntimeError, ValueError, IndexError, NotImplementedError) as e:
-        raise Refused(f"{u.where}: a sparse tensor's indices do not fit its size ({str(e).splitlines()[0]}): refused "
+        raise Refused(f"{where}: a sparse tensor's indices do not fit its size ({str(e).splitlines()[0]}): refused "
                       "(densifying it would read or write out of bounds)") from None
-    return result
 
 
 def _device_tensor(u: Unpickler, f: Any, args: tuple, kwargs: dict) -> Any:

@@ -68,6 +68,23 @@ def untie_aliases(state_dict: Mapping[str, Any], refs: dict | None = None) -> tu
     return out, untied
 
 
+def one_tensor(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are one tensor as saved (one view of one storage, :func:`_view`): tied in the file."""
+    view = _view(a)
+    return view is not None and view == _view(b)
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Two strided tensors hold the same values bit for bit (NaN payloads too), in the same shape and dtype: what a
+    model's tie needs of two names a file stores apart (on meta: compare the views of the bytes)."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = (t.resolve_conj().resolve_neg().reshape(-1) for t in (a, b))
+    return a.numel() == 0 or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def _view(t: Any) -> tuple | None:
     """What makes two entries one tensor: the same storage, offset, shape, stride, dtype and conjugate/negative
     bits (None: not a tensor)."""

@@ -18,7 +18,7 @@ import torch
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.core.torch_free import ENV_SWITCH
-from ckptfix.errors import ConversionError, LoadError
+from ckptfix.errors import ConversionError, LoadError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning",
                                         "ignore:Validating sparse tensor invariants:UserWarning")
@@ -168,3 +168,36 @@ def test_load_into_a_built_dense_tensor_is_refused_and_loads_nothing(layout: str
                                         "was loaded"):
         ckptfix.load_into(model, path)
     assert torch.equal(model.b, torch.zeros(3)) and torch.equal(model.w, torch.zeros(4, 4))
+
+
+class _OutOfRange:
+    """Saves as ``t``'s rebuild with its first index past the size (or its compressed indices not starting at 0)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        parts = [p.clone() for p in _parts(self.t)]
+        parts[0].view(-1)[0] = 99 if self.t.layout == torch.sparse_coo else 1
+        return torch._utils._rebuild_sparse_tensor, (self.t.layout, (*parts, self.t.size()))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_indices_are_checked_by_every_verb_in_both_file_formats(layout: str, legacy: bool, tmp_path: Path) -> None:
+    """torch.load(weights_only=True) checks a sparse tensor's indices after the load (a legacy file's storages are
+    read after its pickle): ckptfix's reads, loads and structure reads (meta: the indices read from the file) load a
+    good one bit for bit and refuse one whose indices don't fit its size, as torch does."""
+    good, bad = tmp_path / "good.pth", tmp_path / "bad.pth"
+    t = LAYOUTS[layout]()
+    torch.save({"w": t}, good, _use_new_zipfile_serialization=not legacy)
+    torch.save({"w": _OutOfRange(t)}, bad, _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(RuntimeError):
+        torch.load(bad, weights_only=True)
+    want = torch.load(good, weights_only=True)["w"]
+    for got in (ckptfix.read(good).state_dict["w"], ckptfix.load(good)["w"]):
+        assert got.layout == want.layout and all(torch.equal(a, b) for a, b in zip(_parts(got), _parts(want)))
+    assert ckptfix.inspect(good).state_dict["w"].layout == want.layout
+    for verb in (ckptfix.read, ckptfix.load, ckptfix.describe, ckptfix.inspect):
+        with pytest.raises(UnsafeCheckpointError, match="a sparse tensor's indices do not fit its size"):
+            verb(bad)

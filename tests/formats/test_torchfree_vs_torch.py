@@ -2,8 +2,9 @@
 
 tests/formats/test_fast_path.py compares the torch-free reader with ckptfix's torch path, and
 tests/parse/test_readers_agree.py compares that path with torch; this file leaves ckptfix's torch path out. For
-every committed fixture, hypothesis-generated checkpoints, and the adversarial, hostile, malformed and
-mutation corpora:
+every committed fixture, hypothesis-generated checkpoints, the adversarial, hostile, malformed and mutation
+corpora, and the files torch's and safetensors' own tests write (tests/public_torch_corpus.py,
+tests/public_safetensors_corpus.py):
 
 - whatever ``torch.load(path, weights_only=True)`` refuses (for safetensors files: whatever the
   ``safetensors`` library's ``safe_open`` refuses), the torch-free reader refuses or hands back
@@ -17,7 +18,9 @@ mutation corpora:
   the cases are listed below with the reason, and the list is exactly what happens.
 
 The one disagreement this test found when written, fixed since: ``TensorInfo.is_contiguous()`` (hence
-``byte_range``) of a tensor without elements (torch calls it contiguous whatever its strides). Directory
+``byte_range``) of a tensor without elements (torch calls it contiguous whatever its strides). The public corpora
+found one more: sparse tensors whose indices don't fit their size, described on meta (their indices now read and
+checked there too). Directory
 fixtures (DCP) have no ``torch.load`` reference and are only listed here.
 """
 
@@ -43,7 +46,7 @@ from ckptfix.core.torch_free import NeedsTorch
 from ckptfix.formats import SAFETENSORS, describe, sniff
 from ckptfix.formats.torchsave import zip_describer
 from ckptfix.core.tensorinfo import TensorInfo
-from tests import adversarial, hostile_files, malformed_files
+from tests import adversarial, hostile_files, malformed_files, public_safetensors_corpus, public_torch_corpus
 from tests.compare import raw_bytes, torch_refuses
 from tests.describe_both import fixture_paths, save_both
 from tests.strategies import checkpoints
@@ -352,7 +355,24 @@ def _mutated(tmp: Path) -> Corpus:
         yield f"mutation-{label}", tmp / f"mutation-{label}.pth", False
 
 
-CORPORA = {"adversarial": _adversarial, "hostile": _hostile, "malformed": _malformed, "mutations": _mutated}
+def _public_safetensors(tmp: Path) -> Corpus:
+    """The files safetensors' own tests write or embed (tests/public_safetensors_corpus.py), but the big ones (their
+    bytes compared with torch.equal in tests/formats/test_public_safetensors_corpus.py)."""
+    for name, make in public_safetensors_corpus.CASES.items():
+        if name not in public_safetensors_corpus.BIG:
+            yield name, make(tmp), False
+
+
+def _public_torch(tmp: Path) -> Corpus:
+    """The files torch's own test/test_serialization.py saves or embeds (tests/public_torch_corpus.py); those with
+    FRAME opcodes, which torch's weights_only unpickler lacks, are compared in tests/parse/test_readers_agree.py."""
+    for name, path in public_torch_corpus.build(tmp):
+        if name not in public_torch_corpus.FRAMED:
+            yield name, path, False
+
+
+CORPORA = {"adversarial": _adversarial, "hostile": _hostile, "malformed": _malformed, "mutations": _mutated,
+           "public-safetensors": _public_safetensors, "public-torch": _public_torch}
 
 _AFTER = "bytes after the end of the archive (a polyglot's hiding place); torch's reader ignores them"
 _NAMES = "a local header names its member differently from the central directory: zip readers disagree"
@@ -384,7 +404,9 @@ STRICTER_CASES = {
     "mutation-local-6": "two members overlap: readers disagree on where one ends",
     "mutation-end-55": "the end record's comment runs past the end of the file",
 }
-REFUSED_AT_LEAST = {"adversarial": 40, "hostile": 7, "malformed": 16, "mutations": 25}
+#: (public-torch: gzip/offset files (3), code and unlisted classes (7), sparse indices that don't fit their size (5))
+REFUSED_AT_LEAST = {"adversarial": 40, "hostile": 7, "malformed": 16, "mutations": 25, "public-safetensors": 16,
+                    "public-torch": 15}
 
 
 @pytest.mark.parametrize("corpus", list(CORPORA))
@@ -396,3 +418,5 @@ def test_corpus_refused_where_torch_refuses(corpus: str, tmp_path: Path, monkeyp
     assert sum(v == REFUSED for v in verdicts.values()) >= REFUSED_AT_LEAST[corpus]
     if corpus == "mutations":  # enough damaged archives still read, for the byte comparison to mean something
         assert sum(v == DESCRIBED for v in verdicts.values()) >= 10
+    if corpus == "public-safetensors":  # each read by the torch-free reader as the library reads it, or refused by both
+        assert set(verdicts.values()) == {DESCRIBED, REFUSED}, verdicts

@@ -182,6 +182,58 @@ def test_tied_parameters_stay_one_tensor(tmp_path: Path, built: str) -> None:
     assert report.missing == [] and len(report.tolerated) <= 1
 
 
+#: how a file holds the two names a model ties → whether their values agree (a NaN's bits included)
+TWINS = {"one-storage": True, "equal-copies": True, "equal-copies-with-a-nan": True, "different": False,
+         "different-nan-payload": False}
+
+
+def _twins(how: str) -> dict[str, torch.Tensor]:
+    sd = _random_state(Net(tied=True), torch.float32)
+    emb = sd["emb.weight"]
+    if how == "one-storage":
+        return {**sd, "head.weight": emb}
+    if "nan" in how:
+        emb[0, 0] = float("nan")
+    head = emb.clone()
+    if how == "different":
+        head[3, 2] += 1
+    if how == "different-nan-payload":
+        head.view(torch.int32)[0, 0] ^= 1  # (still a NaN: equal to torch's eye, not bit for bit)
+    return {**sd, "head.weight": head}
+
+
+@pytest.mark.parametrize("fmt", ["pth", "safetensors"])
+@pytest.mark.parametrize("built", ["cpu", "meta"])
+@pytest.mark.parametrize("how", list(TWINS))
+def test_tied_names_the_file_holds_apart_load_only_with_equal_values(tmp_path: Path, how: str, built: str,
+                                                                     fmt: str) -> None:
+    """The model ties emb.weight and head.weight; the file holds both names: as one storage, as two equal copies
+    (loaded, still tied), or with different values — refused, naming both and the file, the model untouched (torch's
+    load_state_dict keeps the last silently; safetensors' load_model refuses)."""
+    sd = _twins(how)
+    path = tmp_path / f"twins.{fmt}"
+    if fmt == "pth":
+        torch.save(sd, path)
+    elif how == "one-storage":
+        pytest.skip("safetensors' save_file refuses shared tensors")
+    else:
+        st.save_file(sd, str(path))
+    with torch.device(built):
+        model = Net(tied=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    if TWINS[how]:
+        ckptfix.load_into(model, path, strict=False)
+        assert model.head.weight is model.emb.weight and not model.emb.weight.is_meta
+        assert torch.equal(model.emb.weight.view(torch.int32), sd["emb.weight"].view(torch.int32))
+        return
+    with pytest.raises(LoadError, match=rf"^{path}: the model ties emb.weight and head.weight \(one tensor each\), "
+                                        "but the checkpoint holds different values for them.*nothing was loaded"):
+        ckptfix.load_into(model, path, strict=False)
+    after = model.state_dict()
+    assert model.head.weight is model.emb.weight
+    assert all(torch.equal(after[k], v) if not v.is_meta else after[k].is_meta for k, v in before.items())
+
+
 def test_meta_tensors_nothing_fills_are_named_and_the_model_is_untouched(tmp_path: Path) -> None:
     class WithRope(Net):
         def __init__(self) -> None:

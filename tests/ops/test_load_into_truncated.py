@@ -569,3 +569,49 @@ def test_an_fsdp2_models_shards_are_all_or_nothing_too(tmp_path: Path, monkeypat
     else:
         assert "nothing was loaded" in str(info.value) and "partly" not in str(info.value)
         assert [k for k, v in full.items() if not torch.equal(v, before[k])] == []
+
+
+_CUT_BEFORE = """
+import os, sys, torch
+from torch import nn
+import ckptfix
+from ckptfix.core import rollback
+from ckptfix.errors import FormatError
+from ckptfix.ops.load_into import commit
+
+class Net(nn.Module):  # BatchNorm (torch's own load) and a strided parameter (copied from its source, not read)
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4096)
+        self.t = nn.Parameter(torch.randn(512, 256).t())
+        self.a = nn.Linear(256, 256)
+
+path, where = sys.argv[1], sys.argv[2]
+torch.save({k: v.detach().contiguous() + 1 for k, v in Net().state_dict().items()}, path)
+rollback.SETLEASE = None  # (as on a filesystem without leases: the undo log)
+model = Net()
+before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+real = getattr(commit, where)
+
+def cut_first(*args):
+    os.truncate(path, 4096)  # (another writer, cutting the file while the load copies from it)
+    return real(*args)
+
+setattr(commit, where, cut_first)
+try:
+    ckptfix.load_into(model, path)
+except FormatError as e:
+    assert "nothing was loaded" in str(e), e
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "the model changed"
+    print("refused", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["_by_torch", "_copy"])
+def test_a_file_cut_before_what_a_load_copies_is_an_error_not_sigbus(tmp_path: Path, where: str) -> None:
+    """Without a lease, what is copied rather than read straight into the model — BatchNorm's load through torch, a
+    strided parameter — is read from the file first, not copied from its mapping: a file cut just before is a
+    FormatError and the model as it was (in a child: SIGBUS would kill it), not a crash."""
+    run = subprocess.run([sys.executable, "-c", _CUT_BEFORE, str(tmp_path / "m.pth"), where], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout == "refused\n", (run.returncode, run.stderr[-2000:])

@@ -216,8 +216,8 @@ def test_tar_header_extension_is_never_read_past_the_limit(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("index, ok", [(2, True), (5, False)])
 def test_sparse_indices_are_checked_against_the_size(index: int, ok: bool, tmp_path: Path) -> None:
-    """torch validates a loaded sparse tensor only under weights_only=True; ckptfix's loader always
-    does: an index past the size would make to_dense() read and write out of bounds."""
+    """torch validates a loaded sparse tensor only under weights_only=True; ckptfix's readers always do, a structure
+    read (meta) too: an index past the size would make to_dense() read and write out of bounds."""
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (3,), check_invariants=True)
     torch.save({"w": sparse}, tmp_path / "ok.pth")
     raw = bytearray((tmp_path / "ok.pth").read_bytes())  # the indices record holds int64 0 and 2: make it 0, index
@@ -232,10 +232,11 @@ def test_sparse_indices_are_checked_against_the_size(index: int, ok: bool, tmp_p
     path.write_bytes(bytes(raw))
     if ok:
         assert torch.equal(ckptfix.load(path)["w"].to_dense(), torch.tensor([1.0, 0.0, 2.0]))
+        assert ckptfix.inspect(path).state_dict["w"].device.type == "meta"  # structure only: its indices read, no value
     else:
-        with pytest.raises(UnsafeCheckpointError, match="indices do not fit its size"):
-            ckptfix.load(path)
-    assert ckptfix.inspect(path).state_dict["w"].device.type == "meta"  # structure only: nothing to check
+        for verb in (ckptfix.load, ckptfix.inspect):  # (a structure read reads the indices to check them)
+            with pytest.raises(UnsafeCheckpointError, match="indices do not fit its size"):
+                verb(path)
     assert torch._utils._sparse_tensors_to_validate == []  # nothing left behind for a later load
 
 

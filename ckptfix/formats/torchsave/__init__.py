@@ -18,6 +18,7 @@ from ...core.bytecopy import Recorded
 from ...core.devices import NeedsValues
 from ...core.torch_free import NeedsTorch
 from ...parse.format_registry import get
+from ...parse.zipdir import zip_directory
 from ...safety.scanner import ensure_safe
 from ..base import RawRead, Reader, WritePlan
 from . import digest_records, planner, records, torch_io, zip_describer
@@ -29,7 +30,26 @@ def read(path: str, fmt: str, plan: Any, trust: bool, select: str | None, read_p
 
 
 def read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
-    """A torch zip or legacy file as it is: on meta, a zip's structure record by record (tensors on meta,
+    """A torch zip or legacy file as it is (:func:`_read_file`), with a note where its zip records no CRC-32s."""
+    raw = _read_file(path, fmt, plan, trust)
+    raw.notes = raw.notes + crc_notes(path, fmt)
+    return raw
+
+
+def crc_notes(path: str, fmt: str) -> list[str]:
+    """The line saying a torch zip's records carry no CRC-32 to check (torch's CRC-less saves), if so: every read
+    says it, whichever reader ran, so a convert's report does."""
+    if not get(fmt).zip:
+        return []
+    try:
+        note = zip_directory(path).crc_note(path)
+    except (OSError, ValueError):  # (the read itself reports an unreadable zip)
+        return []
+    return [note] if note else []
+
+
+def _read_file(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
+    """On meta, a zip's structure record by record (tensors on meta,
     ``refs`` saying where each storage's bytes are); a local zip with storages bound for a GPU, those read through
     staging windows (:func:`.records.read_onto`); else through ``torch.load``. A structure read of tensors torch
     can't build on meta (quantized, nested: :class:`NeedsValues`) reads them on the CPU, mapped; a staged read of
@@ -58,7 +78,9 @@ def recorded_members(path: str, fmt: str, select: str | None, part_members: Any)
 
 def describe(path: str, fmt: str, select: str | None, describe_part: Reader) -> RawRead:
     """A torch zip as TensorInfo, without torch (:func:`.zip_describer.read_torch_zip`)."""
-    return zip_describer.read_torch_zip(path)
+    raw = zip_describer.read_torch_zip(path)
+    raw.notes = raw.notes + crc_notes(path, fmt)
+    return raw
 
 
 def write(obj: Any, path: str, fmt: str, refs: dict | None = None, archive: str = "archive",

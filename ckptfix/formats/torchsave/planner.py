@@ -77,7 +77,7 @@ class _Records:
             self.used.add(key)
             self.key_of[id(st)] = key
             record = st.record
-            crc = record.crc if self.keep_keys and record is not None and record.size == st.nbytes else None
+            crc = record.known if self.keep_keys and record is not None and record.size == st.nbytes else None
             self.order.append((key, StorageRef(st.path, st.offset, st.nbytes, st.location, crc, st.key, record)))
         if arg.dtype is None:
             return ("storage", UNTYPED_STORAGE, self.key_of[id(st)], "cpu", st.nbytes)

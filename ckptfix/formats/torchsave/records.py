@@ -24,12 +24,13 @@ from ...parse.format_registry import TORCH_ZIP
 from ...parse.zipdir import zip_directory
 from ...parse.unpickler import SafePickle
 from ...parse.zipdir import data_start
-from ...safety import guards, scanner, subclasses
+from ...core.tensorinfo import layout_name, sparse_parts
+from ...safety import guards, scanner, subclasses, tensor_guards
 from ..base import CastRef, PiecedRef, RawRead, StorageRef, source_record, storage_bytes
 from .meta_pickle import pickle_meta
 from . import digest_records
 from .digest_records import tensor_keys
-from .torch_io import translate_load_error, unpickling_error
+from .torch_io import tensors_in, translate_load_error, unpickling_error
 from .zipwriter import ZipWriter
 
 
@@ -47,7 +48,8 @@ def read_structure(path: str, policy: Any = None, storage_for: Callable[[str, st
         if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
             raise NeedsTorch("big-endian data")
         data = reader.get_record("data.pkl")
-        members = {e.name.split("/", 1)[-1]: e for e in zip_directory(path).entries}
+        directory = zip_directory(path)
+        members = {e.name.split("/", 1)[-1]: e for e in directory.entries}
     except (RuntimeError, ValueError, OSError) as e:
         raise FormatError(f"{path}: is a truncated or corrupt torch zip archive ({str(e).splitlines()[0]})") from None
 
@@ -79,8 +81,9 @@ def read_structure(path: str, policy: Any = None, storage_for: Callable[[str, st
             st = torch.UntypedStorage(nbytes, device="meta") if storage_for is None else storage_for(key, location, nbytes)
             storages[key] = st
             sid = storage_id(st)
-            record = None if member is None else Recorded(path, name, offset, member.file_size, member.crc)
-            crc = record.crc if record is not None and record.size == nbytes else None  # else computed when written
+            record = None if member is None else Recorded(path, name, offset, member.file_size, member.crc,
+                                                          directory.crc(member) is not None)
+            crc = record.known if record is not None and record.size == nbytes else None  # else computed when written
             refs[sid] = StorageRef(path, offset, nbytes, location, crc, str(key), record)
             tags[sid] = location
         typed = torch.storage.TypedStorage(wrap_storage=storages[key], dtype=dtype, _internal=True)
@@ -89,7 +92,34 @@ def read_structure(path: str, policy: Any = None, storage_for: Callable[[str, st
         return typed
 
     obj = _unpickle(path, data, policy or guards.torch_policy(placeholders=True), persistent_load)
+    _check_sparse(path, obj, refs)  # (on meta: its indices read here; else checked as the load ended)
     return RawRead(obj=obj, format=TORCH_ZIP, tags=tags, refs=refs, notes=subclasses.take_notes())
+
+
+def _check_sparse(path: str, obj: Any, refs: dict[int, StorageRef]) -> None:
+    """The sparse tensors of a structure read (on meta): their indices read from the file (``refs``: where each
+    storage's bytes are) and checked against their size as a read of the values checks them (UnsafeCheckpointError:
+    an index out of range, which densifying would read or write out of bounds, as torch's weights_only refuses)."""
+    import torch
+
+    found = [t for t in tensors_in(obj) if layout_name(t) is not None and t.is_meta]
+    if not found:
+        return
+    with locations.open_buffer(path) as buf:
+        for t in found:
+            indices = []
+            for part in sparse_parts(t)[:-1]:
+                ref = refs[storage_id(part)]
+                raw = bytearray(buf[ref.offset : ref.offset + ref.nbytes])
+                if len(raw) < ref.nbytes:
+                    raise FormatError(f"{path}: a sparse tensor's indices run past the end of the file (truncated?)")
+                data = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                indices.append(torch.empty(0, dtype=part.dtype).set_(data.untyped_storage(), part.storage_offset(),
+                                                                     part.shape, part.stride()))
+            try:
+                tensor_guards.check_sparse(t, indices, path)
+            except pickle.UnpicklingError as e:
+                raise UnsafeCheckpointError(f"{path}: refused: {e}") from None
 
 
 def read_onto(path: str, plan: Any, staged: Callable[[str], bool] | None = None) -> RawRead | None:
@@ -161,10 +191,11 @@ def data_members(path: str) -> list[Recorded]:
     """Every ``data/KEY`` record of the torch zip ``path`` with the CRC-32 its zip records (none where the
     zip can't be read: the read then gives its own error), to check while torch reads them."""
     try:
-        entries = [e for e in zip_directory(path).entries if e.name.split("/", 1)[-1].startswith("data/")]
+        directory = zip_directory(path)
+        entries = [e for e in directory.entries if e.name.split("/", 1)[-1].startswith("data/")]
         with locations.open_buffer(path) as buf:
-            return [Recorded(path, e.name.split("/", 1)[-1], data_start(buf, len(buf), e)[0], e.file_size, e.crc)
-                    for e in entries if e.method == 0]
+            return [Recorded(path, e.name.split("/", 1)[-1], data_start(buf, len(buf), e)[0], e.file_size, e.crc,
+                             directory.crc(e) is not None) for e in entries if e.method == 0]
     except (OSError, ValueError):
         return []
 

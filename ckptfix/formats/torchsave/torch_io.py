@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...core import locations
+from ...core.devices import NeedsValues
+from ...core.tensorinfo import layout_name
 from ...safety import guards, scanner, subclasses
 from ...errors import CkptfixError, ConversionError, FormatError, NeedsLocalCopy, UnsafeCheckpointError, trust_advice
 from ...safety.standins import pickle_module_for
@@ -43,8 +45,33 @@ def read(path: str, fmt: str, plan: Any, trust: bool) -> RawRead:
     except CkptfixError:
         raise
     except Exception as e:  # torch raises many types for bad files; all become FormatError
+        if not zipped and plan.is_meta and _META_VIEW in str(e):
+            # a torch <= 0.3 storage view (a slice of its root storage): torch can't slice a meta storage
+            raise NeedsValues(f"{path}: a legacy storage view can't be built on meta") from None
         raise translate_load_error(path, fmt, e) from None
+    if plan.is_meta and not zipped and any(layout_name(t) is not None for t in tensors_in(obj)):
+        # a legacy file's sparse tensor, its indices unread on meta: read with values, where they are checked
+        raise NeedsValues(f"{path}: a sparse tensor's indices are checked on its values")
     return RawRead(obj=obj, format=fmt, tags=tags, notes=subclasses.take_notes())
+
+
+def tensors_in(obj: Any) -> Iterator[Any]:
+    """The tensors in ``obj``'s containers (dicts, lists, tuples), depth first."""
+    import torch
+
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            yield o
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+
+
+#: what torch's legacy loader raises slicing a root storage on meta (a structure read of a storage view)
+_META_VIEW = "Not available for 'meta' device type"
 
 
 def torch_load(source: Any, map_location: Any, trust: bool, mmap: bool = False, skip_data: bool = False,

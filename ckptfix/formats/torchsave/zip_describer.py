@@ -144,7 +144,8 @@ class _Archive:
         if entry.file_size < nbytes or self.loaded and entry.file_size != nbytes:
             raise NeedsTorch(f"record data/{key} holds {entry.file_size} bytes, its tensor {nbytes}")
         offset = self.base + self.start(f"data/{key}", entry)
-        record = Recorded(self.path, f"data/{key}", offset, entry.file_size, entry.crc)
+        record = Recorded(self.path, f"data/{key}", offset, entry.file_size, entry.crc,
+                          self.directory.crc(entry) is not None)
         return StorageInfo(self.path, key, offset, nbytes, location, record)
 
 

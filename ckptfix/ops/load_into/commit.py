@@ -151,8 +151,8 @@ def _assigned(plan: Plan, sources: Sources, check: bool, recorded: list[digests.
                 staged.append((value, sources.reader.fd(place[0]), place[1], src.dtype, place[0]))
                 staged_slots.append(slot)
                 finite = True  # (said by the staged fill)
-            else:
-                finite = tensorcopy.copy_checked(value, src, check)
+            else:  # (no lease: its bytes read, not copied from the mapping, which a cut file would make SIGBUS)
+                finite = tensorcopy.copy_checked(value, src if leases.held else sources.private(src), check)
         bad += [] if finite else slot.keys
         new.append((slot, value))
     for slot, finite in zip(staged_slots, filefill.fill_staged(staged, check, tally=tally, leases=leases)):
@@ -179,7 +179,7 @@ def _fill(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool
     the model is partly loaded."""
     try:
         with _undone() if undo is not None else contextlib.nullcontext():
-            bad = _by_torch(model, plan, state_dict, check, undo) if plan.by_torch else []
+            bad = _by_torch(model, plan, state_dict, sources, check, undo) if plan.by_torch else []
             shards.reshard(model)
             bad += _copy(plan.copy, sources, check, undo, leases)
             for slot, src in plan.sharded:
@@ -207,8 +207,9 @@ def _copy(copies: list[tuple[Slot, Any, Any]], sources: Sources, check: bool, un
     for slot, src, place in copies:
         dst = slot.tensor.detach()
         if not reads(dst, src, place):
-            if undo is not None:
+            if undo is not None:  # (no lease: its bytes read, not copied from the mapping, which a cut file makes SIGBUS)
                 undo.save_tensor(dst)
+                src = sources.private(src)
             bad += [] if tensorcopy.copy_checked(dst, src, check) else slot.keys
         elif dst.device.type == "cpu" and dst.dtype == src.dtype:
             fills.append((dst, sources.reader.fd(place[0]), place[1], place[0]))
@@ -229,16 +230,19 @@ def reads(dst: Any, src: Any, place: tuple[str, int] | None) -> bool:
             and not (src.is_conj() or src.is_neg()))  # (a conjugate or negative view: its values aren't its bytes)
 
 
-def _by_torch(model: Any, plan: Plan, state_dict: Any, check: bool, undo: rollback.Undo | None) -> list[str]:
+def _by_torch(model: Any, plan: Plan, state_dict: Any, sources: Sources, check: bool,
+              undo: rollback.Undo | None) -> list[str]:
     """The modules that load their own way, through torch's ``load_state_dict``, what it replaces saved in
-    ``undo`` (if any) first (the tensors it copies into, the attributes it assigns); the keys whose values are NaN/Inf."""
+    ``undo`` (if any) first (the tensors it copies into, the attributes it assigns), their sources then read from the
+    file, not copied from its mapping (no lease: a cut file is a FormatError, not SIGBUS); the keys whose values are
+    NaN/Inf."""
     for module, name in plan.by_torch_places:
         if undo is not None:
             undo.keep(module, name)
             held = getattr(module, name)
             if held is not None and not shards.on_meta(held):
                 undo.save_tensor(held)
-    sub: Any = OrderedDict(plan.by_torch)
+    sub: Any = OrderedDict((k, v if undo is None else sources.private(v)) for k, v in plan.by_torch.items())
     sub._metadata = getattr(state_dict, "_metadata", None) or {}
     model.load_state_dict(sub, strict=False, assign=plan.torch_assigns)
     model_sd = model.state_dict()

@@ -34,7 +34,7 @@ from ...formats.base import source_record
 from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
 from ...reports import LoadReport
 from ...safety import digests
-from ...statedict import metadata, repair, weights_only
+from ...statedict import metadata, repair, ties, weights_only
 from . import commit, dequant, modelwalk, shards
 from .commit import Plan, Slot
 from ..reading import read_checkpoint, structure_first
@@ -76,7 +76,7 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
             target = repair.describe_target(model, state_dict=model_walk.state_dict,
                                             module_names=model_walk.module_names)
             ckpt, chosen, fit, sources = _read_fitted(path, o, target, reader, model_walk.state_dict)
-            plan = _plan(model_walk, fit.state_dict, sources, plan_devices, o.assign)
+            plan = _plan(ckpt.path, model_walk, fit.state_dict, sources, plan_devices, o.assign)
             recorded = (_digests(ckpt, plan, o.check_digests, o.check_values, distributed)
                         if o.check_digests is not False else None)
             if o.strict_values:
@@ -166,9 +166,10 @@ def _zero_filled(fit: repair.Fit) -> None:
             fit.state_dict[t["key"]] = torch.zeros((), dtype=torch.long)
 
 
-def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices: DevicePlan,
+def _plan(path: str, walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices: DevicePlan,
           assign: bool | None) -> Plan:
-    """Sort every key into copy / assign / sharded / by-torch; refuse meta tensors nothing would fill."""
+    """Sort every key into copy / assign / sharded / by-torch; refuse (naming ``path``) what can't load: ties the file
+    holds apart with different values, copies between sparse and dense, meta tensors nothing would fill."""
     plan = Plan()
     targets: dict[str, str] = {}  # saved device -> where it goes (asked once per device)
 
@@ -179,6 +180,7 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
         return targets[tag]
 
     slots = _slots(walk, state_dict)
+    _refuse_untied(path, slots, state_dict, sources)
     sources.fetch_ahead(state_dict[key] for key, slot in slots.items()  # a URL's storages, at once (not a shard's)
                         if key == slot.keys[0] and not shards.is_dtensor(slot.tensor))
     roots: dict[str, str] = {}  # modules whose to_empty materialises the DTensors whose shards are on meta
@@ -213,10 +215,33 @@ def _plan(walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices:
         else:
             place = sources.place(src)
             plan.copy.append((slot, src if commit.reads(slot.tensor, src, place) else sources.view(src), place))
-    _refuse_sparse_copies(sparse, state_dict, slots)
+    _refuse_sparse_copies(path, sparse, state_dict, slots)
     plan.materialise = [(walk.by_name[path], device) for path, device in shards.outermost(roots).items()]
-    _refuse_meta_left(walk, slots, plan)
+    _refuse_meta_left(path, walk, slots, plan)
     return plan
+
+
+def _refuse_untied(path: str, slots: dict[str, Slot], state_dict: Any, sources: Sources) -> None:
+    """The model ties names (one tensor) that the checkpoint holds apart with different values: loading would keep
+    one and drop the other (torch's ``load_state_dict`` keeps the last silently; safetensors' ``load_model`` refuses):
+    refused before anything is loaded. Names stored apart are compared bit for bit (cast to the model's dtype)."""
+    differ: list[str] = []
+    for key, slot in slots.items():
+        if key != slot.keys[0] or len(slot.keys) < 2:
+            continue
+        first = state_dict[key]
+        for other in slot.keys[1:]:
+            src = state_dict[other]
+            if ties.one_tensor(first, src) or any(tensorcopy.is_sparse(t) or _quantized(t, t) for t in (first, src)):
+                continue  # (a sparse or quantized pair: loaded as torch loads it, the first name's)
+            dtype = slot.tensor.dtype
+            if not ties.same_values(*(sources.private(sources.view(t)).to(dtype) for t in (first, src))):  # (read)
+                differ.append(f"{key} and {other}")
+    if differ:
+        raise LoadError(f"{path}: the model ties {few(differ)} (one tensor each), but the checkpoint holds different values "
+                        "for them: loading would keep one and drop the other; nothing was loaded (safetensors' "
+                        "load_model refuses this too). Build the model with them untied (e.g. tie_word_embeddings="
+                        "False) to load both, or load a checkpoint saved from a model that ties them")
 
 
 def _quantized(src: Any, dst: Any) -> bool:
@@ -224,14 +249,14 @@ def _quantized(src: Any, dst: Any) -> bool:
     return bool(getattr(src, "is_quantized", False) or getattr(dst, "is_quantized", False))
 
 
-def _refuse_sparse_copies(keys: list[str], state_dict: Any, slots: dict[str, Slot]) -> None:
+def _refuse_sparse_copies(path: str, keys: list[str], state_dict: Any, slots: dict[str, Slot]) -> None:
     """A sparse tensor (COO, CSR …) can't be copied into a built dense one, nor a dense one into a sparse one: torch's
     ``load_state_dict`` refuses it too (``copy_`` between dense and sparse tensors). Refused before anything is
     loaded; a meta-built model (or ``assign=True``) takes the sparse tensor itself, as torch's ``assign=True`` does."""
     if not keys:
         return
     shown_ = [f"{k} ({state_dict[k].layout} in the file, {slots[k].tensor.layout} in the model)" for k in keys]
-    raise LoadError(f"{len(keys)} tensor(s) can't be copied between a sparse and a dense layout: {few(shown_)}; nothing "
+    raise LoadError(f"{path}: {len(keys)} tensor(s) can't be copied between a sparse and a dense layout: {few(shown_)}; nothing "
                     "was loaded (torch's load_state_dict refuses this too). Densify them in the checkpoint "
                     "(tensor.to_dense()), or build the model on meta (or pass assign=True) to take the sparse tensors "
                     "as they are stored")
@@ -259,14 +284,15 @@ def _slots(walk: modelwalk.ModelWalk, state_dict: Any) -> dict[str, Slot]:
     return out
 
 
-def _refuse_meta_left(walk: modelwalk.ModelWalk, slots: dict[str, Slot], plan: Plan) -> None:
+def _refuse_meta_left(path: str, walk: modelwalk.ModelWalk, slots: dict[str, Slot], plan: Plan) -> None:
     """Every model tensor on meta has something filling it: the state dict's and the non-persistent
     buffers, which no checkpoint holds."""
     filled = {id(s.tensor) for s, *_ in plan.assign} | {id(s.tensor) for s, _ in plan.sharded}
     filled |= {id(slots[k].tensor) for k in plan.by_torch if k in slots}
     left = [name for name, t in walk.tensors() if shards.on_meta(t) and id(t) not in filled]
     if left:
-        raise LoadError(f"{len(left)} tensor(s) of the model are on the meta device and the checkpoint doesn't fill them: "
+        raise LoadError(f"{path}: {len(left)} tensor(s) of the model are on the meta device and the checkpoint doesn't "
+                        "fill them: "
                         f"{few(left)}; nothing was loaded. Give them values first (model.to_empty(device=...) and their "
                         "initialisation, e.g. non-persistent buffers), or load a checkpoint that holds them")
 
@@ -333,11 +359,11 @@ def _precheck(plan: Plan, sources: Sources) -> list[str]:
 def _check_records(plan: Plan, sources: Sources, distributed: shards.Agreement) -> None:
     """strict_values: each zip record the load reads matches the CRC-32 its zip records (each rank checks
     its share of the records); a mismatch raises FormatError naming the record, before anything is loaded."""
-    records = list(dict.fromkeys(r for t in plan.sources if t.is_meta
-                                 and (r := source_record(sources.refs.get(storage_id(t)))) is not None))
+    records = list(dict.fromkeys(r for t in plan.sources if t.is_meta  # (a record with no CRC-32: nothing to check)
+                                 and (r := source_record(sources.refs.get(storage_id(t)))) is not None and r.recorded))
     for record in _share(records, lambda r: r.size, *distributed.rank_and_world()):
         crc = sources.crc32(record.path, record.offset, record.size)
-        if crc != record.crc:
+        if record.mismatch(crc):
             raise damaged(record, crc)
 
 

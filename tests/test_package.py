@@ -108,3 +108,13 @@ def test_one_conftest() -> None:
     (tests/__init__.py): a conftest.py in a test folder would be a second place to look for a fixture."""
     tests = Path(__file__).resolve().parent
     assert sorted(tests.rglob("conftest.py")) == [tests / "conftest.py"]
+
+
+def test_the_gpu_script_runs_every_gpu_test() -> None:
+    """tools/gpu_check.sh (one run on a lent GPU, the only place ``gpu`` tests run) names every module that marks one:
+    a new one left out would never run anywhere."""
+    tests = Path(__file__).resolve().parent
+    script = (tests.parent / "tools" / "gpu_check.sh").read_text(encoding="utf-8")
+    marked = {p.relative_to(tests.parent).as_posix() for p in tests.rglob("test_*.py")
+              if p != Path(__file__).resolve() and "pytest.mark.gpu" in p.read_text(encoding="utf-8")}
+    assert len(marked) >= 5 and not [m for m in sorted(marked) if m not in script], sorted(marked)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a lent GPU machine (the `device` tool's `run`, a few minutes): the gpu-marked
-# tests and bench/load_gpu.py (issue 29 item 3: the loads against the roofline measured in the same run).
+# tests (the public corpora's files onto the GPU too: read_onto against torch.load, staged reads against
+# safetensors.load_file) and bench/load_gpu.py (issue 29 item 3: the loads against the roofline measured in the same run).
 #
 #     run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=300)    (about 130 s there, wave 10)
 #
@@ -36,9 +37,10 @@ for s, w in [(torch.float32, torch.bfloat16), (torch.float16, torch.float64), (t
         print(s, "->", w, d, x.to(d).to(w).cpu().view(torch.uint8).tolist())' > "$OUT/nan-casts.txt" 2>&1
 cat "$OUT/nan-casts.txt"
 $PY -c 'import pytest_timeout' 2> /dev/null && PER_TEST="--timeout 60" || PER_TEST=""
-timeout 150 $PY -m pytest -v -p no:cacheprovider -m gpu -rs $PER_TEST \
+timeout 200 $PY -m pytest -v -p no:cacheprovider -m gpu -rs $PER_TEST \
     tests/core/test_fill_staged.py tests/ops/test_load_into_engine.py tests/ops/test_load_into.py \
-    tests/core/test_devices.py tests/model/test_verify.py > "$OUT/gpu-tests.txt" 2>&1
+    tests/core/test_devices.py tests/model/test_verify.py \
+    tests/parse/test_readers_agree.py tests/formats/test_public_safetensors_corpus.py > "$OUT/gpu-tests.txt" 2>&1
 echo "gpu tests: rc=$?" | tee -a "$OUT/gpu-tests.txt"
 tail -3 "$OUT/gpu-tests.txt"
 timeout 180 $PY bench/load_gpu.py --size-mib 1024 --runs 5 --sweep --busy --cold 3 --breakdown --json "$OUT/load_gpu.json" > "$OUT/load_gpu.txt" 2>&1

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import collections
 import io
 import subprocess
@@ -388,3 +389,47 @@ def test_a_torch_031_storage_slice_is_described(tmp_path: Path) -> None:
     truth = torch.load(path, weights_only=True)
     for verb in (ckptfix.describe, ckptfix.inspect):
         _same_loaded(verb(path).raw, truth, verb.__name__)
+
+
+def _devices(obj: Any) -> list[str]:
+    """Every tensor's and storage's device type in ``obj``, in order."""
+    if isinstance(obj, (torch.Tensor, torch.storage.TypedStorage, torch.UntypedStorage)):
+        return [obj.device.type]
+    if isinstance(obj, dict):
+        return [d for v in obj.values() for d in _devices(v)]
+    if isinstance(obj, (list, tuple)):
+        return [d for v in obj for d in _devices(v)]
+    return []
+
+
+def _cpu(obj: Any) -> Any:
+    """``obj`` with every tensor and storage copied to the CPU (containers rebuilt, ``_metadata`` kept; meta's kept)."""
+    if isinstance(obj, (torch.Tensor, torch.storage.TypedStorage, torch.UntypedStorage)):
+        return obj if obj.device.type == "meta" else obj.cpu()
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _cpu(v)
+        return out
+    if isinstance(obj, (list, tuple)):
+        items = [_cpu(v) for v in obj]
+        return type(obj)(items) if type(obj) in (list, tuple) else obj
+    return obj
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(set(public_torch_corpus.CASES) - public_torch_corpus.FRAMED - set(MMAP_DIFFERS)))
+def test_torchs_own_test_files_read_onto_a_gpu_as_torch_loads_them(name: str, tmp_path: Path) -> None:
+    """``map_location="cuda"``: a torch zip's storages read through staging windows (``records.read_onto``), a legacy
+    file through torch.load: what ``torch.load(weights_only=True, map_location="cuda")`` gives, on the same devices,
+    bit for bit; what torch refuses, one CkptfixError."""
+    path = public_torch_corpus.CASES[name](tmp_path)
+    try:
+        truth = torch.load(path, weights_only=True, map_location="cuda")
+    except Exception:  # any refusal or failure counts, as in torch_refuses
+        with pytest.raises(CkptfixError):
+            ckptfix.read(path, map_location="cuda")
+        return
+    ours = ckptfix.read(path, map_location="cuda").raw
+    assert _devices(ours) == _devices(truth), name
+    _same_loaded(_cpu(ours), _cpu(truth), name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -117,9 +118,14 @@ class Sources:
         if run is None:
             return view
         if key not in self._private:
-            buf = torch.empty(run[2], dtype=torch.uint8)
-            if run[2]:
-                self.reader.read_into(run[0], run[1], byte_view(buf), count=False)
+            path, offset, nbytes = run
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            try:
+                self.reader.read_into(path, offset, byte_view(buf), count=False)
+            except FormatError:  # (the plan checked its size: it shrank since)
+                now = os.stat(path).st_size if os.path.exists(path) else 0
+                raise FormatError(f"{path}: ends at byte {now}, but bytes {offset}..{offset + nbytes} are needed: the file "
+                                  "was truncated while it was read") from None
             self._private[key] = buf.untyped_storage()
         out = torch.empty(0, dtype=view.dtype).set_(self._private[key], view.storage_offset(), view.shape, view.stride())
         if view.is_conj():

@@ -28,7 +28,7 @@ from ...core import locations, tensorcopy
 from ...core.devices import DevicePlan, storage_id
 from ...core.positional import PositionalReader
 from ...core.units import few
-from ...errors import LoadError
+from ...errors import CkptfixError, LoadError
 from ...formats import safetensors as _safetensors  # noqa: F401  (the families most loads read: imported with
 from ...formats.base import source_record
 from ...formats import torchsave as _torchsave  # noqa: F401  load_into, not in its first call)
@@ -38,7 +38,7 @@ from ...statedict import metadata, repair, ties, weights_only
 from . import commit, dequant, modelwalk, shards
 from .commit import Plan, Slot
 from ..reading import read_checkpoint, structure_first
-from ..sources import Sources, damaged
+from ..sources import Sources, byte_view, damaged
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def load_into(model: Any, path: Any, o: LoadOptions) -> LoadReport:
             target = repair.describe_target(model, state_dict=model_walk.state_dict,
                                             module_names=model_walk.module_names)
             ckpt, chosen, fit, sources = _read_fitted(path, o, target, reader, model_walk.state_dict)
-            plan = _plan(ckpt.path, model_walk, fit.state_dict, sources, plan_devices, o.assign)
+            plan = _plan(ckpt, model_walk, fit.state_dict, sources, plan_devices, o.assign)
             recorded = (_digests(ckpt, plan, o.check_digests, o.check_values, distributed)
                         if o.check_digests is not False else None)
             if o.strict_values:
@@ -166,9 +166,9 @@ def _zero_filled(fit: repair.Fit) -> None:
             fit.state_dict[t["key"]] = torch.zeros((), dtype=torch.long)
 
 
-def _plan(path: str, walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices: DevicePlan,
+def _plan(ckpt: Any, walk: modelwalk.ModelWalk, state_dict: Any, sources: Sources, devices: DevicePlan,
           assign: bool | None) -> Plan:
-    """Sort every key into copy / assign / sharded / by-torch; refuse (naming ``path``) what can't load: ties the file
+    """Sort every key into copy / assign / sharded / by-torch; refuse (naming ``ckpt``'s path) what can't load: ties the file
     holds apart with different values, copies between sparse and dense, meta tensors nothing would fill."""
     plan = Plan()
     targets: dict[str, str] = {}  # saved device -> where it goes (asked once per device)
@@ -180,7 +180,8 @@ def _plan(path: str, walk: modelwalk.ModelWalk, state_dict: Any, sources: Source
         return targets[tag]
 
     slots = _slots(walk, state_dict)
-    _refuse_untied(path, slots, state_dict, sources)
+    path = ckpt.path
+    _refuse_untied(ckpt, slots, state_dict, sources)
     sources.fetch_ahead(state_dict[key] for key, slot in slots.items()  # a URL's storages, at once (not a shard's)
                         if key == slot.keys[0] and not shards.is_dtensor(slot.tensor))
     roots: dict[str, str] = {}  # modules whose to_empty materialises the DTensors whose shards are on meta
@@ -221,11 +222,12 @@ def _plan(path: str, walk: modelwalk.ModelWalk, state_dict: Any, sources: Source
     return plan
 
 
-def _refuse_untied(path: str, slots: dict[str, Slot], state_dict: Any, sources: Sources) -> None:
+def _refuse_untied(ckpt: Any, slots: dict[str, Slot], state_dict: Any, sources: Sources) -> None:
     """The model ties names (one tensor) that the checkpoint holds apart with different values: loading would keep
     one and drop the other (torch's ``load_state_dict`` keeps the last silently; safetensors' ``load_model`` refuses):
-    refused before anything is loaded. Names stored apart are compared bit for bit (cast to the model's dtype)."""
+    refused before anything is loaded (:func:`_same_twins` compares them)."""
     differ: list[str] = []
+    crcs: dict[tuple[str, int, int], int] | None = None
     for key, slot in slots.items():
         if key != slot.keys[0] or len(slot.keys) < 2:
             continue
@@ -234,14 +236,56 @@ def _refuse_untied(path: str, slots: dict[str, Slot], state_dict: Any, sources: 
             src = state_dict[other]
             if ties.one_tensor(first, src) or any(tensorcopy.is_sparse(t) or _quantized(t, t) for t in (first, src)):
                 continue  # (a sparse or quantized pair: loaded as torch loads it, the first name's)
-            dtype = slot.tensor.dtype
-            if not ties.same_values(*(sources.private(sources.view(t)).to(dtype) for t in (first, src))):  # (read)
+            if crcs is None:
+                crcs = _recorded_crcs(ckpt)
+            if not _same_twins(first, src, slot.tensor.dtype, sources, crcs):
                 differ.append(f"{key} and {other}")
     if differ:
-        raise LoadError(f"{path}: the model ties {few(differ)} (one tensor each), but the checkpoint holds different values "
-                        "for them: loading would keep one and drop the other; nothing was loaded (safetensors' "
+        raise LoadError(f"{ckpt.path}: the model ties {few(differ)} (one tensor each), but the checkpoint holds different "
+                        "values for them: loading would keep one and drop the other; nothing was loaded (safetensors' "
                         "load_model refuses this too). Build the model with them untied (e.g. tie_word_embeddings="
                         "False) to load both, or load a checkpoint saved from a model that ties them")
+
+
+def _recorded_crcs(ckpt: Any) -> dict[tuple[str, int, int], int]:
+    """The CRC-32 each stored tensor's bytes ``(path, offset, size)`` have, as the file's digests record them (a file
+    ckptfix wrote: its safetensors output stores every tied name); none where it records none."""
+    try:
+        found = digests.read(ckpt.path, ckpt.format).digests or []
+    except CkptfixError:  # (malformed digests: the load's own check says so, where it checks them)
+        return {}
+    return {(d.path, d.offset, d.size): d.crc for d in found}
+
+
+def _same_twins(a: Any, b: Any, dtype: Any, sources: Sources, crcs: dict[tuple[str, int, int], int]) -> bool:
+    """Two names the file stores apart hold the same values: the same bytes, each its whole storage — by the digests
+    the file records for both (a file ckptfix wrote: no read), else compared 16 MiB at a time from the file —, or
+    otherwise (a view, another dtype, a URL's) bit for bit once read and cast to the model's ``dtype``."""
+    runs = [sources.segments(t) for t in (a, b)]
+    whole = [r is not None and len(r) == 1 and t.is_contiguous() and t.storage_offset() == 0
+             and r[0][2] == t.numel() * t.element_size() for r, t in zip(runs, (a, b))]
+    if all(whole) and a.dtype == b.dtype and a.shape == b.shape and runs[0] is not None and runs[1] is not None:
+        ra, rb = runs[0][0], runs[1][0]
+        if ra in crcs and rb in crcs:
+            return crcs[ra] == crcs[rb]
+        if not sources.reader.is_remote(ra[0]) and not sources.reader.is_remote(rb[0]):
+            return _equal_runs(sources, ra, rb)
+    return ties.same_values(*(sources.private(sources.view(t)).to(dtype) for t in (a, b)))  # (read, not mapped)
+
+
+def _equal_runs(sources: Sources, a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
+    """Two equal-sized byte runs of local files hold the same bytes (read 16 MiB at a time: bounded memory)."""
+    import torch
+
+    step = 16 << 20
+    bufs = [torch.empty(min(step, a[2]), dtype=torch.uint8) for _ in range(2)]
+    for pos in range(0, a[2], step):
+        n = min(step, a[2] - pos)
+        for buf, (path, offset, _size) in zip(bufs, (a, b)):
+            sources.reader.read_into(path, offset + pos, byte_view(buf[:n]), count=False)
+        if not torch.equal(bufs[0][:n], bufs[1][:n]):
+            return False
+    return True
 
 
 def _quantized(src: Any, dst: Any) -> bool:

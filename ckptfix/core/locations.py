@@ -155,13 +155,13 @@ def session() -> Iterator[Session]:
                 source.close()
 
 
-def hold(location: str) -> None:
+def hold(location: str) -> bool:
     """Inside :func:`holding` (a :func:`session`), a read lease on the local file ``location`` until it ends
     (:meth:`Holder.hold`; a URL: nothing, its fetches are checked against its validator instead). Every reader that
-    maps a local file, and :func:`open_source`, call this first."""
+    maps a local file, and :func:`open_source`, call this first. Whether one is held (reading its mapping can't meet
+    a truncation: SIGBUS)."""
     current = _HOLDER.get()
-    if current is not None and not is_remote(location):
-        current.hold(location)
+    return current is not None and not is_remote(location) and current.hold(location)
 
 
 def fetched() -> Tally:

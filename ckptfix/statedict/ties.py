@@ -82,7 +82,20 @@ def same_values(a: Any, b: Any) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     a, b = (t.resolve_conj().resolve_neg().reshape(-1) for t in (a, b))
-    return a.numel() == 0 or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return a.numel() == 0 or equal_bytes(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def equal_bytes(a: Any, b: Any) -> bool:
+    """Two contiguous uint8 tensors of one length hold the same bytes, compared 8 at a time where they can be (torch's
+    uint8 comparison is a sixth of the speed of its int64 one)."""
+    import torch
+
+    whole = a.numel() // 8 * 8
+    if whole and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
+        if not torch.equal(a[:whole].view(torch.int64), b[:whole].view(torch.int64)):
+            return False
+        a, b = a[whole:], b[whole:]
+    return bool(torch.equal(a, b))
 
 
 def _view(t: Any) -> tuple | None:

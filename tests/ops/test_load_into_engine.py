@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import ckptfix
-from ckptfix.core import tensorcopy
+from ckptfix.core import rollback, tensorcopy
 from ckptfix.errors import CkptfixError, LoadError
 from tests.page_cache import mapped_from
 
@@ -202,14 +202,18 @@ def _twins(how: str) -> dict[str, torch.Tensor]:
     return {**sd, "head.weight": head}
 
 
+@pytest.mark.parametrize("leased", [True, False], ids=["leased", "no-lease"])
 @pytest.mark.parametrize("fmt", ["pth", "safetensors"])
 @pytest.mark.parametrize("built", ["cpu", "meta"])
 @pytest.mark.parametrize("how", list(TWINS))
-def test_tied_names_the_file_holds_apart_load_only_with_equal_values(tmp_path: Path, how: str, built: str,
-                                                                     fmt: str) -> None:
+def test_tied_names_the_file_holds_apart_load_only_with_equal_values(tmp_path: Path, how: str, built: str, fmt: str,
+                                                                     leased: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The model ties emb.weight and head.weight; the file holds both names: as one storage, as two equal copies
     (loaded, still tied), or with different values — refused, naming both and the file, the model untouched (torch's
-    load_state_dict keeps the last silently; safetensors' load_model refuses)."""
+    load_state_dict keeps the last silently; safetensors' load_model refuses). Compared by recorded digests, in the
+    leased file's mapping, or (no lease) read from the file."""
+    if not leased:
+        monkeypatch.setattr(rollback, "SETLEASE", None)
     sd = _twins(how)
     path = tmp_path / f"twins.{fmt}"
     if fmt == "pth":

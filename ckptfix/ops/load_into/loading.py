@@ -259,8 +259,9 @@ def _recorded_crcs(ckpt: Any) -> dict[tuple[str, int, int], int]:
 
 def _same_twins(a: Any, b: Any, dtype: Any, sources: Sources, crcs: dict[tuple[str, int, int], int]) -> bool:
     """Two names the file stores apart hold the same values: the same bytes, each its whole storage — by the digests
-    the file records for both (a file ckptfix wrote: no read), else compared 16 MiB at a time from the file —, or
-    otherwise (a view, another dtype, a URL's) bit for bit once read and cast to the model's ``dtype``."""
+    the file records for both (a file ckptfix wrote: no read), else compared in the file's mapping where it is leased,
+    else 16 MiB at a time from the file —, or otherwise (a view, another dtype, a URL's) bit for bit once read and
+    cast to the model's ``dtype``."""
     runs = [sources.segments(t) for t in (a, b)]
     whole = [r is not None and len(r) == 1 and t.is_contiguous() and t.storage_offset() == 0
              and r[0][2] == t.numel() * t.element_size() for r, t in zip(runs, (a, b))]
@@ -268,6 +269,8 @@ def _same_twins(a: Any, b: Any, dtype: Any, sources: Sources, crcs: dict[tuple[s
         ra, rb = runs[0][0], runs[1][0]
         if ra in crcs and rb in crcs:
             return crcs[ra] == crcs[rb]
+        if locations.hold(ra[0]) and locations.hold(rb[0]):  # (leased: its mapping can't meet a truncation)
+            return ties.same_values(*(sources.view(t) for t in (a, b)))
         if not sources.reader.is_remote(ra[0]) and not sources.reader.is_remote(rb[0]):
             return _equal_runs(sources, ra, rb)
     return ties.same_values(*(sources.private(sources.view(t)).to(dtype) for t in (a, b)))  # (read, not mapped)
@@ -283,7 +286,7 @@ def _equal_runs(sources: Sources, a: tuple[str, int, int], b: tuple[str, int, in
         n = min(step, a[2] - pos)
         for buf, (path, offset, _size) in zip(bufs, (a, b)):
             sources.reader.read_into(path, offset + pos, byte_view(buf[:n]), count=False)
-        if not torch.equal(bufs[0][:n], bufs[1][:n]):
+        if not ties.equal_bytes(bufs[0][:n], bufs[1][:n]):
             return False
     return True
 

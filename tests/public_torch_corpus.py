@@ -18,22 +18,15 @@ import io
 import pickle
 import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-Make = Callable[[Path], Path]
-CASES: dict[str, Make] = {}
+from tests import corpus_table
 
-
-def case(name: str) -> Callable[[Make], Make]:
-    def register(make: Make) -> Make:
-        assert name not in CASES, name
-        CASES[name] = make
-        return make
-    return register
+Make = corpus_table.Make
+CASES, case = corpus_table.table()
 
 
 def _save(obj: Any, path: Path, **kwargs: Any) -> Path:
@@ -41,11 +34,7 @@ def _save(obj: Any, path: Path, **kwargs: Any) -> Path:
     return path
 
 
-@contextmanager
-def _seed(n: int = 0) -> Iterator[None]:
-    with torch.random.fork_rng():
-        torch.manual_seed(n)
-        yield
+_seed = corpus_table.seeded
 
 
 # -- SerializationMixin._test_serialization_data and what the mixin's tests do with it --------------------

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptfix
-from tests import observe_cases, public_safetensors_corpus, public_torch_corpus
+from tests import observe_cases, public_dcp_corpus, public_safetensors_corpus, public_torch_corpus
 from tests.describe_both import fixture_paths
 
 #: output name → how its plain loader reads it (a path → {key: value})
@@ -74,6 +74,9 @@ MADE.update({f"public-torch-{name}": make for name, make in public_torch_corpus.
 #: tests/public_safetensors_corpus.py: the files safetensors' own tests make that it (and ckptfix) reads, but the big ones
 MADE.update({f"public-safetensors-{name}": make for name, make in public_safetensors_corpus.CASES.items()
              if name not in public_safetensors_corpus.REFUSED | public_safetensors_corpus.BIG})
+#: tests/public_dcp_corpus.py: the DCP directories torch's own DCP tests write whose state dict is dense tensors ckptfix reads
+MADE.update({f"public-dcp-{name}": make for name, make in public_dcp_corpus.CASES.items()
+             if name in public_dcp_corpus.CONVERTS})
 
 
 @pytest.fixture(scope="module")

@@ -290,13 +290,14 @@ class Chunks:
         return t
 
     def value(self, fqn: str, plan: Any, trust: bool, tags: dict[int, str]) -> Any:
-        """A non-tensor entry (torch.save bytes) under the same safe policy as a torch file."""
+        """A non-tensor entry (torch.save bytes) under the same safe policy as a torch file's own pickle: a global outside
+        the allow-list an inert placeholder (never imported or called), refused inside the selected state dict."""
         info = self.record(fqn)
         if info.length > limits.current().max_pickle_bytes:
             raise limits.exceeded("max_pickle_bytes", f"entry {fqn!r}'s size", info.length, self.path)
         blob = io.BytesIO(self._blob(fqn, info).read())
         try:
-            return torch_load(blob, plan.torch_map_location(tags), trust=trust)
+            return torch_load(blob, plan.torch_map_location(tags), trust=trust, placeholders=True)
         except CkptfixError:
             raise
         except Exception as e:  # all become FormatError / UnsafeCheckpointError

@@ -69,8 +69,9 @@ def read_torch_record(path: str, data: bytes, base: int, where: str) -> tuple[An
         raise NeedsTorch(f"{where}: {e}") from None
     if findings:
         raise NeedsTorch(f"{where}: {findings[0].message}")
-    # a DCP record is read strictly, as the torch path reads it: no placeholders (only a file's own pickle has them)
-    return _describe_zip(_Archive(path, directory, data, base, loaded=True), f"{where}: data.pkl", placeholders=False)
+    # a DCP record's globals outside the allow-list: inert placeholders, as the torch path reads them (refused inside
+    # the selected state dict, kept beside it: a TrainState's BytesIO)
+    return _describe_zip(_Archive(path, directory, data, base, loaded=True), f"{where}: data.pkl", placeholders=True)
 
 
 def _describe_zip(archive: _Archive, where: str, placeholders: bool) -> tuple[Any, dict[int, str]]:

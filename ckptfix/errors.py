@@ -33,6 +33,9 @@ def trust_advice(what: str = "file") -> str:
 class CkptfixError(Exception):
     """Base class: a problem with a checkpoint, a request or the machine, explained for a person."""
 
+    #: the state dicts an ambiguous automatic choice was between (another rule, the model's keys, may choose)
+    candidates: tuple[str, ...] = ()
+
 
 class FormatError(CkptfixError, ValueError):
     """The file is not a checkpoint ckptfix can read, or it is malformed or truncated (also a ValueError)."""

@@ -189,7 +189,7 @@ def _ordered(tmp: Path) -> Path:
 
 # -- e2e/test_e2e_save_and_load.py ----------------------------------------------------------------------------
 
-class _DummyModel(nn.Module):
+class DummyModel(nn.Module):
     """e2e/test_e2e_save_and_load.py's TestDummyModel: four Linears."""
 
     def __init__(self) -> None:
@@ -223,7 +223,7 @@ def _e2e(tmp: Path) -> Path:
     """e2e/test_e2e_save_and_load.py _run_e2e_test (ModelType.NONE): a model and its Adam optimizer after two steps
     (the optimizer's state keyed by int), a Stateful's tensor, and the train state (0-dim tensors, a BytesIO)."""
     with _seed():
-        model = _DummyModel()
+        model = DummyModel()
         optim = torch.optim.Adam(model.parameters(), lr=0.1)
         losses = []
         for _ in range(2):
@@ -268,7 +268,7 @@ def _init_state_dict(tmp: Path) -> Path:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     with _seed():
-        model = _DummyModel()
+        model = DummyModel()
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     return save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optim)}, tmp / "ckpt")
 

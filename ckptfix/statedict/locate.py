@@ -99,10 +99,10 @@ def find_state_dict(obj: Any, select: str = "auto", source: str = "checkpoint") 
     if len(plain) == 1:
         key = plain[0]
     elif len(plain) > 1:
-        raise SelectError(
-            f"{source}: holds several state dicts ({', '.join(plain)}); choose one with --select KEY "
-            "(library: select='KEY')"
-        )
+        error = SelectError(f"{source}: holds several state dicts ({', '.join(plain)}); choose one with --select KEY "
+                            "(library: select='KEY')")
+        error.candidates = tuple(plain)
+        raise error
     elif ema:
         raise SelectError(
             f"{source}: holds only EMA weights ({', '.join(ema)}); take them explicitly with --select {ema[0]}"

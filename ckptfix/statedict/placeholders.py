@@ -54,7 +54,9 @@ def select(obj: Any, find: Callable[[Any], Any], allow: Iterable[str], source: s
             raise
         if any(n.startswith("torch.nn.modules.") for n in inert.names(around)) and os.path.isfile(source):
             ensure_safe(source, sniff(source))  # a whole pickled model: the scanner's short refusal names it
-        raise _refusal(source, inert.names(around), f"no state dict outside them ({e})") from None
+        refusal = _refusal(source, inert.names(around), f"no state dict outside them ({e})")
+        refusal.candidates = e.candidates  # (still a choice between them, by another rule)
+        raise refusal from None
     inside = [(where, name) for where, name in inert.find(sel.state_dict) if name not in allowed]
     if inside:
         where = f" (at {shown(repr(inside[0][0]))})" if inside[0][0] else ""

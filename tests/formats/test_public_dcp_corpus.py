@@ -278,3 +278,15 @@ def test_the_tables_say_what_happens(made: dict[str, Path]) -> None:
     assert risky == corpus.RISKY
     assert set(corpus.REFUSED) | corpus.HF | corpus.CONVERTS <= set(corpus.CASES)
     assert not corpus.CONVERTS & (corpus.RISKY | set(corpus.REFUSED) | corpus.HF)
+
+
+def test_a_train_state_beside_the_model_loads_the_model(made: dict[str, Path]) -> None:
+    """The e2e checkpoint (model, optimizer, a Stateful, a TrainState whose BytesIO is an inert placeholder): load_into
+    takes the state dict that fits the model, as DCP's own load fills it, the BytesIO never unpickled."""
+    path = made["e2e-model-optimizer-train-state"]
+    model = corpus.DummyModel()
+    report = ckptfix.load_into(model, path)
+    assert report.state_dict_key == "model" and any("inert _io.BytesIO" in n for n in report.notes), report.notes
+    want = {"model": corpus.DummyModel().state_dict()}
+    dcp.load(want, checkpoint_id=str(path), no_dist=True)
+    assert not [k for k, v in model.state_dict().items() if not same_bits(v, want["model"][k])]

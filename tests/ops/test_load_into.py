@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ckptfix
-from ckptfix.errors import LoadError
+from ckptfix.errors import LoadError, SelectError
 from ckptfix.statedict.wrappers import strip_wrappers
 from tests.compare import assert_close_to_recorded
 
@@ -289,3 +289,32 @@ def test_a_model_with_a_nested_tensor_is_refused_in_one_line(tmp_path: Path) -> 
         ckptfix.load_into(model, path)
     assert not model.w.any()
     assert [t.shape for t in ckptfix.load(path)["nt"].unbind()] == [(2, 3), (4, 3)]
+
+
+#: what the file holds beside the model's state dict → the key load_into takes (None: it asks, naming which fit)
+SEVERAL = {"model-and-head": ({"model": "fits", "head": "other", "step": 3}, "model"),
+           "ema-beside": ({"model": "fits", "model_ema": "fits", "opt": "other"}, "model"),
+           "two-that-fit": ({"model": "fits", "copy": "fits"}, None),
+           "none-fit": ({"a": "other", "b": "other"}, None)}
+
+
+@pytest.mark.parametrize("name", list(SEVERAL))
+def test_several_state_dicts_the_one_that_fits_the_model_is_loaded(name: str, tmp_path: Path) -> None:
+    """A file of several state dicts (select="auto"): load_into takes the one whose keys fit the model, saying so in
+    its notes; where none or several fit, the SelectError says which did. Nothing is loaded then."""
+    layout, want = SEVERAL[name]
+    src = nn.Linear(3, 2)
+    entries = {"fits": src.state_dict(), "other": nn.Linear(5, 1).state_dict()}
+    torch.save({k: entries.get(v, v) if isinstance(v, str) else v for k, v in layout.items()}, tmp_path / "several.pth")
+    model = nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    if want is not None:
+        report = ckptfix.load_into(model, tmp_path / "several.pth")
+        assert report.state_dict_key == want and any(f"loaded {want!r}, the one whose keys fit the model" in n
+                                                     for n in report.notes), report.notes
+        assert all(torch.equal(v, src.state_dict()[k]) for k, v in model.state_dict().items())
+        return
+    with pytest.raises(SelectError, match="holds several state dicts") as info:
+        ckptfix.load_into(model, tmp_path / "several.pth")
+    assert ("the model's keys fit 'model' and 'copy'" if name == "two-that-fit" else "fit none of them") in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...core import locations, tensorcopy
@@ -132,14 +132,42 @@ def _read_fitted(path: str, o: LoadOptions, target: repair.Target, reader: Posit
         sources = Sources(ckpt.refs, reader)
         return (chosen, fit) if all(sources.has_bytes(t) for t in _tensors(fit.state_dict)) else None
 
-    ckpt, found = structure_first(path, o.select, placed,
-                                  lambda: read_checkpoint(path, "cpu", o.trust, o.select, refuse=True), trust=o.trust)
+    try:
+        ckpt, found = structure_first(path, o.select, placed,
+                                      lambda: read_checkpoint(path, "cpu", o.trust, o.select, refuse=True), trust=o.trust)
+    except CkptfixError as e:
+        if o.select not in ("auto", None) or len(e.candidates) < 2:
+            raise
+        key = _the_one_that_fits(path, o, target, e)
+        ckpt, chosen, fit, sources = _read_fitted(path, replace(o, select=key), target, reader, model_state)
+        ckpt.notes.append(f"{ckpt.path} holds several state dicts ({', '.join(e.candidates)}): loaded {key!r}, the one "
+                          f"whose keys fit the model (select={key!r} says so)")
+        return ckpt, chosen, fit, sources
     if plain:
         ckpt = dequant.dequantized(ckpt, plain)
     chosen, fit = found or _fit(ckpt, target, o.strict)
     sources = Sources(ckpt.refs if found else {}, reader)
     sources.check_bounds()
     return ckpt, chosen, fit, sources
+
+
+def _the_one_that_fits(path: str, o: LoadOptions, target: repair.Target, ambiguous: CkptfixError) -> str:
+    """The one of the state dicts ``ambiguous`` names whose keys fit the model (read on meta, repaired as a load
+    repairs them: nothing missing, unexpected or mis-shaped); else ``ambiguous`` again, saying which fit."""
+    fits = []
+    for key in ambiguous.candidates:
+        try:
+            ckpt = read_checkpoint(path, "meta", o.trust, key, refuse=True)
+            _chosen, fit = repair.fit_to_model(ckpt.state_dict, target, source=ckpt.path)
+        except CkptfixError:
+            continue
+        if not (fit.shape_mismatch or fit.non_tensor or fit.missing or fit.unexpected):
+            fits.append(key)
+    if len(fits) == 1:
+        return fits[0]
+    said = f"the model's keys fit {' and '.join(map(repr, fits))}" if fits else "the model's keys fit none of them"
+    ambiguous.args = (f"{ambiguous} ({said})", *ambiguous.args[1:])  # (the same error, its type and fields kept)
+    raise ambiguous
 
 
 def _fit(ckpt: Any, target: repair.Target, strict: bool) -> tuple[repair.Repair, repair.Fit]:

@@ -295,9 +295,10 @@ class Chunks:
         info = self.record(fqn)
         if info.length > limits.current().max_pickle_bytes:
             raise limits.exceeded("max_pickle_bytes", f"entry {fqn!r}'s size", info.length, self.path)
-        blob = io.BytesIO(self._blob(fqn, info).read())
-        try:
-            return torch_load(blob, plan.torch_map_location(tags), trust=trust, placeholders=True)
+        data = self._blob(fqn, info).read()
+        try:  # (placeholders in what DCP writes, a torch.save zip; anything else read strictly)
+            return torch_load(io.BytesIO(data), plan.torch_map_location(tags), trust=trust,
+                              placeholders=data[:4] == b"PK\x03\x04")
         except CkptfixError:
             raise
         except Exception as e:  # all become FormatError / UnsafeCheckpointError

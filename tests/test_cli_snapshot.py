@@ -26,6 +26,8 @@ def snapshot() -> Any:
     ('  "seconds": 0.137,\n  "peak_rss": 812335104,', '  "seconds": <SECONDS>,\n  "peak_rss": <PEAK_RSS>,'),
     ('"seconds": 1.5e-05', '"seconds": <SECONDS>'),
     ("Error: http://127.0.0.1:40123/x.pth: no such file", "Error: http://127.0.0.1:<PORT:http>/x.pth: no such file"),
+    ("ckptfix verify: observe (1.5 s)\nckptfix verify: load (0.0 s)",
+     "ckptfix verify: observe (<SECONDS> s)\nckptfix verify: load (<SECONDS> s)"),
 ])
 def test_mask_replaces_what_varies(snapshot: Any, text: str, want: str) -> None:
     literals = {"/tmp/ckptfix-snapshot-k2j4": "<TMP>", "127.0.0.1:40123": "127.0.0.1:<PORT:http>"}

@@ -49,12 +49,14 @@ _TEMP_SUFFIX = re.compile(rb"(ckptfix-tmp-)[a-z0-9_]{8}")  # tempfile's random p
 
 #: numbers that differ between two runs of the same code, by the JSON key that holds them
 _VARYING = ((re.compile(r'("seconds": )-?\d+(?:\.\d+)?(?:[eE]-?\d+)?'), r"\1<SECONDS>"),
-            (re.compile(r'("peak_rss": )\d+'), r"\1<PEAK_RSS>"))
+            (re.compile(r'("peak_rss": )\d+'), r"\1<PEAK_RSS>"),
+            (re.compile(r"^(ckptfix \w+: [\w -]+ \()\d+\.\d s\)$", re.M), r"\1<SECONDS> s)"))  # a phase's line
 
 
 def mask(text: str, literals: Mapping[str, str] | None = None) -> str:
     """``text`` with each literal (the temp dir, a server's address) replaced by its placeholder, longest first,
-    and the numbers that vary run to run (``"seconds"``, ``"peak_rss"``) by names; everything else as it was."""
+    and the numbers that vary run to run (``"seconds"``, ``"peak_rss"``, a phase line's seconds) by names; everything
+    else as it was."""
     for literal, placeholder in sorted((literals or {}).items(), key=lambda kv: -len(kv[0])):
         text = text.replace(literal, placeholder)
     for pattern, placeholder in _VARYING:

@@ -21,6 +21,7 @@ from .format_registry import SHARDED_PTH, SHARDED_SAFETENSORS
 from .legacy_tar import opens_as_tar, tar_block, tar_has_storages
 from .disguise import pickle_prefix
 from .pickle_walk import walk
+from .safetensors_header import MAX_HEADER_BYTES
 from .zipdir import RangeFile, zip_directory
 
 #: the first bytes of every zip (a local file header): torch.load reads any file starting with them as a zip
@@ -94,6 +95,9 @@ def safetensors(h: Head) -> bool:
     n = struct.unpack("<Q", h.head[:8])[0] if len(h.head) >= 8 else 0
     if body[:1] != b"{" and (body or len(h.head) <= 8 or n <= len(h.head) - 8):  # (or whitespace past the head)
         return False
+    if n > MAX_HEADER_BYTES:  # (safetensors' own refusal: HeaderTooLarge)
+        raise FormatError(f"{h.path}: looks like safetensors but its header length ({n} bytes) is over safetensors' "
+                          f"limit ({MAX_HEADER_BYTES} bytes): corrupt, or not a safetensors file")
     if n == 0 or n + 8 > h.size:
         raise FormatError(
             f"{h.path}: looks like safetensors but its header length ({n} bytes) runs past the "

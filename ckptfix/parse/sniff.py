@@ -15,6 +15,7 @@ from typing import Any
 from ..core import locations
 from ..errors import FormatError, MissingFileError, NeedsLocalCopy, RemoteError
 from . import format_registry as registry, recognise
+from .safetensors_header import MAX_HEADER_BYTES
 from .checkpoint_dirs import SINGLE_NAMES, single_weights
 from .disguise import compression
 from .legacy_tar import opens_as_tar
@@ -110,6 +111,11 @@ def _not_a_checkpoint(h: Head) -> FormatError:
         )
     if head[:1] == b"\x80":
         return FormatError(f"{path}: is a plain pickle, not a torch checkpoint (no torch magic number)")
+    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else None
+    if n is not None and 0 < n <= MAX_HEADER_BYTES:  # (a small length first: what a safetensors file starts with)
+        after = "the file ends there" if h.size <= 8 else f"what follows is not a JSON header (starts with {head[8:16]!r})"
+        return FormatError(f"{path}: unknown format: its first 8 bytes read as a safetensors header length ({n} bytes), "
+                           f"but {after}: a damaged safetensors file? (not a torch zip or torch legacy file either)")
     return FormatError(
         f"{path}: unknown format (starts with {head[:8]!r}): not a torch zip, torch legacy "
         "or safetensors file"

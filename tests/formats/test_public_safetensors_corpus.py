@@ -13,6 +13,7 @@ The torch-free reader is compared with the library on the same corpus in tests/f
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,17 @@ def test_load_into_loads_what_load_model_loads(name: str, made: dict[str, Path])
     ties = {k: id(v) for k, v in ours.named_parameters(remove_duplicate=False)}
     ref_ties = {k: id(v) for k, v in theirs.named_parameters(remove_duplicate=False)}
     assert [ties[a] == ties[b] for a in ties for b in ties] == [ref_ties[a] == ref_ties[b] for a in ties for b in ties]
+
+
+#: safetensors' malformed files whose refusal names what is wrong with the header (HeaderTooLarge, and the two
+#: files no recogniser claims: an 8-byte length and nothing, a length then a byte that is not JSON)
+SAYS = {"rust-test_invalid_header_length": "read as a safetensors header length (60 bytes), but the file ends there",
+        "rust-test_invalid_header_non_utf8": "read as a safetensors header length (1 bytes), but what follows is not a JSON",
+        "rust-test_header_too_large": "its header length (18446742974197923900 bytes) is over safetensors' limit"}
+
+
+@pytest.mark.parametrize("name", list(SAYS))
+def test_a_damaged_header_is_named_as_one(name: str, made: dict[str, Path]) -> None:
+    with pytest.raises(CkptfixError, match=re.escape(SAYS[name])) as info:
+        ckptfix.describe(made[name])
+    assert str(info.value).startswith(f"{made[name]}: ") and "\n" not in str(info.value)
